@@ -1,6 +1,7 @@
 """Event simulation of a lowered schedule with per-op costs.
 
-Timing model (one pass over the lowered programs, linear in their length):
+Timing model (:mod:`megatron_pp_ext.schedules.timing`, one pass over the lowered programs, linear
+in their length):
 
 * every rank starts at time 0 and runs its program in order;
 * a :class:`Compute` starts when its rank is free and lasts ``t_f``, ``t_b``, ``t_w`` or
@@ -29,9 +30,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
+
+from ..schedules.gc_pause import cyclic_gc_paused
 from ..schedules.ir import Op, OpKind
-from ..schedules.lowering import GRAD, Compute, LoweredSchedule
+from ..schedules.lowering import LoweredSchedule
+from ..schedules.op_arrays import KIND_B, KIND_BW, KIND_F, KIND_W, op_arrays
 from ..schedules.schedule import Schedule
+from ..schedules.timing import op_start_times
 from .validate import DeadlockError, validate
 
 __all__ = ["DEFAULT_W_RETAINED_FRACTION", "Costs", "SimResult", "simulate"]
@@ -233,13 +239,30 @@ def simulate(
         lowered = validate(schedule)
     elif lowered.schedule is not schedule and lowered.schedule != schedule:
         raise ValueError("lowered was made from a different schedule")
+    with cyclic_gc_paused():
+        return _simulate(schedule, costs, lowered, activation_bytes, w_retained_fraction, message_bytes, comm)
+
+
+def _simulate(
+    schedule: Schedule,
+    costs: Costs,
+    lowered: LoweredSchedule,
+    activation_bytes: PerStage | None,
+    w_retained_fraction: float,
+    message_bytes: PerStage | None,
+    comm: str,
+) -> SimResult:
     num_stages = schedule.num_stages
     durations = _Durations(costs, num_stages)
-    starts, last_end = _run(lowered, durations, float(costs.t_comm), blocking=comm == "blocking")
+    per_op = _op_durations(schedule, durations)
+    try:
+        starts, last_end = op_start_times(lowered, per_op, float(costs.t_comm), blocking=comm == "blocking")
+    except RuntimeError as exc:  # validate() rules this out
+        raise DeadlockError(str(exc)) from None
     p = schedule.num_ranks
     span = [end - row[0] if row else 0.0 for row, end in zip(starts, last_end, strict=True)]
     makespan = max(last_end, default=0.0)
-    peak, busy = _memory_and_busy(schedule, [1.0] * num_stages, w_retained_fraction, durations)
+    peak, busy = _memory_and_busy(schedule, [1.0] * num_stages, w_retained_fraction, per_op)
     c_max = max(span, default=0.0)
     w_max = max(busy, default=0.0)
     per_rank_stages = schedule.placement.stages_per_rank_per_replica
@@ -247,10 +270,17 @@ def simulate(
     if activation_bytes is not None:
         sizes = _expand("activation_bytes", activation_bytes, num_stages)
         peak_bytes = _memory_and_busy(schedule, sizes, w_retained_fraction, None)[0]
-    volume: float = float(len(lowered.messages))
+    plan = lowered.plan
+    if plan is not None:
+        messages, handoffs = plan.num_messages, len(plan.handoffs[0])
+        boundaries = map(min, plan.src_stage, plan.dst_stage)  # the stage boundary each message crosses
+    else:  # hand-made
+        messages, handoffs = len(lowered.messages), len(lowered.local_handoffs)
+        boundaries = (min(msg.src_stage, msg.dst_stage) for msg in lowered.messages)
+    volume: float = float(messages)
     if message_bytes is not None:
         sizes = _expand("message_bytes", message_bytes, num_stages)
-        volume = sum(sizes[min(msg.src_stage, msg.dst_stage)] for msg in lowered.messages)
+        volume = sum(map(sizes.__getitem__, boundaries))
     return SimResult(
         schedule=schedule.name,
         p=p,
@@ -267,9 +297,9 @@ def simulate(
         peak_activations=peak,
         peak_activations_1f1b_units=[x / per_rank_stages for x in peak],
         peak_activation_bytes=peak_bytes,
-        p2p_messages=len(lowered.messages),
+        p2p_messages=messages,
         p2p_volume=volume,
-        local_handoffs=len(lowered.local_handoffs),
+        local_handoffs=handoffs,
         costs=costs,
         starts=starts,
         ops=schedule.ops,
@@ -299,134 +329,32 @@ class _Durations:
 COMM_MODELS = ("async", "blocking")
 
 
-def _run(
-    lowered: LoweredSchedule, durations: _Durations, t_comm: float, blocking: bool = False
-) -> tuple[list[list[float]], list[float]]:
-    """Start of every op (per rank, in program order) and the end of each rank's last op."""
-    schedule = lowered.schedule
-    p, m = schedule.num_ranks, schedule.num_microbatches
-    t_f, t_b, t_w, t_bw = durations.f, durations.b, durations.w, durations.bw
-    kind_f, kind_b, kind_bw = OpKind.F, OpKind.B, OpKind.BW
-    programs = lowered.programs
-    # Arrival time per message id: -1 = not sent yet, -2 = not sent yet and its receiver waits for it.
-    arrival = [-1.0] * (2 * schedule.num_stages * m)
-    starts: list[list[float]] = [[] for _ in range(p)]
-    clock = [0.0] * p
-    pc = [0] * p
-    outstanding = [0] * p  # receives a blocked rank still waits for
-    ready_at = [0.0] * p  # latest arrival among the receives of a blocked rank's exchange
-    blocked = bytearray(p)  # 1: waiting in an exchange (blocking model), 2: a compute waiting for its input
-    posted = bytearray(2 * schedule.num_stages * m)  # receives posted by an exchange (async model)
-    stack = list(range(p - 1, -1, -1))
-    while stack:
-        rank = stack.pop()
-        program = programs[rank]
-        n = len(program)
-        k, t = pc[rank], clock[rank]
-        if blocked[rank]:  # resumed: every receive it waited for has arrived
-            if ready_at[rank] > t:
-                t = ready_at[rank]
-            if blocked[rank] == 1:  # blocked in an exchange: it is done; a compute still has to run
-                k += 1
-            blocked[rank] = 0
-        add_start = starts[rank].append
-        while k < n:
-            ins = program[k]
-            if type(ins) is Compute:
-                op = ins.op
-                kind = op.kind
-                if not blocking:  # wait for this op's own input, if it comes from another rank
-                    mid = ((op.stage * m + op.microbatch) << 1) | (kind is not kind_f)
-                    if posted[mid]:
-                        at = arrival[mid]
-                        if at < 0:
-                            arrival[mid] = -2.0
-                            outstanding[rank], ready_at[rank] = 1, t
-                            blocked[rank] = 2
-                            break
-                        if at > t:
-                            t = at
-                add_start(t)
-                if kind is kind_f:
-                    t += t_f[op.stage]
-                elif kind is kind_bw:
-                    t += t_bw[op.stage]
-                elif kind is kind_b:
-                    t += t_b[op.stage]
-                else:
-                    t += t_w[op.stage]
-                k += 1
-                continue
-            sent = t + t_comm
-            for msg in ins.sends:
-                mid = ((msg.dst_stage * m + msg.microbatch) << 1) | (msg.kind == GRAD)
-                if arrival[mid] == -2.0:
-                    peer = msg.dst_rank
-                    if sent > ready_at[peer]:
-                        ready_at[peer] = sent
-                    outstanding[peer] -= 1
-                    if not outstanding[peer]:
-                        stack.append(peer)
-                arrival[mid] = sent
-            if not blocking:
-                for msg in ins.recvs:
-                    posted[((msg.dst_stage * m + msg.microbatch) << 1) | (msg.kind == GRAD)] = 1
-                k += 1
-                continue
-            ready, waits = t, 0
-            for msg in ins.recvs:
-                mid = ((msg.dst_stage * m + msg.microbatch) << 1) | (msg.kind == GRAD)
-                at = arrival[mid]
-                if at < 0:
-                    arrival[mid] = -2.0
-                    waits += 1
-                elif at > ready:
-                    ready = at
-            if waits:
-                outstanding[rank], ready_at[rank] = waits, ready
-                blocked[rank] = 1
-                break
-            t = ready
-            k += 1
-        pc[rank], clock[rank] = k, t
-    stuck = [r for r in range(p) if pc[r] < len(programs[r])]
-    if stuck:  # validate() rules this out; a hand-made lowering may still do it
-        raise DeadlockError(f"simulation stuck: ranks {stuck} wait for messages that are never sent")
-    last_end = [
-        row_starts[-1] + durations.of(row[-1]) if row else 0.0
-        for row_starts, row in zip(starts, schedule.ops, strict=True)
-    ]
-    return starts, last_end
+def _op_durations(schedule: Schedule, durations: _Durations) -> list[list[float]]:
+    """Duration of every op, per rank in rank order."""
+    arrays = op_arrays(schedule)
+    num_stages = schedule.num_stages
+    table = np.zeros(4 * num_stages)
+    for code, values in ((KIND_F, durations.f), (KIND_B, durations.b), (KIND_W, durations.w), (KIND_BW, durations.bw)):
+        table[code * num_stages : (code + 1) * num_stages] = values
+    flat = table[arrays.kind.astype(np.int64) * num_stages + arrays.stage]
+    return [flat[arrays.slice(rank)].tolist() for rank in range(schedule.num_ranks)]
 
 
 def _memory_and_busy(
-    schedule: Schedule, size: list[float], retained: float, durations: _Durations | None
+    schedule: Schedule, size: list[float], retained: float, op_durations: list[list[float]] | None
 ) -> tuple[list[float], list[float]]:
-    """Peak live activation per rank (``size`` per stage) and, given durations, busy time per rank."""
-    kind_f, kind_b, kind_bw = OpKind.F, OpKind.B, OpKind.BW
-    freed_by_b = 1.0 - retained
-    t_f, t_b, t_w, t_bw = (
-        (durations.f, durations.b, durations.w, durations.bw) if durations else ([0.0] * len(size),) * 4
-    )
+    """Peak live activation per rank (``size`` per stage) and, given op durations, busy time per rank."""
+    arrays = op_arrays(schedule)
+    sizes = np.asarray(size, dtype=float)[arrays.stage]
+    kind = arrays.kind
+    # F adds its stage's activation, B frees (1 - retained) of it, W the rest, BW all of it.
+    share = np.select([kind == KIND_F, kind == KIND_B, kind == KIND_W], [1.0, -(1.0 - retained), -retained], -1.0)
+    delta = share * sizes
     peaks, busy = [], []
-    for row in schedule.ops:
-        live = peak = work = 0.0
-        for op in row:
-            kind, stage = op.kind, op.stage
-            if kind is kind_f:
-                work += t_f[stage]
-                live += size[stage]
-                if live > peak:
-                    peak = live
-            elif kind is kind_bw:
-                work += t_bw[stage]
-                live -= size[stage]
-            elif kind is kind_b:
-                work += t_b[stage]
-                live -= freed_by_b * size[stage]
-            else:
-                work += t_w[stage]
-                live -= retained * size[stage]
-        peaks.append(peak)
-        busy.append(work)
+    for rank in range(schedule.num_ranks):
+        part = delta[arrays.slice(rank)]
+        live = np.cumsum(part)  # running sum in op order, as a rank runs them
+        peaks.append(max(0.0, float(live.max())) if len(live) else 0.0)
+        if op_durations is not None:
+            busy.append(float(np.cumsum(op_durations[rank])[-1]) if op_durations[rank] else 0.0)
     return peaks, busy

@@ -22,8 +22,11 @@ from collections.abc import Sequence
 from itertools import compress
 from operator import le
 
+import numpy as np
+
 from ..schedules.ir import Op, OpKind, ScheduleError
 from ..schedules.lowering import GRAD, Compute, Exchange, LoweredSchedule, Message, lower
+from ..schedules.op_arrays import KIND_BW, KIND_F, KIND_W, op_arrays
 from ..schedules.schedule import Schedule
 
 __all__ = [
@@ -92,6 +95,55 @@ class OpPositions:
 # ---- 1 + 2: placement and completeness -------------------------------------------------------
 def check_ops(schedule: Schedule) -> OpPositions:
     """Placement, micro-batch range and completeness checks; returns the op position index."""
+    pos = _positions_if_well_placed(schedule)
+    if pos is None:  # something is off: find and report it op by op
+        pos = _check_ops_one_by_one(schedule)
+    _check_complete(schedule, pos)
+    return pos
+
+
+def _positions_if_well_placed(schedule: Schedule) -> OpPositions | None:
+    """The position index, computed on whole arrays, or None if any op is misplaced or duplicated."""
+    try:
+        arrays = op_arrays(schedule)
+    except (ScheduleError, TypeError, ValueError, OverflowError):
+        return None
+    placement = schedule.placement
+    num_stages, m = placement.num_stages, schedule.num_microbatches
+    kind, stage, mb = arrays.kind, arrays.stage, arrays.microbatch
+    if arrays.total and not (
+        0 <= int(stage.min()) and int(stage.max()) < num_stages and 0 <= int(mb.min()) and int(mb.max()) < m
+    ):
+        return None
+    stage_rank = np.asarray([loc[0] for loc in placement.locations], dtype=np.int64)
+    if not np.array_equal(stage_rank[stage], arrays.rank):
+        return None
+    if placement.num_replicas > 1 or schedule.microbatch_replicas:
+        if any(not 0 <= rep < placement.num_replicas for rep in schedule.microbatch_replicas):
+            return None
+        stage_replica = np.asarray([placement.replica_of(s) for s in range(num_stages)], dtype=np.int64)
+        mb_replica = np.asarray([schedule.replica_of_microbatch(b) for b in range(m)], dtype=np.int64)
+        if not np.array_equal(stage_replica[stage], mb_replica[mb]):
+            return None
+    cells = num_stages * m
+    cell = stage * m + mb
+    pos = OpPositions(cells, m)
+    is_f, is_w = kind == KIND_F, kind == KIND_W
+    is_back = ~(is_f | is_w)
+    for selected, target, empty in ((is_f, "f", -2), (is_back, "b", -1), (is_w, "w", _INF)):
+        where = cell[selected]
+        if len(where) and int(np.bincount(where, minlength=cells).max()) > 1:
+            return None  # a duplicate
+        column = np.full(cells, empty, dtype=np.int64)
+        column[where] = arrays.index[selected]
+        setattr(pos, target, column.tolist())
+    bw = np.zeros(cells, dtype=np.uint8)
+    bw[cell[kind == KIND_BW]] = 1
+    pos.bw = bytearray(bw.tobytes())
+    return pos
+
+
+def _check_ops_one_by_one(schedule: Schedule) -> OpPositions:
     placement = schedule.placement
     num_stages = placement.num_stages
     m = schedule.num_microbatches
@@ -141,7 +193,6 @@ def check_ops(schedule: Schedule) -> OpPositions:
                     bw[cell] = 1
     if duplicate is not None:
         _raise_duplicate(schedule, *duplicate)
-    _check_complete(schedule, pos)
     return pos
 
 
@@ -293,6 +344,12 @@ def check_lowered(lowered: LoweredSchedule) -> None:
     a send once the receiving rank has reached (is at or past) the exchange holding the
     receive, a receive once the sending rank has reached the exchange holding the send.
     """
+    if lowered.plan is not None:
+        # Made by lower(): its channels are FIFO by construction and its repair pass ran the
+        # program under exactly these semantics; a program that still deadlocks (a cycle in the
+        # data dependencies) is re-run below over its instructions for the report.
+        if lowered.plan.stuck_at is None:
+            return
     schedule = lowered.schedule
     p = schedule.num_ranks
     m = schedule.num_microbatches

@@ -20,15 +20,26 @@ when its consumer runs out of order; with NCCL, which ignores tags, this is what
 keeps same-shaped activations and gradients between the same two peers from
 being swapped (the PP=2 trap). Each message also carries its sequence number on
 the channel, usable as a tag on backends that honour tags (gloo).
+
+Where a receive just before its consumer would close a wait-for cycle under
+rendezvous semantics, it moves earlier (:mod:`.rendezvous`). The decisions are kept
+as integer arrays (:class:`CommPlan`); the per-rank programs of :class:`Compute` and
+:class:`Exchange` instructions are built from them when first read.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
+from functools import cached_property
+from itertools import accumulate
 from typing import NamedTuple, Union
 
-from .ir import Op, OpKind, ScheduleError
+import numpy as np
+
+from .gc_pause import cyclic_gc_paused
+from .ir import Op, ScheduleError
+from .op_arrays import KIND_B, KIND_BW, KIND_F, op_arrays
+from .rendezvous import events_by_rank, run_rendezvous
 from .schedule import Schedule
 
 ACT = "act"
@@ -80,18 +91,209 @@ class Exchange(NamedTuple):
 Instruction = Union[Compute, Exchange]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
+class CommPlan:
+    """What the lowering decided, as parallel integer lists indexed by message id.
+
+    Message ids follow channel order (sender rank, receiver rank, then position on the channel).
+    ``send_gap`` / ``recv_gap``: where the message is sent / received on its rank (gap ``i`` is
+    just before op ``i``; a send sits right after its producer, a receive before its consumer or
+    earlier). ``consumer``: index of the op that consumes it on the receiving rank.
+    ``stuck_at``: ``None`` when the program runs to the end under rendezvous semantics, else the
+    gap every rank reached (see :mod:`.rendezvous`).
+    """
+
+    offsets: tuple[int, ...]  # global id of each rank's first op (see OpArrays)
+    kind_grad: list[int]  # 1 for GRAD, 0 for ACT
+    src_stage: list[int]
+    dst_stage: list[int]
+    microbatch: list[int]
+    src_rank: list[int]
+    dst_rank: list[int]
+    seq: list[int]
+    send_gap: list[int]
+    recv_gap: list[int]
+    consumer: list[int]
+    handoffs: tuple[list[int], list[int], list[int], list[int], list[int]]  # kind_grad, src/dst stage, mb, rank
+    stuck_at: tuple[int, ...] | None
+
+    @property
+    def num_messages(self) -> int:
+        return len(self.kind_grad)
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.offsets) - 1
+
+    def _per_rank(self, fill: object) -> list[list[object]]:
+        return [[fill] * (self.offsets[r + 1] - self.offsets[r]) for r in range(self.num_ranks)]
+
+    def _per_op(self, ranks: list[int], indices: list[int]) -> list[list[int]]:
+        """Per rank, per op: the id of the message at op ``indices[mid]`` of rank ``ranks[mid]``
+        (none where the index is negative), else -1."""
+        flat = np.full(self.offsets[-1], -1, dtype=np.int64)
+        where = np.asarray(indices, dtype=np.int64)
+        keep = where >= 0
+        flat[np.asarray(self.offsets, dtype=np.int64)[np.asarray(ranks, dtype=np.int64)[keep]] + where[keep]] = (
+            np.arange(self.num_messages)[keep]
+        )
+        return [flat[self.offsets[r] : self.offsets[r + 1]].tolist() for r in range(self.num_ranks)]
+
+    @cached_property
+    def sends_after_ops(self) -> list[list[int]]:
+        """Per rank, per op: the message sent right after it, or -1 (an op produces at most one)."""
+        return self._per_op(self.src_rank, [gap - 1 for gap in self.send_gap])
+
+    @cached_property
+    def inputs_of_ops(self) -> list[list[int]]:
+        """Per rank, per op: the message that brings its input from another rank, or -1."""
+        return self._per_op(self.dst_rank, self.consumer)
+
+    @cached_property
+    def receive_groups(self) -> list[list[tuple[int, ...] | None]]:
+        """Per rank, per op: the messages received in the batch just before it (by sender, then
+        channel order), or None."""
+        groups: list[dict[int, list[int]]] = [{} for _ in range(self.num_ranks)]
+        for mid, (rank, gap) in enumerate(zip(self.dst_rank, self.recv_gap, strict=True)):
+            if gap >= 0:
+                groups[rank].setdefault(gap, []).append(mid)
+        rows = self._per_rank(None)
+        for rank, by_gap in enumerate(groups):
+            for gap, mids in by_gap.items():
+                rows[rank][gap] = tuple(mids)
+        return rows  # type: ignore[return-value]
+
+    @classmethod
+    def from_programs(cls, schedule: Schedule, programs: tuple[tuple[Instruction, ...], ...]) -> CommPlan:
+        """The plan a hand-made lowering amounts to, for timing it (not checked: ``stuck_at`` is
+        None; :func:`~megatron_pp_ext.analysis.validate.check_lowered` checks such programs). At
+        most one send per op is kept; a consumer waits for its input only when the receive is
+        posted before it."""
+        ids: dict[tuple[str, int, int], int] = {}
+        fields: list[list[int]] = []  # per id: grad, src/dst stage, mb, src/dst rank, seq, send/recv gap
+        for program in programs:
+            gap = 0
+            for ins in program:
+                if isinstance(ins, Compute):
+                    gap += 1
+                    continue
+                for msg, column in [(msg, 7) for msg in ins.sends] + [(msg, 8) for msg in ins.recvs]:
+                    mid = ids.setdefault(msg.key, len(ids))
+                    if mid == len(fields):
+                        fields.append([int(msg.kind == GRAD), msg.src_stage, msg.dst_stage, msg.microbatch])
+                        fields[mid] += [msg.src_rank, msg.dst_rank, msg.seq, -1, -1]
+                    fields[mid][column] = gap
+        consumer_at = [
+            {(op.kind != "F", op.stage, op.microbatch): i for i, op in enumerate(row) if op.kind != "W"}
+            for row in schedule.ops
+        ]
+        consumer = []
+        for grad, _, dst_stage, mb, _, dst_rank, _, _, recv_gap in fields:
+            at = consumer_at[dst_rank].get((bool(grad), dst_stage, mb), -1) if 0 <= dst_rank < len(programs) else -1
+            consumer.append(at if recv_gap >= 0 and at >= recv_gap else -1)
+        columns = [list(column) for column in zip(*fields, strict=True)] if fields else [[] for _ in range(9)]
+        lengths = [sum(1 for ins in program if isinstance(ins, Compute)) for program in programs]
+        offsets = (0, *accumulate(lengths))
+        return cls(offsets, *columns, consumer, ([], [], [], [], []), None)
+
+    def message(self, mid: int) -> Message:
+        return Message(
+            GRAD if self.kind_grad[mid] else ACT,
+            self.src_stage[mid],
+            self.dst_stage[mid],
+            self.microbatch[mid],
+            self.src_rank[mid],
+            self.dst_rank[mid],
+            self.seq[mid],
+        )
+
+
 class LoweredSchedule:
-    schedule: Schedule
-    programs: tuple[tuple[Instruction, ...], ...]  # per rank
-    messages: tuple[Message, ...]  # cross-rank messages, in channel order
-    local_handoffs: tuple[Message, ...]
+    """A schedule with its communication: per rank a program of :class:`Compute` and
+    :class:`Exchange` instructions.
+
+    Made by :func:`lower` (from a :class:`CommPlan`; programs and message objects are built when
+    first read) or by hand from ``programs``, ``messages`` and ``local_handoffs`` (tests,
+    experiments: :func:`~megatron_pp_ext.analysis.validate.check_lowered` checks those).
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        programs: tuple[tuple[Instruction, ...], ...] | None = None,
+        messages: tuple[Message, ...] | None = None,
+        local_handoffs: tuple[Message, ...] | None = None,
+        *,
+        plan: CommPlan | None = None,
+    ) -> None:
+        if plan is None and (programs is None or messages is None or local_handoffs is None):
+            raise TypeError("LoweredSchedule needs a plan, or programs, messages and local_handoffs")
+        self.schedule = schedule
+        self.plan = plan  # None for a hand-made lowering
+        self._built: dict[int, tuple[Instruction, ...]] = {}
+        if programs is not None:
+            self.__dict__["programs"] = tuple(tuple(program) for program in programs)
+        if messages is not None:
+            self.__dict__["messages"] = tuple(messages)
+        if local_handoffs is not None:
+            self.__dict__["local_handoffs"] = tuple(local_handoffs)
+
+    @cached_property
+    def timing_plan(self) -> CommPlan:
+        """:attr:`plan`, or for a hand-made lowering the plan its programs amount to."""
+        return self.plan if self.plan is not None else CommPlan.from_programs(self.schedule, self.programs)
+
+    @cached_property
+    def programs(self) -> tuple[tuple[Instruction, ...], ...]:  # per rank
+        return tuple(self.program(rank) for rank in range(self.schedule.num_ranks))
+
+    @cached_property
+    def messages(self) -> tuple[Message, ...]:
+        """Cross-rank messages, in channel order."""
+        assert self.plan is not None
+        return tuple(map(self.plan.message, range(self.plan.num_messages)))
+
+    @cached_property
+    def local_handoffs(self) -> tuple[Message, ...]:
+        assert self.plan is not None
+        kinds, src_stages, dst_stages, microbatches, ranks = self.plan.handoffs
+        return tuple(
+            Message(GRAD if g else ACT, s, d, mb, r, r)
+            for g, s, d, mb, r in zip(kinds, src_stages, dst_stages, microbatches, ranks, strict=True)
+        )
 
     def program(self, rank: int) -> tuple[Instruction, ...]:
-        return self.programs[rank]
+        if "programs" in self.__dict__:
+            return self.__dict__["programs"][rank]
+        built = self._built.get(rank)
+        if built is None:
+            built = self._built[rank] = self._build_program(rank)
+        return built
+
+    def _build_program(self, rank: int) -> tuple[Instruction, ...]:
+        plan = self.plan
+        assert plan is not None
+        messages = self.messages
+        row = self.schedule.ops[rank]
+        sends, recvs = plan.sends_after_ops[rank], plan.receive_groups[rank]
+        program: list[Instruction] = []
+        for i, op in enumerate(row):
+            sent = sends[i - 1] if i else -1
+            got = recvs[i]
+            if sent >= 0 or got is not None:
+                program.append(
+                    Exchange(
+                        (messages[sent],) if sent >= 0 else (),
+                        tuple(messages[mid] for mid in got) if got is not None else (),
+                    )
+                )
+            program.append(Compute(op))
+        if row and sends[-1] >= 0:
+            program.append(Exchange((messages[sends[-1]],), ()))
+        return tuple(program)
 
     def describe(self, rank: int) -> str:
-        return "\n".join(str(i) for i in self.programs[rank])
+        return "\n".join(str(i) for i in self.program(rank))
 
 
 def lower(schedule: Schedule) -> LoweredSchedule:
@@ -103,216 +305,106 @@ def lower(schedule: Schedule) -> LoweredSchedule:
     """
     cached = schedule.__dict__.get("_lowered")
     if cached is None:
-        cached = _lower(schedule)
+        with cyclic_gc_paused():
+            cached = LoweredSchedule(schedule, plan=_plan(schedule))
         object.__setattr__(schedule, "_lowered", cached)  # schedules are immutable
     return cached
 
 
-def _lower(schedule: Schedule) -> LoweredSchedule:
-    p = schedule.num_ranks
-    rows = schedule.ops
-    per_replica = schedule.placement.stages_per_replica
-    f_kind, w_kind = OpKind.F, OpKind.W
-    forward_at: dict[tuple[int, int], tuple[int, int]] = {}
-    backward_at: dict[tuple[int, int], tuple[int, int]] = {}  # B or BW: makes the input gradient
-    for rank, row in enumerate(rows):
-        for index, (kind, stage, mb) in enumerate(row):
-            if kind is f_kind:
-                forward_at[stage, mb] = (rank, index)
-            elif kind is not w_kind:
-                backward_at[stage, mb] = (rank, index)
+def _plan(schedule: Schedule) -> CommPlan:
+    arrays = op_arrays(schedule)
+    p, m = schedule.num_ranks, schedule.num_microbatches
+    num_stages, per_replica = schedule.num_stages, schedule.placement.stages_per_replica
+    kind, stage, mb, rank, index = arrays.kind, arrays.stage, arrays.microbatch, arrays.rank, arrays.index
+    if arrays.total and (int(stage.min()) < 0 or int(mb.min()) < 0):
+        bad = int(np.flatnonzero((stage < 0) | (mb < 0))[0])
+        raise ScheduleError(f"rank {rank[bad]}: {schedule.ops[rank[bad]][index[bad]]} has a negative index")
+    # Ops beyond the declared stages or micro-batches are lowered all the same (the validator
+    # rejects them; a rank running a mismatched schedule then fails in its exchanges, by name).
+    if arrays.total:
+        num_stages, m = max(num_stages, int(stage.max()) + 1), max(m, int(mb.max()) + 1)
 
-    # Every cross-rank message, with the gap (0..n; gap i is before op i) where it is sent / received.
-    fields: list[tuple[str, int, int, int, int, int]] = []
-    send_gap: list[int] = []
-    recv_gap: list[int] = []
-    handoffs: list[Message] = []
-    last = per_replica - 1
-    for rank, row in enumerate(rows):
-        for index, op in enumerate(row):
-            kind, stage, mb = op
-            if kind is f_kind:
-                if stage % per_replica == 0:
-                    continue
-                what, src_stage, producer = ACT, stage - 1, forward_at.get((stage - 1, mb))
-            elif kind is not w_kind:
-                if stage % per_replica == last:
-                    continue
-                what, src_stage, producer = GRAD, stage + 1, backward_at.get((stage + 1, mb))
-            else:
-                continue
-            if producer is None:
-                wanted = f"F{src_stage}.{mb}" if what == ACT else f"B/BW{src_stage}.{mb}"
-                raise ScheduleError(f"rank {rank}: {op} needs the output of {wanted}, which no rank runs")
-            src_rank, src_index = producer
-            if src_rank == rank:
-                handoffs.append(Message(what, src_stage, stage, mb, rank, rank))
-                continue
-            fields.append((what, src_stage, stage, mb, src_rank, rank))
-            send_gap.append(src_index + 1)
-            recv_gap.append(index)
+    # Producer of every op's input: F(s-1, mb) for a forward, the backward of (s+1, mb) for a backward.
+    cell = stage * m + mb
+    ids = np.arange(arrays.total, dtype=np.int64)
+    is_f = kind == KIND_F
+    is_back = (kind == KIND_B) | (kind == KIND_BW)
+    forward_at = np.full(num_stages * m, -1, dtype=np.int64)
+    forward_at[cell[is_f]] = ids[is_f]
+    backward_at = np.full(num_stages * m, -1, dtype=np.int64)
+    backward_at[cell[is_back]] = ids[is_back]
+    position = stage % per_replica
+    act_consumers = np.flatnonzero(is_f & (position != 0))
+    grad_consumers = np.flatnonzero(is_back & (position != per_replica - 1))
+    consumer = np.concatenate((act_consumers, grad_consumers))
+    producer = np.concatenate((forward_at[cell[act_consumers] - m], backward_at[cell[grad_consumers] + m]))
+    grad = np.concatenate((np.zeros(len(act_consumers), np.int64), np.ones(len(grad_consumers), np.int64)))
+    if (producer < 0).any():
+        _raise_missing_producer(schedule, arrays.rank, arrays.index, consumer[producer < 0])
 
-    # FIFO per channel: receives follow the sender's order, moved earlier where needed.
-    channels: dict[tuple[int, int], list[int]] = defaultdict(list)
-    for mid, f in enumerate(fields):
-        channels[f[4], f[5]].append(mid)
-    seq = [0] * len(fields)
-    for mids in channels.values():
-        mids.sort(key=send_gap.__getitem__)
-        later = recv_gap[mids[-1]]
-        for mid in reversed(mids):
-            if recv_gap[mid] > later:
-                recv_gap[mid] = later
-            later = recv_gap[mid]
-        for n, mid in enumerate(mids):
-            seq[mid] = n
-    messages = [Message(*f, seq[mid]) for mid, f in enumerate(fields)]
+    src, dst = rank[producer], rank[consumer]
+    local = src == dst
+    order = np.argsort(consumer[local], kind="stable")  # in consumer order, rank by rank
+    handoff_consumer = consumer[local][order]
+    handoffs = tuple(
+        a.tolist()
+        for a in (
+            grad[local][order],
+            stage[producer[local][order]],
+            stage[handoff_consumer],
+            mb[handoff_consumer],
+            rank[handoff_consumer],
+        )
+    )
 
-    plan = _ExchangePlan(p, [len(row) for row in rows], messages, send_gap, recv_gap)
-    plan.repair_rendezvous()
-    programs = plan.programs(rows, messages)
-    in_channel_order = tuple(messages[mid] for chan in sorted(channels) for mid in channels[chan])
-    return LoweredSchedule(schedule, programs, in_channel_order, tuple(handoffs))
+    cross = ~local
+    producer, consumer, grad, src, dst = producer[cross], consumer[cross], grad[cross], src[cross], dst[cross]
+    send_gap, recv_gap = index[producer] + 1, index[consumer]
+    order = np.lexsort((send_gap, dst, src))  # channel order
+    producer, consumer, grad, src, dst = producer[order], consumer[order], grad[order], src[order], dst[order]
+    send_gap, recv_gap = send_gap[order], recv_gap[order]
+    n = len(order)
+    channel = src * p + dst
+    new_channel = np.ones(n, dtype=bool)
+    new_channel[1:] = channel[1:] != channel[:-1]
+    channel_index = np.cumsum(new_channel) - 1
+    seq = np.arange(n, dtype=np.int64) - np.flatnonzero(new_channel)[channel_index]
+    if n:
+        # FIFO per channel: a receive is posted no later than the next one on its channel (a
+        # running minimum from the end, restarted per channel by offsetting each channel below
+        # the ones after it).
+        big = int(recv_gap.max()) + 1
+        offset = (channel_index[-1] - channel_index[::-1]) * big
+        recv_gap = (np.minimum.accumulate(recv_gap[::-1] - offset) + offset)[::-1]
 
-
-class _ExchangePlan:
-    """Where every message is sent and received: ``sends[rank][gap]`` / ``recvs[rank][gap]`` (gap i is before op i).
-
-    :meth:`repair_rendezvous` runs the ranks under rendezvous semantics (a message
-    completes only once both its sender and its receiver have posted the batches
-    holding it). When every rank is blocked and some rank waits to send to a rank
-    that is itself blocked in an earlier exchange, the receive moves into that
-    earlier exchange: the receiver is waiting there anyway and the data is ready,
-    so this only removes the wait-for cycle (megatron's own schedules post such
-    receives early for the same reason). A genuine cycle in the data
-    dependencies stays, and the validator reports it.
-    """
-
-    def __init__(
-        self, p: int, lengths: list[int], messages: list[Message], send_gap: list[int], recv_gap: list[int]
-    ) -> None:
-        self.p = p
-        self.src = [m.src_rank for m in messages]
-        self.dst = [m.dst_rank for m in messages]
-        self.kind_is_grad = [m.kind == GRAD for m in messages]
-        self.send_gap = send_gap
-        self.recv_gap = recv_gap
-        self.sends: list[list[list[int] | None]] = [[None] * (n + 1) for n in lengths]
-        self.recvs: list[list[list[int] | None]] = [[None] * (n + 1) for n in lengths]
-        for mid, (src, dst, sg, rg) in enumerate(zip(self.src, self.dst, send_gap, recv_gap, strict=True)):
-            row = self.sends[src]
-            if row[sg] is None:
-                row[sg] = [mid]
-            else:
-                row[sg].append(mid)  # type: ignore[union-attr]
-            row = self.recvs[dst]
-            if row[rg] is None:
-                row[rg] = [mid]
-            else:
-                row[rg].append(mid)  # type: ignore[union-attr]
-
-    def repair_rendezvous(self) -> None:
-        p, src, dst = self.p, self.src, self.dst
-        send_gap, recv_gap = self.send_gap, self.recv_gap
-        at = [0] * p  # the gap each rank has reached (posted its exchange); len(row)+1 once finished
-        work = list(range(p))
-        while True:
-            while work:
-                rank = work.pop()
-                sends, recvs = self.sends[rank], self.recvs[rank]
-                end = len(sends)
-                k = at[rank]
-                while k < end:
-                    blocked = False
-                    ids = sends[k]
-                    if ids:
-                        for mid in ids:
-                            if at[dst[mid]] < recv_gap[mid]:
-                                blocked = True
-                                break
-                    ids = recvs[k]
-                    if ids and not blocked:
-                        for mid in ids:
-                            if at[src[mid]] < send_gap[mid]:
-                                blocked = True
-                                break
-                    if blocked:
-                        break
-                    k += 1
-                    at[rank] = k
-                    if k < end:  # peers may be waiting for this rank to post gap k
-                        ids = sends[k]
-                        if ids:
-                            work.extend([dst[mid] for mid in ids])
-                        ids = recvs[k]
-                        if ids:
-                            work.extend([src[mid] for mid in ids])
-            unfinished = [r for r in range(p) if at[r] < len(self.sends[r])]
-            if not unfinished:
-                return
-            work = self._move_blocked_receives(at, unfinished)
-            if not work:
-                return  # a real deadlock, left for the validator to report
-
-    def _move_blocked_receives(self, at: list[int], unfinished: list[int]) -> list[int]:
-        """Move receives that blocked senders wait for into their receivers' current exchange.
-
-        One move per pair of ranks per round, activations first: moving the downstream rank's
-        activation receive earlier costs nothing (it is needed by its next forward anyway), and
-        one move already breaks a two-rank wait cycle.
-        """
-        candidates = []
-        for rank in unfinished:
-            for mid in self.sends[rank][at[rank]] or ():
-                receiver = self.dst[mid]
-                if at[receiver] < self.recv_gap[mid]:
-                    candidates.append((self.kind_is_grad[mid], rank, receiver, mid))
-        candidates.sort()
-        touched: list[int] = []
-        busy: set[int] = set()
-        for _, rank, receiver, mid in candidates:
-            if rank in busy or receiver in busy:
-                continue
-            target = at[receiver]
-            row = self.recvs[receiver]
-            row[self.recv_gap[mid]].remove(mid)  # type: ignore[union-attr]
-            if row[target] is None:
-                row[target] = []
-            row[target].append(mid)  # type: ignore[union-attr]
-            self.recv_gap[mid] = target
-            busy.update((rank, receiver))
-            touched += [rank, receiver]
-        return touched
-
-    def programs(
-        self, rows: tuple[tuple[Op, ...], ...], messages: list[Message]
-    ) -> tuple[tuple[Instruction, ...], ...]:
-        get = messages.__getitem__
-        out = []
-        for rank, row in enumerate(rows):
-            sends, recvs = self.sends[rank], self.recvs[rank]
-            program: list[Instruction] = []
-            append = program.append
-            computes = list(map(Compute, row))
-            for gap in range(len(row) + 1):
-                s_ids, r_ids = sends[gap], recvs[gap]
-                if s_ids or r_ids:
-                    s_msgs = tuple(map(get, s_ids)) if s_ids else ()
-                    r_msgs = tuple(map(get, r_ids)) if r_ids else ()
-                    if len(s_msgs) > 1:
-                        s_msgs = tuple(sorted(s_msgs, key=_by_dst))
-                    if len(r_msgs) > 1:
-                        r_msgs = tuple(sorted(r_msgs, key=_by_src))
-                    append(Exchange(s_msgs, r_msgs))
-                if gap < len(row):
-                    append(computes[gap])
-            out.append(tuple(program))
-        return tuple(out)
+    # The rendezvous run that repairs wait-for cycles (moves receives earlier, in recv_list).
+    events = events_by_rank(p, src, dst, send_gap, recv_gap)
+    src_list, dst_list, grad_list = src.tolist(), dst.tolist(), grad.tolist()
+    send_list, recv_list = send_gap.tolist(), recv_gap.tolist()
+    stuck = run_rendezvous(events, recv_list, is_grad=grad_list, repair=True)
+    return CommPlan(
+        offsets=arrays.offsets,
+        kind_grad=grad_list,
+        src_stage=stage[producer].tolist(),
+        dst_stage=stage[consumer].tolist(),
+        microbatch=mb[consumer].tolist(),
+        src_rank=src_list,
+        dst_rank=dst_list,
+        seq=seq.tolist(),
+        send_gap=send_list,
+        recv_gap=recv_list,
+        consumer=index[consumer].tolist(),
+        handoffs=handoffs,  # type: ignore[arg-type]
+        stuck_at=None if stuck is None else tuple(stuck),
+    )
 
 
-def _by_dst(msg: Message) -> tuple[int, int]:
-    return (msg.dst_rank, msg.seq)
-
-
-def _by_src(msg: Message) -> tuple[int, int]:
-    return (msg.src_rank, msg.seq)
+def _raise_missing_producer(schedule: Schedule, rank: np.ndarray, index: np.ndarray, consumers: np.ndarray) -> None:
+    first = int(consumers.min())  # the first such op, rank by rank
+    r, i = int(rank[first]), int(index[first])
+    op: Op = schedule.ops[r][i]
+    if op.kind == "F":
+        wanted = f"F{op.stage - 1}.{op.microbatch}"
+    else:
+        wanted = f"B/BW{op.stage + 1}.{op.microbatch}"
+    raise ScheduleError(f"rank {r}: {op} needs the output of {wanted}, which no rank runs")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .gc_pause import cyclic_gc_paused
 from .ir import ScheduleError
 from .schedule import Schedule
 
@@ -53,4 +54,6 @@ def get(name: str) -> ScheduleInfo:
 
 def generate(name: str, p: int, m: int, **kwargs: object) -> Schedule:
     """Build schedule ``name`` for ``p`` ranks and ``m`` micro-batches."""
-    return get(name).generate(p, m, **kwargs)
+    info = get(name)
+    with cyclic_gc_paused():
+        return info.generate(p, m, **kwargs)

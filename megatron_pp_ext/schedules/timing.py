@@ -1,0 +1,92 @@
+"""Start time of every op of a lowered schedule, given each op's duration.
+
+The one timing core: :func:`megatron_pp_ext.analysis.simulate.simulate` reports from it and
+``v-zb`` chooses among its candidate orders with it. Every rank starts at 0 and runs its ops in
+order; a message is sent right after its producer (as the lowering places it) and arrives
+``t_comm`` later. ``blocking=False`` (what the executor does): an op waits only for the arrival
+of its own input; ``blocking=True``: a rank waits at each batch of receives the lowering placed
+(possibly early, see :mod:`.lowering`) until all of them have arrived.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .lowering import LoweredSchedule
+
+__all__ = ["op_start_times"]
+
+_NOT_SENT, _AWAITED = -1.0, -2.0
+
+
+def op_start_times(
+    lowered: LoweredSchedule, durations: Sequence[list[float]], t_comm: float, *, blocking: bool = False
+) -> tuple[list[list[float]], list[float]]:
+    """``(starts, last_end)``: per rank the start of each op in rank order, and the end of its
+    last op (0 for an empty rank). ``durations[r][i]`` is the duration of op ``i`` of rank ``r``.
+
+    Raises ``RuntimeError`` if some rank waits for a message that never comes (a lowering that
+    :func:`~megatron_pp_ext.analysis.validate.validate` would reject).
+    """
+    plan = lowered.timing_plan
+    p = len(durations)
+    sent_after = plan.sends_after_ops
+    # What op k of a rank waits for: its own input (a message id, -1 for none), or (blocking)
+    # every receive of the batch before it (a tuple of ids, None for none).
+    waits: list[list[int]] | list[list[tuple[int, ...] | None]]
+    waits = plan.receive_groups if blocking else plan.inputs_of_ops
+    arrival = [_NOT_SENT] * plan.num_messages
+    dst = plan.dst_rank
+    starts: list[list[float]] = [[] for _ in range(p)]
+    clock = [0.0] * p
+    pc = [0] * p
+    outstanding = [0] * p  # messages a blocked rank still waits for
+    stack = list(range(p - 1, -1, -1))
+    while stack:
+        rank = stack.pop()
+        dur, wait, sends = durations[rank], waits[rank], sent_after[rank]
+        n = len(dur)
+        k, t = pc[rank], clock[rank]  # resumed at op k: what it waits for is checked again, all arrived now
+        add_start = starts[rank].append
+        while k < n:
+            need = wait[k]
+            if blocking:
+                missing = 0
+                for mid in need or ():  # type: ignore[union-attr]
+                    at = arrival[mid]
+                    if at < 0:
+                        arrival[mid] = _AWAITED
+                        missing += 1
+                    elif at > t:
+                        t = at
+                if missing:
+                    outstanding[rank] = missing
+                    break
+            elif need >= 0:  # type: ignore[operator]
+                at = arrival[need]  # type: ignore[index]
+                if at < 0:
+                    arrival[need] = _AWAITED  # type: ignore[index]
+                    outstanding[rank] = 1
+                    break
+                if at > t:
+                    t = at
+            add_start(t)
+            t += dur[k]
+            mid = sends[k]
+            if mid >= 0 and arrival[mid] < 0:
+                sent = t + t_comm
+                if arrival[mid] == _AWAITED:
+                    peer = dst[mid]
+                    outstanding[peer] -= 1
+                    if not outstanding[peer]:
+                        stack.append(peer)
+                arrival[mid] = sent
+            k += 1
+        pc[rank], clock[rank] = k, t
+    stuck = [r for r in range(p) if pc[r] < len(durations[r])]
+    if stuck:
+        raise RuntimeError(f"simulation stuck: ranks {stuck} wait for messages that are never sent")
+    last_end = [row[-1] + dur[-1] if row else 0.0 for row, dur in zip(starts, durations, strict=True)]
+    return starts, last_end
