@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Iterable
+from functools import partial
+from itertools import repeat
 from typing import NamedTuple
 
 
@@ -65,6 +68,15 @@ class Op(NamedTuple):
             )
         kind, stage, mb = match.groups()
         return cls(OpKind(kind), int(stage), int(mb))
+
+
+_new_op = partial(tuple.__new__, Op)
+
+
+def ops_of(kind: OpKind, stages: Iterable[int], microbatches: Iterable[int]) -> list[Op]:
+    """``[Op(kind, s, mb) for s, mb in zip(stages, microbatches)]``, built without a Python call per op
+    (generators of large schedules use it)."""
+    return list(map(_new_op, zip(repeat(kind), stages, microbatches)))
 
 
 def F(stage: int, microbatch: int) -> Op:

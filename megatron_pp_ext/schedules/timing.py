@@ -32,29 +32,84 @@ def op_start_times(
     """
     plan = lowered.timing_plan
     p = len(durations)
-    sent_after = plan.sends_after_ops
-    # What op k of a rank waits for: its own input (a message id, -1 for none), or (blocking)
-    # every receive of the batch before it (a tuple of ids, None for none).
-    waits: list[list[int]] | list[list[tuple[int, ...] | None]]
-    waits = plan.receive_groups if blocking else plan.inputs_of_ops
     arrival = [_NOT_SENT] * plan.num_messages
-    dst = plan.dst_rank
     starts: list[list[float]] = [[] for _ in range(p)]
     clock = [0.0] * p
     pc = [0] * p
-    outstanding = [0] * p  # messages a blocked rank still waits for
-    stack = list(range(p - 1, -1, -1))
+    run, waits = (_run_blocking, plan.receive_groups) if blocking else (_run_async, plan.inputs_of_ops)
+    run(durations, waits, plan.sends_after_ops, plan.dst_rank, t_comm, arrival, starts, clock, pc)  # type: ignore[operator]
+    stuck = [r for r in range(p) if pc[r] < len(durations[r])]
+    if stuck:
+        raise RuntimeError(f"simulation stuck: ranks {stuck} wait for messages that are never sent")
+    last_end = [row[-1] + dur[-1] if row else 0.0 for row, dur in zip(starts, durations, strict=True)]
+    return starts, last_end
+
+
+def _run_async(
+    durations: Sequence[list[float]],
+    inputs: list[list[int]],
+    sent_after: list[list[int]],
+    dst: list[int],
+    t_comm: float,
+    arrival: list[float],
+    starts: list[list[float]],
+    clock: list[float],
+    pc: list[int],
+) -> None:
+    """Each op waits for its own input (``inputs[r][k]``: message id, -1 for none)."""
+    stack = list(range(len(durations) - 1, -1, -1))
     while stack:
         rank = stack.pop()
-        dur, wait, sends = durations[rank], waits[rank], sent_after[rank]
+        dur, wait, sends = durations[rank], inputs[rank], sent_after[rank]
         n = len(dur)
-        k, t = pc[rank], clock[rank]  # resumed at op k: what it waits for is checked again, all arrived now
+        k, t = pc[rank], clock[rank]
         add_start = starts[rank].append
         while k < n:
             need = wait[k]
-            if blocking:
+            if need >= 0:
+                at = arrival[need]
+                if at < 0:  # not sent yet: its sender resumes this rank
+                    arrival[need] = _AWAITED
+                    break
+                if at > t:
+                    t = at
+            add_start(t)
+            t += dur[k]
+            mid = sends[k]
+            if mid >= 0:
+                if arrival[mid] == _AWAITED:
+                    stack.append(dst[mid])
+                if arrival[mid] < 0:
+                    arrival[mid] = t + t_comm
+            k += 1
+        pc[rank], clock[rank] = k, t
+
+
+def _run_blocking(
+    durations: Sequence[list[float]],
+    groups: list[list[tuple[int, ...] | None]],
+    sent_after: list[list[int]],
+    dst: list[int],
+    t_comm: float,
+    arrival: list[float],
+    starts: list[list[float]],
+    clock: list[float],
+    pc: list[int],
+) -> None:
+    """Each op waits for every receive of the batch before it (``groups[r][k]``, None for none)."""
+    outstanding = [0] * len(durations)  # messages a blocked rank still waits for
+    stack = list(range(len(durations) - 1, -1, -1))
+    while stack:
+        rank = stack.pop()
+        dur, wait, sends = durations[rank], groups[rank], sent_after[rank]
+        n = len(dur)
+        k, t = pc[rank], clock[rank]  # resumed at op k: its batch is checked again, all arrived now
+        add_start = starts[rank].append
+        while k < n:
+            group = wait[k]
+            if group is not None:
                 missing = 0
-                for mid in need or ():  # type: ignore[union-attr]
+                for mid in group:
                     at = arrival[mid]
                     if at < 0:
                         arrival[mid] = _AWAITED
@@ -64,29 +119,15 @@ def op_start_times(
                 if missing:
                     outstanding[rank] = missing
                     break
-            elif need >= 0:  # type: ignore[operator]
-                at = arrival[need]  # type: ignore[index]
-                if at < 0:
-                    arrival[need] = _AWAITED  # type: ignore[index]
-                    outstanding[rank] = 1
-                    break
-                if at > t:
-                    t = at
             add_start(t)
             t += dur[k]
             mid = sends[k]
             if mid >= 0 and arrival[mid] < 0:
-                sent = t + t_comm
                 if arrival[mid] == _AWAITED:
                     peer = dst[mid]
                     outstanding[peer] -= 1
                     if not outstanding[peer]:
                         stack.append(peer)
-                arrival[mid] = sent
+                arrival[mid] = t + t_comm
             k += 1
         pc[rank], clock[rank] = k, t
-    stuck = [r for r in range(p) if pc[r] < len(durations[r])]
-    if stuck:
-        raise RuntimeError(f"simulation stuck: ranks {stuck} wait for messages that are never sent")
-    last_end = [row[-1] + dur[-1] if row else 0.0 for row, dur in zip(starts, durations, strict=True)]
-    return starts, last_end

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..ir import BW, F, Op
+from ..ir import BW, F, Op, OpKind, ops_of
 from ..placement import loop_placement
 from ..registry import ScheduleInfo, register
 from ..schedule import Schedule, build_schedule
@@ -130,23 +130,17 @@ def interleaved_1f1b(
     reject_unsupported("interleaved-1f1b", unused)
     order = interleaved_order(m, v, group)
     total = m * v
-
+    microbatches = [mb for mb, _ in order]
+    chunks = [chunk for _, chunk in order]
     ops = []
     for r in range(p):
-
-        def fwd(k: int, r: int = r) -> Op:
-            mb, chunk = order[k]
-            return F(chunk * p + r, mb)
-
-        def bwd(k: int, r: int = r) -> Op:
-            mb, chunk = order[k]
-            return BW((v - 1 - chunk) * p + r, mb)
-
+        forwards = ops_of(OpKind.F, [c * p + r for c in chunks], microbatches)  # by virtual id
+        backwards = ops_of(OpKind.BW, [(v - 1 - c) * p + r for c in chunks], microbatches)
         warmup = interleaved_warmup(p, r, m, v, group)
-        row = [fwd(k) for k in range(warmup)]
-        for k in range(total - warmup):
-            row += [fwd(warmup + k), bwd(k)]
-        row += [bwd(k) for k in range(total - warmup, total)]
+        steady = total - warmup
+        row = forwards[:warmup] + [forwards[0]] * (2 * steady) + backwards[steady:]
+        row[warmup : warmup + 2 * steady : 2] = forwards[warmup:]  # forward warmup+k, then backward k
+        row[warmup + 1 : warmup + 2 * steady : 2] = backwards[:steady]
         ops.append(row)
     return build_schedule("interleaved-1f1b", loop_placement(p, v), m, ops, v=v, microbatch_group_size=group)
 
