@@ -162,3 +162,43 @@ def test_missing_producer_is_reported() -> None:
         lower(Schedule(loop_placement(2), 1, ((), (F(1, 0), BW(1, 0)))))
     with pytest.raises(ScheduleError, match=r"rank 0: BW0.0 needs the output of B/BW1.0"):
         lower(Schedule(loop_placement(2), 1, ((F(0, 0), BW(0, 0)), (F(1, 0),))))
+
+
+# ---- the array implementation against the plain statement of the algorithm ------------------
+def _all_small_schedules() -> list[Schedule]:
+    from megatron_pp_ext.schedules import names
+
+    out = []
+    for name in names():
+        for p, m, v in ((2, 3, None), (3, 5, None), (4, 8, None), (4, 8, 2), (3, 7, 3), (2, 1, None)):
+            try:
+                out.append(generate(name, p, m, v=v))
+            except ScheduleError:
+                pass
+    return out
+
+
+@pytest.mark.parametrize(
+    "schedule", _all_small_schedules(), ids=lambda s: f"{s.name}-p{s.num_ranks}-m{s.num_microbatches}"
+)
+def test_lowering_equals_reference_algorithm(schedule: Schedule) -> None:
+    from .reference_lowering import reference_programs
+
+    programs, messages = reference_programs(schedule)
+    lowered = lower(schedule)
+    assert lowered.programs == programs
+    assert sorted(lowered.messages) == sorted(messages)
+
+
+def test_lowering_equals_reference_on_random_orders() -> None:
+    import random
+
+    from tests.analysis.helpers import random_serial_schedule
+
+    from .reference_lowering import reference_programs
+
+    rng = random.Random(7)
+    for _ in range(60):
+        placement = rng.choice([loop_placement(rng.randint(2, 4), rng.randint(1, 3)), v_placement(rng.randint(2, 3))])
+        schedule = random_serial_schedule(rng, placement, rng.randint(1, 5), rng.random() < 0.5)
+        assert lower(schedule).programs == reference_programs(schedule)[0]
