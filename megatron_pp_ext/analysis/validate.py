@@ -381,36 +381,27 @@ def check_lowered(lowered: LoweredSchedule) -> None:
                 k += 1
                 continue
             waits = 0
-            for msg in ins.sends:
-                peer, stage, mb = msg.dst_rank, msg.dst_stage, msg.microbatch
-                if not (0 <= stage < num_stages and 0 <= mb < m) or msg.src_rank != rank:
-                    _raise_bad_post(rank, msg, "send", msg.src_rank)
-                mid = ((stage * m + mb) << 1) | (msg.kind == GRAD)
-                if sender_at[mid]:
-                    _raise_bad_post(rank, msg, "send", rank)
-                sender_at[mid] = 1
-                my_sends[peer].append(mid)
-                if not receiver_at[mid]:
-                    waits += 1
-                else:
-                    outstanding[peer] -= 1
-                    if not outstanding[peer]:
-                        stack.append(peer)
-            for msg in ins.recvs:
-                peer, stage, mb = msg.src_rank, msg.dst_stage, msg.microbatch
-                if not (0 <= stage < num_stages and 0 <= mb < m) or msg.dst_rank != rank:
-                    _raise_bad_post(rank, msg, "receive", msg.dst_rank)
-                mid = ((stage * m + mb) << 1) | (msg.kind == GRAD)
-                if receiver_at[mid]:
-                    _raise_bad_post(rank, msg, "receive", rank)
-                receiver_at[mid] = 1
-                my_recvs[peer].append(mid)
-                if not sender_at[mid]:
-                    waits += 1
-                else:
-                    outstanding[peer] -= 1
-                    if not outstanding[peer]:
-                        stack.append(peer)
+            sides = (
+                (ins.sends, "send", sender_at, receiver_at, my_sends),
+                (ins.recvs, "receive", receiver_at, sender_at, my_recvs),
+            )
+            for msgs, what, mine, theirs, channel in sides:
+                for msg in msgs:
+                    owner, peer = (msg.src_rank, msg.dst_rank) if what == "send" else (msg.dst_rank, msg.src_rank)
+                    stage, mb = msg.dst_stage, msg.microbatch
+                    if not (0 <= stage < num_stages and 0 <= mb < m) or owner != rank:
+                        _raise_bad_post(rank, msg, what, owner)
+                    mid = ((stage * m + mb) << 1) | (msg.kind == GRAD)
+                    if mine[mid]:
+                        _raise_bad_post(rank, msg, what, rank)
+                    mine[mid] = 1
+                    channel[peer].append(mid)
+                    if not theirs[mid]:
+                        waits += 1
+                    else:
+                        outstanding[peer] -= 1
+                        if not outstanding[peer]:
+                            stack.append(peer)
             if waits:
                 outstanding[rank] = waits
                 blocked[rank] = 1
