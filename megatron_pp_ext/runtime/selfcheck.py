@@ -169,9 +169,9 @@ def layer_memory_probe(case: LayerMemoryCase, rank: int, init_method: str) -> di
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
+    from .tiny_gpt import TinyGPTSpec, make_config
     from .wgrad import get_weight_grad_store
     from .wgrad_hooks import install_wgrad_hooks
 
@@ -179,20 +179,10 @@ def layer_memory_probe(case: LayerMemoryCase, rank: int, init_method: str) -> di
     try:
         ps.initialize_model_parallel(tensor_model_parallel_size=case.tp)
         model_parallel_cuda_manual_seed(1)
-        config = TransformerConfig(
-            num_layers=1,
-            hidden_size=case.hidden,
-            num_attention_heads=case.heads,
-            use_cpu_initialization=True,
-            tensor_model_parallel_size=case.tp,
+        config = make_config(
+            TinyGPTSpec(num_layers=1, hidden_size=case.hidden, num_attention_heads=case.heads),
+            tp=case.tp,
             sequence_parallel=case.sequence_parallel,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            gradient_accumulation_fusion=False,
-            bias_activation_fusion=False,
-            bias_dropout_fusion=False,
-            masked_softmax_fusion=False,
-            persist_layer_norm=False,
         )
         spec = get_gpt_layer_local_spec()
         if case.module == "mlp":
