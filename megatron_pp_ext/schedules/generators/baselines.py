@@ -9,23 +9,11 @@ whose memory is fixed is never silently ignored.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from ..ir import BW, F, Op, OpKind, ops_of
 from ..placement import loop_placement
 from ..registry import ScheduleInfo, register
 from ..schedule import Schedule, build_schedule
-from .common import ScheduleParameterError, check_int
-
-
-def reject_unsupported(schedule: str, unused: Mapping[str, object]) -> None:
-    """Raise if a keyword the schedule does not take was given a value (not ``None``)."""
-    given = sorted(k for k, value in unused.items() if value is not None)
-    if given:
-        raise ScheduleParameterError(
-            f"{schedule} does not take parameter(s) {', '.join(given)} "
-            f"(got {', '.join(f'{k}={unused[k]!r}' for k in given)})"
-        )
+from .common import ScheduleParameterError, check_int, reject_unsupported
 
 
 def _check_single_chunk(schedule: str, v: object) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ..ir import ScheduleError
 
@@ -41,3 +41,13 @@ def per_stage_cost(name: str, value: object, num_stages: int) -> tuple[float, ..
         if not (math.isfinite(x) and x >= 0):
             raise ScheduleParameterError(f"costs.{name} must be finite and >= 0, got {x}")
     return values
+
+
+def reject_unsupported(schedule: str, unused: Mapping[str, object]) -> None:
+    """Raise if a keyword the schedule does not take was given a value (not ``None``)."""
+    given = sorted(k for k, value in unused.items() if value is not None)
+    if given:
+        raise ScheduleParameterError(
+            f"{schedule} does not take parameter(s) {', '.join(given)} "
+            f"(got {', '.join(f'{k}={unused[k]!r}' for k in given)})"
+        )

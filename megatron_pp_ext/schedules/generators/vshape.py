@@ -14,20 +14,25 @@ on chunk 1; rank 0 holds the first and the last stage. Backwards are split into 
 * ``v-block``: any building block, from a JSON file (``block_file=``) or given directly
   (``block=`` a :class:`~.building_block.BuildingBlock`, a dict in the file's format, or a
   built-in name); without either it runs the V-Half block.
-* ``v-zb``: ZB-V as a greedy list scheduler on the V placement. It times the passes with the
-  given costs (``t_f``, ``t_b``, ``t_w``: a number or one per stage; ``t_comm`` per hop; read from
-  any object that has them, e.g. ``analysis.simulate.Costs``; unit costs by default), runs
-  backwards as soon as their inputs arrive, then chunk-1 forwards, admits a new micro-batch while
-  memory allows and fills idle time with deferred ``W`` passes, never holding more than
-  ``memory_limit`` (in ``M_a``; default ``p``, 1F1B's peak) on a rank. With the default limit and
-  ``m >= 2p`` its peak is exactly ``p`` M_a. It tries a few :data:`POLICIES` (the greedy's
-  variants and the paper's handcrafted ZB-V as fixed-priority list schedules) and keeps the one
-  whose *lowered* program (:func:`~megatron_pp_ext.schedules.lowering.lower`) runs fastest: a V
-  schedule sends messages both ways between neighbours, and when two cross, the lowering's batched,
-  rendezvous-style exchanges make a rank receive early and wait. ``params["ideal_bubble_rate"]``
-  is the bubble when every pass starts as soon as its input exists (near zero for unit costs),
-  ``params["predicted_bubble_rate"]`` the one the lowered program gives (what the simulator and
-  the runtime see).
+* ``v-zb``: ZB-V on the V placement, never holding more than ``memory_limit`` (in ``M_a``;
+  default ``p``, 1F1B's peak) on a rank. It times the passes with the given costs (``t_f``,
+  ``t_b``, ``t_w``: a number or one per stage; ``t_comm`` per hop; read from any object that has
+  them, e.g. ``analysis.simulate.Costs``; unit costs by default) and tries the schedules of
+  :data:`POLICIES`, keeping the one whose *lowered* program
+  (:func:`~megatron_pp_ext.schedules.lowering.lower`) runs fastest: a V schedule sends messages
+  both ways between neighbours, and when two cross, the lowering's batched, rendezvous-style
+  exchanges can make a rank receive early and wait. First, ZB-V built round by round as the
+  zero-bubble authors' generator builds it (:class:`_Rounds`): a fixed warm-up of forwards, then
+  rounds of one backward and one forward per rank with deferred ``W`` passes where the memory
+  needs them or a wait leaves room, rebuilt with each rank's idle time from the previous build as
+  its allowance while that helps. With the default limit it is exactly zero bubble at
+  ``T_F = T_B = T_W`` once ``m >= 2p - 1`` (checked for p = 2..32) with peak exactly ``p`` M_a,
+  and the search stops there, as nothing can end sooner. Otherwise it also tries a greedy list
+  scheduler (backwards as soon as their inputs arrive, then chunk-1 forwards, a new micro-batch
+  while memory allows, deferred ``W`` passes in idle time) and the paper's handcrafted ZB-V as
+  fixed-priority list schedules. ``params["ideal_bubble_rate"]`` is the bubble when every pass
+  starts as soon as its input exists, ``params["predicted_bubble_rate"]`` the one the lowered
+  program gives (what the simulator and the runtime see).
 
 The generators only know the schedule IR; timing for ``v-zb`` is computed here (the analysis
 package sits above this one), and tests cross-check it against ``analysis.simulate``.
@@ -43,11 +48,11 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..ir import B, F, Op, OpKind, W
-from ..lowering import ACT, GRAD, Compute, lower
+from ..lowering import lower
 from ..placement import v_placement
 from ..registry import ScheduleInfo, register
 from ..schedule import Schedule, build_schedule
-from .baselines import reject_unsupported
+from ..timing import op_start_times
 from .building_block import (
     BuildingBlock,
     BuildingBlockError,
@@ -58,7 +63,7 @@ from .building_block import (
     v_half_block,
     v_min_block,
 )
-from .common import ScheduleParameterError, check_int, per_stage_cost
+from .common import ScheduleParameterError, check_int, per_stage_cost, reject_unsupported
 
 __all__ = ["POLICIES", "Policy", "VZBTiming", "v_block", "v_half", "v_min", "v_zb", "v_zb_order"]
 
@@ -486,12 +491,18 @@ class Policy(NamedTuple):
     #: non-empty: the handcrafted ZB-V list schedule (:func:`_zbv_handcrafted`) with this pass
     #: priority (``F``/``B`` of chunk 0/1 and ``W``, best first), ``+cap`` = warm-up-sized F0 lead
     handcrafted: str = ""
+    #: non-empty: the round-built ZB-V (:func:`_zbv_rounds`); the passes (``F``, ``B``) a ``W``
+    #: may delay when the gap before them would exceed the rank's idle allowance (``-``: none)
+    rounds: str = ""
 
 
-#: Variants v-zb tries; it keeps the one whose lowered program runs fastest. (Preferring the
-#: chunk-1 backward never won on a grid of p, m, costs and limits, so it is not tried.)
-POLICIES = tuple(Policy(ordered, lazy, True) for ordered in (False, True) for lazy in (False, True)) + tuple(
-    Policy(False, False, True, h) for h in ("B0 F0 F1 B1 W +cap", "F0 F1 B0 B1 W +cap", "B0 B1 F1 W F0")
+#: Variants v-zb tries; it keeps the one whose lowered program runs fastest, and stops early once
+#: one cannot be beaten (see :func:`v_zb_order`), so the round-built ZB-V comes first. (Preferring
+#: the chunk-1 backward never won on a grid of p, m, costs and limits, so it is not tried.)
+POLICIES = (
+    tuple(Policy(False, False, True, rounds=fill) for fill in ("F B", "F", "B", "-"))
+    + tuple(Policy(ordered, lazy, True) for ordered in (False, True) for lazy in (False, True))
+    + tuple(Policy(False, False, True, h) for h in ("B0 F0 F1 B1 W +cap", "F0 F1 B0 B1 W +cap", "B0 B1 F1 W F0"))
 )
 
 
@@ -544,31 +555,39 @@ def _zbv_handcrafted(p: int, m: int, sc: _StageCosts, limit: int, spec: str) -> 
             end = b_end[s + 1][k]
         if end < 0:
             return None
+        if s == 0 and c == "F0":
+            return end  # the data loader's input, on the rank
         src = s - 1 if c[0] == "F" else min(s + 1, s_count - 1)  # stage that produced the input
         return end + (sc.comm if min(src, s_count - 1 - src) != r else 0.0)
 
-    while True:
-        best: tuple[float, int, int, str] | None = None
-        for r in range(p):
-            if len(rows[r]) >= total:
+    def choose(r: int) -> tuple[float, int, str] | None:
+        """Rank r's next pass: (start, priority, name), the earliest start, then the priority."""
+        if len(rows[r]) >= total:
+            return None
+        cands = []
+        for rank_of, c in enumerate(order):
+            if c == "W":
+                if pending[r]:
+                    cands.append((clock[r], rank_of, c))
                 continue
-            cands = []
-            for rank_of, c in enumerate(order):
-                if c == "W":
-                    if pending[r]:
-                        cands.append((clock[r], rank_of, c))
-                    continue
-                at = arrival(r, c)
-                if at is not None:
-                    cands.append((max(clock[r], at), rank_of, c))
-            if cands:
-                start = min(x[0] for x in cands)
-                pick = min((x for x in cands if x[0] <= start + 1e-12), key=lambda x: x[1])
-                if best is None or (pick[0], r) < (best[0], best[1]):
-                    best = (pick[0], r, pick[1], pick[2])
+            at = arrival(r, c)
+            if at is not None:
+                cands.append((max(clock[r], at), rank_of, c))
+        if not cands:
+            return None
+        start = min(x[0] for x in cands)
+        return min((x for x in cands if x[0] <= start + 1e-12), key=lambda x: x[1])
+
+    # a pass's input comes from its own or a neighbouring rank: a commit changes only those choices
+    choice = [choose(r) for r in range(p)]
+    while True:
+        best: tuple[float, int, str] | None = None
+        for q, pick in enumerate(choice):
+            if pick is not None and (best is None or pick[0] < best[0]):
+                best = (pick[0], q, pick[2])
         if best is None:
             break
-        t, r, _, c = best
+        t, r, c = best
         if first[r] < 0:
             first[r] = t
         if c == "W":
@@ -593,60 +612,196 @@ def _zbv_handcrafted(p: int, m: int, sc: _StageCosts, limit: int, spec: str) -> 
                 pending[r].append((s, k))
         clock[r] = t + d
         busy[r] += d
+        for q in range(max(r - 1, 0), min(r + 2, p)):
+            choice[q] = choose(q)
     if any(len(row) < total for row in rows):
         return None
     spans = tuple(clock[r] - max(first[r], 0.0) for r in range(p))
     return rows, VZBTiming(max(clock), spans, tuple(busy), tuple(peak))
 
 
-def _timing_of_lowered(schedule: Schedule, sc: _StageCosts) -> VZBTiming:
-    """Time the lowered program the way the runtime runs it: an exchange posts its sends (they
-    arrive ``t_comm`` later) and its receives without waiting; a compute op waits for its own
-    input only (the simulator's default ``comm="async"`` model); local hand-offs are free."""
-    lowered = lower(schedule)
-    p = schedule.num_ranks
-    programs = lowered.programs
-    arrival: dict[tuple[str, int, int], float] = {}
-    waiting: dict[tuple[str, int, int], int] = {}  # message not sent yet -> the rank blocked on it
-    posted: set[tuple[str, int, int]] = set()
-    pc, clock = [0] * p, [0.0] * p
-    first, busy = [-1.0] * p, [0.0] * p
-    durations = {OpKind.F: sc.f, OpKind.B: sc.b, OpKind.W: sc.w}
-    todo = list(range(p))
-    while todo:
-        r = todo.pop()
-        program, k, t = programs[r], pc[r], clock[r]
-        while k < len(program):
-            ins = program[k]
-            if isinstance(ins, Compute):
-                op = ins.op
-                key = (ACT if op.kind is OpKind.F else GRAD, op.stage, op.microbatch)
-                if key in posted:
-                    at = arrival.get(key)
-                    if at is None:
-                        waiting[key] = r
-                        break
-                    t = max(t, at)
-                if first[r] < 0:
-                    first[r] = t
-                d = durations[op.kind][op.stage]
-                t += d
-                busy[r] += d
-                k += 1
+class _Rounds(_Greedy):
+    """ZB-V built round by round, as the zero-bubble authors' own ZB-V generator builds it (Qi
+    et al., "Zero Bubble Pipeline Parallelism", ICLR 2024), with every pass timed by the given
+    costs as soon as its input has arrived and its rank is free.
+
+    * Warm-up: every rank runs micro-batch 0's chunk-0 forward; then, from the last rank up,
+      rank ``r`` runs more chunk-0 forwards (the ranks above it, which feed it, run one each
+      too) while they end before its first chunk-1 input arrives and leave room for the
+      ``2r + 1`` activations it still has to take in, then its first chunk-1 forward. At the
+      default limit rank ``r`` so runs ``2p - 1 - 2r`` chunk-0 forwards, the paper's warm-up.
+    * Fill: for ``r = 1 .. p-1``, rank ``r`` and the ranks below it run forwards of alternating
+      chunks until rank ``r`` has run as many forwards as rank ``r - 1`` and more chunk-1 ones
+      (at the default limit and ``m >= 2p`` every rank then holds ``2p`` activations).
+    * Rounds: each rank runs one backward (the chunk-0 one once its input exists, else the
+      chunk-1 one; the chunk-0 ones from the last rank up, then the chunk-1 ones from the
+      first rank down, so that inputs are made before they are used), then one forward (the
+      chunk-1 one if its input exists, else a new micro-batch's), after a deferred ``W`` when
+      the memory is full. So in the steady state every rank repeats ``B``, ``W``, ``F`` and,
+      at ``T_F = T_B = T_W``, never waits. A ``W`` also goes into a wait for an input when it
+      fits there, and, if ``policy.rounds`` names the pass (``F``, ``B``; always before a
+      chunk-0 backward), when the wait would make the rank idle longer than the worst rank
+      so far, or than its slack in ``approved`` (an earlier run's idle times: a rank that
+      idled less then may idle more now).
+    """
+
+    def __init__(
+        self, p: int, m: int, sc: _StageCosts, limit: int, policy: Policy, approved: tuple[float, ...] | None
+    ) -> None:
+        super().__init__(p, m, sc, limit, policy)
+        self.fill_f, self.fill_b = "F" in policy.rounds, "B" in policy.rounds
+        self.idle = [0.0] * p  # per rank, after its first pass
+        self.slack = [0.0] * p if approved is None else [max(approved) - a for a in approved]
+
+    def _put(self, r: int, which: int) -> bool:
+        """Run rank r's next ``which`` pass as early as possible; False if it cannot run yet."""
+        k = self.next[r][which]
+        if k >= self.m or (which in (_PF, _Pf) and self.live[r] >= self.limit):
+            return False
+        arrival = self._arrival(r, which)
+        if arrival is None:
+            return False
+        start = max(self.clock[r], arrival)
+        if self.first[r] >= 0:
+            self.idle[r] += start - self.clock[r]
+        stage = self._stage(r, which)
+        if which in (_PF, _Pf):
+            self._run(r, F(stage, k), start, self.sc.f[stage])
+            self.f_end[stage][k] = self.clock[r]
+            self.live[r] += 1
+            self.peak[r] = max(self.peak[r], self.live[r])
+        else:
+            self._run(r, B(stage, k), start, self.sc.b[stage])
+            self.b_end[stage][k] = self.clock[r]
+            self.pending_w[r].append((stage, k))
+        self.next[r][which] += 1
+        return True
+
+    def _put_w(self, r: int) -> None:
+        stage, k = self.pending_w[r].popleft()
+        self._run(r, W(stage, k), self.clock[r], self.sc.w[stage])
+        self.live[r] -= 1
+
+    def _fill(self, r: int, which: int, may_delay: bool) -> None:
+        """Deferred ``W`` passes before ``which``: those that fit in the wait for its input, and
+        one more that delays it if ``may_delay`` and the wait exceeds the rank's allowance."""
+        pending = self.pending_w[r]
+        arrival = self._arrival(r, which) if self.next[r][which] < self.m else None
+        if arrival is None:
+            return
+        while pending and self.clock[r] + self.sc.w[pending[0][0]] <= arrival:
+            self._put_w(r)
+        allowance = max(max(self.idle), self.slack[r]) - self.idle[r]
+        if pending and may_delay and arrival - self.clock[r] > allowance:
+            self._put_w(r)
+
+    def _backward(self, r: int) -> int | None:
+        n = self.next[r]
+        local = r == self.p - 1 or n[_PB] >= self.m
+        if n[_Pb] < n[_PB] and (local or self._arrival(r, _Pb) is not None):
+            return _Pb
+        return _PB if n[_PB] < self.m else None
+
+    def _forward(self, r: int) -> int | None:
+        n = self.next[r]
+        if n[_Pf] >= self.m:
+            return None
+        if n[_Pf] >= n[_PF]:
+            return _PF
+        if r == self.p - 1 or self._arrival(r, _Pf) is not None:
+            return _Pf
+        return _PF if n[_PF] < self.m and self._arrival(r, _PF) is not None else None
+
+    def _warm_up(self) -> bool:
+        p, m, sc = self.p, self.m, self.sc
+        if not all(self._put(r, _PF) for r in range(p)):
+            return False
+        for r in reversed(range(p)):
+            target = self._arrival(r, _Pf) if r < p - 1 else self.clock[r]
+            assert target is not None  # rank r+1 ran micro-batch 0's chunk-1 forward just before
+            while (
+                self.live[r] + 2 * (r + 1) <= self.limit
+                and self.clock[r] + sc.f[r] <= target
+                and all(self.next[q][_PF] < m for q in range(r + 1))
+            ):
+                if not all(self._put(q, _PF) for q in range(r + 1)):
+                    return False
+            if not self._put(r, _Pf):
+                return False
+        chunk = _PF
+        for r in range(1, p):
+            while sum(self.next[r][:2]) < sum(self.next[r - 1][:2]) or (self.next[r][_Pf] <= self.next[r - 1][_Pf] < m):
+                for q in reversed(range(r, p)):
+                    if self.next[q][chunk] < m and not self._put(q, chunk):
+                        return False
+                chunk = _Pf if chunk == _PF else _PF
+        return True
+
+    def _round(self) -> bool:
+        """One backward and one forward per rank (where possible); False if nothing ran."""
+        p = self.p
+        choice = [self._backward(r) for r in range(p)]
+        order = [r for r in reversed(range(p)) if choice[r] == _Pb] + [r for r in range(p) if choice[r] == _PB]
+        ran = False
+        for r in order:
+            which = choice[r]
+            assert which is not None
+            self._fill(r, which, which == _Pb or self.fill_b)
+            ran = self._put(r, which) or ran
+        for r in range(p):
+            which = self._forward(r)
+            if which is None:
                 continue
-            for msg in ins.sends:
-                key = msg.key
-                if key not in arrival:
-                    arrival[key] = t + sc.comm
-                    woken = waiting.pop(key, None)
-                    if woken is not None:
-                        todo.append(woken)
-            posted.update(msg.key for msg in ins.recvs)
-            k += 1
-        pc[r], clock[r] = k, t
-    if any(pc[r] < len(programs[r]) for r in range(p)):  # pragma: no cover - lower() output always runs
-        raise ScheduleParameterError("v-zb: internal error, the lowered program does not run to the end")
-    spans = tuple(clock[r] - max(first[r], 0.0) for r in range(p))
+            while self.live[r] >= self.limit and self.pending_w[r]:
+                self._put_w(r)
+            self._fill(r, which, self.fill_f)
+            ran = self._put(r, which) or ran
+        return ran
+
+    def build(self) -> VZBTiming | None:
+        """Build the schedule into ``rows``; its timing, or None if the construction stalls."""
+        p, total = self.p, 6 * self.m
+        if not self._warm_up():
+            return None
+        while any(self.next[r][_Pb] < self.m for r in range(p)):
+            if not self._round():
+                return None
+        for r in range(p):
+            while self.pending_w[r]:
+                self._put_w(r)
+        if any(len(row) < total for row in self.rows):
+            return None
+        spans = tuple(self.clock[r] - self.first[r] for r in range(p))
+        return VZBTiming(max(self.clock), spans, tuple(self.busy), tuple(self.peak))
+
+
+def _zbv_rounds(p: int, m: int, sc: _StageCosts, limit: int, policy: Policy) -> tuple[list[list[Op]], VZBTiming] | None:
+    """The round-built ZB-V (:class:`_Rounds`), rebuilt with the previous run's idle times as
+    the approved slack while that shortens it (the paper's generator does the same); None if
+    the construction stalls (e.g. under a tight memory limit)."""
+    best: tuple[tuple[float, float], list[list[Op]], VZBTiming] | None = None
+    approved: tuple[float, ...] | None = None
+    while True:
+        built = _Rounds(p, m, sc, limit, policy, approved)
+        timing = built.build()
+        if timing is None:
+            break
+        key = (round(max(timing.spans), 9), round(timing.makespan, 9))
+        if best is not None and key >= best[0]:
+            break
+        best = (key, built.rows, timing)
+        approved = tuple(built.idle)
+    return None if best is None else (best[1], best[2])
+
+
+def _timing_of_lowered(schedule: Schedule, sc: _StageCosts) -> VZBTiming:
+    """Time the lowered program the way the runtime runs it (:mod:`..timing`, the simulator's
+    default ``comm="async"`` model: a compute op waits for its own input only)."""
+    table = {OpKind.F: sc.f, OpKind.B: sc.b, OpKind.W: sc.w}
+    durations = [[table[op.kind][op.stage] for op in row] for row in schedule.ops]
+    starts, last_end = op_start_times(lower(schedule), durations, sc.comm)
+    spans = tuple(end - (row[0] if row else 0.0) for row, end in zip(starts, last_end, strict=True))
+    busy = tuple(float(sum(row)) for row in durations)
     peaks = []
     for row in schedule.ops:
         live = peak = 0
@@ -654,7 +809,26 @@ def _timing_of_lowered(schedule: Schedule, sc: _StageCosts) -> VZBTiming:
             live += 1 if op.kind is OpKind.F else -1 if op.kind is OpKind.W else 0
             peak = max(peak, live)
         peaks.append(peak)
-    return VZBTiming(max(clock), spans, tuple(busy), tuple(peaks))
+    return VZBTiming(max(last_end), spans, busy, tuple(peaks))
+
+
+def _candidate(p: int, m: int, sc: _StageCosts, limit: int, policy: Policy) -> tuple[list[list[Op]], VZBTiming] | None:
+    """One policy's per-rank orders and ideal timing, or None if it stalls."""
+    if policy.rounds:
+        return _zbv_rounds(p, m, sc, limit, policy)
+    if policy.handcrafted:
+        return _zbv_handcrafted(p, m, sc, limit, policy.handcrafted)
+    greedy = _Greedy(p, m, sc, limit, policy)
+    ideal = greedy.run()
+    return greedy.rows, ideal
+
+
+def _unbeatable(p: int, m: int, sc: _StageCosts) -> tuple[float, float]:
+    """A floor on any schedule's (makespan, longest span): rank ``r`` starts no earlier than micro-batch
+    0's forward reaches it and then has its passes to run; a span holds at least its rank's passes."""
+    busy = [m * sum(c[s] for c in (sc.f, sc.b, sc.w) for s in (r, 2 * p - 1 - r)) for r in range(p)]
+    reach = [sum(sc.f[:r]) + r * sc.comm for r in range(p)]
+    return (round(max(a + b for a, b in zip(reach, busy, strict=True)), 9), round(max(busy), 9))
 
 
 def v_zb_order(
@@ -662,27 +836,28 @@ def v_zb_order(
 ) -> tuple[list[list[Op]], VZBTiming, VZBTiming, Policy]:
     """The V-ZB per-rank orders, their timing as lowered (what the runtime and the simulator see),
     their ideal timing (each pass starts once its input exists) and the chosen :class:`Policy`:
-    the best of :data:`POLICIES` by lowered makespan, then the longest per-rank span."""
+    the best of :data:`POLICIES` by lowered makespan, then the longest per-rank span (the first
+    one that reaches :func:`_unbeatable`'s floor ends the search)."""
     check_int("p", p, 2)
     check_int("m", m, 1)
     sc = _stage_costs(costs, 2 * p)
     limit = _v_memory_limit(memory_limit, p)
     placement = v_placement(p)
+    floor = _unbeatable(p, m, sc)
     best: tuple[tuple[float, float], list[list[Op]], VZBTiming, VZBTiming, Policy] | None = None
     for policy in POLICIES:
-        if policy.handcrafted:
-            made = _zbv_handcrafted(p, m, sc, limit, policy.handcrafted)
-            if made is None:
-                continue
-            rows, ideal = made
-        else:
-            greedy = _Greedy(p, m, sc, limit, policy)
-            ideal = greedy.run()
-            rows = greedy.rows
+        made = _candidate(p, m, sc, limit, policy)
+        if made is None:
+            continue
+        rows, ideal = made
+        if best is not None and (policy.rounds or policy.handcrafted) and round(ideal.makespan, 9) > best[0][0]:
+            continue  # it times every pass as early as its input allows: lowered, it can only end later
         timing = _timing_of_lowered(build_schedule("v-zb", placement, m, rows), sc)
         key = (round(timing.makespan, 9), round(max(timing.spans), 9))
         if best is None or key < best[0]:
             best = (key, rows, timing, ideal, policy)
+            if key <= floor:
+                break
     assert best is not None
     return best[1], best[2], best[3], best[4]
 

@@ -41,8 +41,7 @@ from ..ir import Op, OpKind
 from ..placement import loop_placement
 from ..registry import ScheduleInfo, register
 from ..schedule import Schedule, build_schedule
-from .baselines import reject_unsupported
-from .common import ScheduleParameterError, check_int, per_stage_cost
+from .common import ScheduleParameterError, check_int, per_stage_cost, reject_unsupported
 
 __all__ = [
     "DEFAULT_VARIANTS",
