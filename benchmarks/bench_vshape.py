@@ -10,7 +10,7 @@ Prints markdown tables (one per cost model) for p in {4, 8, 16} and m in {2p, 4p
   0.55 at these m because the rates' denominators include the bubble);
 * peak activations: worst rank, in 1F1B-stage units M_a (a V stage's activation is M_a / 2),
   counted live from F until W (the simulator's default), and its ratio to 1F1B's;
-* for v-zb, the greedy's ideal bubble rate (every pass starts once its input exists) next to the
+* for v-zb, its ideal bubble rate (every pass starts once its input exists) next to the
   one the lowered program gives (the simulator's, which is also the generator's own prediction);
 * then the building blocks' lifespan and memory figures (``block_info``).
 
