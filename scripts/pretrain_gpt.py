@@ -265,6 +265,10 @@ def main() -> None:
         get_embedding_ranks=layout.get_embedding_ranks,
         get_position_embedding_ranks=layout.get_position_embedding_ranks,
     )
+    # Shut the process groups down before the interpreter does: a gloo group still alive at exit
+    # can abort in its threads' destructors ("terminate called without an active exception").
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
