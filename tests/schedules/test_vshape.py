@@ -33,7 +33,7 @@ from megatron_pp_ext.schedules.generators.building_block import (
     v_min_block,
 )
 from megatron_pp_ext.schedules.generators.common import ScheduleParameterError
-from megatron_pp_ext.schedules.generators.vshape import v_zb_order
+from megatron_pp_ext.schedules.generators.zbv import v_zb_order
 from megatron_pp_ext.schedules.lowering import ACT, GRAD
 
 V_NAMES = ("v-min", "v-half", "v-zb")

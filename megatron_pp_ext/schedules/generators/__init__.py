@@ -3,5 +3,6 @@
 from . import (
     baselines,  # noqa: F401
     vshape,  # noqa: F401
+    zbv,  # noqa: F401
     zero_bubble,  # noqa: F401
 )
