@@ -77,12 +77,21 @@ def _takes_keyword(generate: Callable[..., Schedule], name: str) -> bool:
 
 
 def generate_schedule(
-    name: str, p: int, m: int, v: int | None = None, costs: Costs | None = None, memory_limit: object = None
+    name: str,
+    p: int,
+    m: int,
+    v: int | None = None,
+    costs: Costs | None = None,
+    memory_limit: object = None,
+    block_file: str | None = None,
 ) -> Schedule:
     """Generate a registered schedule. ``costs`` goes only to cost-aware generators (those with a
-    ``costs`` parameter); ``v`` and ``memory_limit`` go to all, which reject what they cannot honour."""
+    ``costs`` parameter); ``v``, ``memory_limit`` and ``block_file`` go to all, which reject what
+    they cannot honour."""
     info = registry.get(name)
     kwargs: dict[str, object] = {"v": v, "memory_limit": memory_limit}
+    if block_file is not None:
+        kwargs["block_file"] = block_file
     if costs is not None and _takes_keyword(info.generate, "costs"):
         kwargs["costs"] = costs
     return info.generate(p, m, **kwargs)
@@ -97,6 +106,7 @@ def _add_source_args(parser: argparse.ArgumentParser, file_option: bool = True) 
     parser.add_argument(
         "--memory-limit", metavar="N|Np", help="activation memory limit, a number or a multiple of p (e.g. 2p)"
     )
+    parser.add_argument("--block-file", metavar="JSON", help="building block of v-block (default: the V-Half block)")
     if file_option:
         parser.add_argument("--schedule-file", metavar="CSV", help="load the schedule from a CSV file instead")
 
@@ -115,7 +125,13 @@ def _schedule_from_args(args: argparse.Namespace) -> Schedule:
     if args.p is None or args.m is None:
         raise CliError(f"schedule {args.name!r} needs -p (ranks) and -m (micro-batches)")
     return generate_schedule(
-        args.name, args.p, args.m, args.v, parse_costs(args.costs), parse_memory_limit(args.memory_limit, args.p)
+        args.name,
+        args.p,
+        args.m,
+        args.v,
+        parse_costs(args.costs),
+        parse_memory_limit(args.memory_limit, args.p),
+        getattr(args, "block_file", None),
     )
 
 
@@ -163,8 +179,15 @@ def summary(schedule: Schedule, result: SimResult) -> str:
         f"peak activation {_num(result.peak_activations[worst])} stage units = "
         f"{_num(result.peak_activations_1f1b_units[worst])} 1F1B units (rank {worst})",
         f"communication   {result.p2p_messages} p2p messages, {result.local_handoffs} local hand-offs",
-        "",
     ]
+    block = building_block_of(schedule)
+    if block is not None:
+        bound, steady = _num(block["memory_bound"]), _num(block["steady_peak"])  # type: ignore[arg-type]
+        lines.append(
+            f"building block  {block['block']}: interval {block['interval']} slots, lifespan {block['lifespan']} "
+            f"slots, memory bound {bound} M_a (steady-state peak {steady} M_a)"
+        )
+    lines.append("")
     rows = [
         [
             r,
@@ -181,11 +204,26 @@ def summary(schedule: Schedule, result: SimResult) -> str:
     return "\n".join(lines) + _fmt_table(header, rows)
 
 
+BLOCK_KEYS = ("block", "interval", "lifespan", "memory_bound", "steady_peak")
+
+
+def building_block_of(schedule: Schedule) -> dict[str, object] | None:
+    """The building block a schedule was made from (name, interval and lifespan in slots, memory
+    bound and steady-state peak in M_a), or None."""
+    if not all(key in schedule.params for key in BLOCK_KEYS):
+        return None
+    return {key: schedule.params[key] for key in BLOCK_KEYS}
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     schedule = _schedule_from_args(args)
     result = _simulate(schedule, parse_costs(args.costs))
     if args.json:
-        print(json.dumps(result.to_json_dict()))
+        data = result.to_json_dict()
+        block = building_block_of(schedule)
+        if block is not None:
+            data["building_block"] = block
+        print(json.dumps(data))
         return 0
     print(summary(schedule, result))
     if args.show:

@@ -220,6 +220,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Write the measured cost profile (JSON) to FILE; pass it back later with --pipeline-costs FILE.",
     )
     group.add_argument(
+        "--pipeline-block-file",
+        default=None,
+        metavar="JSON",
+        help="Building block for --pipeline-schedule v-block (JSON: per-rank start slots of F f B b W w "
+        "and the repeat interval; format in megatron_pp_ext/schedules/generators/building_block.py). "
+        "Default: the V-Half block.",
+    )
+    group.add_argument(
         "--pipeline-trace",
         default=None,
         metavar="DIR",
@@ -250,6 +258,7 @@ class PipelineConfig:
     trace_dir: str | None = None
     profile_iterations: int | None = None
     profile_out: str | None = None
+    block_file: str | None = None  # building block (JSON) of v-block
     layer_split: Any = None  # runtime.placement.LayerSplit for uneven splits under non-loop placements
     num_virtual_stages: int | None = None
     microbatch_group_size: int | None = None
@@ -280,6 +289,8 @@ class PipelineConfig:
             kwargs["memory_limit"] = limit.resolve(p) if isinstance(limit, MemoryLimit) else limit
         if self.costs is not None and "costs" in params:
             kwargs["costs"] = as_costs(self.costs)
+        if self.block_file is not None:  # a schedule without blocks rejects it, naming block_file
+            kwargs["block_file"] = self.block_file
         return kwargs
 
     @property
@@ -382,6 +393,7 @@ def microbatch_counts(args: Any) -> tuple[list[int], list[int]]:
 
 
 _PARAMETER_FLAGS = (
+    ("block_file", "--pipeline-block-file"),
     ("memory_limit", "--pipeline-memory-limit"),
     ("costs", "--pipeline-costs"),
     ("microbatch_group_size", "--microbatch-group-size-per-virtual-pipeline-stage"),
@@ -420,6 +432,7 @@ def config_from_args(args: Any) -> PipelineConfig:
         schedule_file=getattr(args, "pipeline_schedule_file", None),
         memory_limit=getattr(args, "pipeline_memory_limit", None),
         costs=getattr(args, "pipeline_costs", None),
+        block_file=getattr(args, "pipeline_block_file", None),
         trace_dir=getattr(args, "pipeline_trace", None),
         profile_iterations=getattr(args, "pipeline_profile_iters", None),
         profile_out=getattr(args, "pipeline_profile_out", None),
@@ -459,6 +472,7 @@ def validate_arguments(args: Any) -> PipelineConfig:
             ("pipeline_costs", "--pipeline-costs"),
             ("pipeline_profile_iters", "--pipeline-profile-iters"),
             ("pipeline_profile_out", "--pipeline-profile-out"),
+            ("pipeline_block_file", "--pipeline-block-file"),
         ):
             if _given(args, attr):
                 raise PipelineArgumentError(flag, "needs --pipeline-schedule (megatron's own schedule does not use it)")
@@ -512,8 +526,12 @@ def _schedule_error(
     if config.schedule_file:
         return PipelineArgumentError("--pipeline-schedule-file", f"{config.schedule_file}: {message}")
     assert config.schedule is not None
+    from ..schedules.generators.building_block import BuildingBlockError
+
     kwargs = config.generator_kwargs(p)
     flag = _flag_for(message, config, kwargs, virtual_flag)
+    if config.block_file is not None and isinstance(exc, BuildingBlockError):
+        flag = "--pipeline-block-file"
     if config.num_virtual_stages is not None and "chunk(s) per rank" in message:
         flag = virtual_flag or flag
     gbs = getattr(args, "global_batch_size", None)
@@ -527,6 +545,7 @@ def _schedule_error(
         "memory_limit": f"--pipeline-memory-limit {config.memory_limit}",
         "costs": "--pipeline-costs",
         "microbatch_group_size": "--microbatch-group-size-per-virtual-pipeline-stage",
+        "block_file": "--pipeline-block-file",
     }
     for key, value in kwargs.items():
         if key != "v":

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import pytest
 from megatron_args_helpers import make_args, make_parser
@@ -258,3 +260,22 @@ def test_uneven_split_flags_under_v_placement_are_checked() -> None:
     assert stage_layer_counts(6, 4, split) == [1, 2, 2, 1]  # V at p=2: 4 model slices
     with pytest.raises(LayerSplitError, match="multiple of 4"):
         stage_layer_counts(7, 4, split)
+
+
+def test_block_file_goes_to_v_block(tmp_path: Path) -> None:
+    from megatron_pp_ext.schedules.generators.building_block import v_half_block
+
+    block = tmp_path / "block.json"
+    block.write_text(json.dumps(v_half_block(4).to_dict()))
+    config = validate_arguments(make_args(["--pipeline-schedule", "v-block", "--pipeline-block-file", str(block)]))
+    assert config.generator_kwargs(4)["block_file"] == str(block)
+    assert config.build(4, 8).params["block_file"] == str(block)
+    # a block laid out for another pipeline size, a file that is not there, a schedule without blocks
+    flags = ["--pipeline-schedule", "v-block", "--pipeline-block-file", str(block)]
+    err = error_of(make_args(flags, pipeline_model_parallel_size=2))
+    assert err.flag == "--pipeline-block-file" and "lays out 4 ranks" in str(err)
+    err = error_of(make_args(["--pipeline-schedule", "v-block", "--pipeline-block-file", str(tmp_path / "no.json")]))
+    assert err.flag == "--pipeline-block-file" and "no.json" in str(err)
+    err = error_of(make_args(["--pipeline-schedule", "v-zb", "--pipeline-block-file", str(block)]))
+    assert err.flag == "--pipeline-block-file" and "block_file" in str(err)
+    assert error_of(make_args(["--pipeline-block-file", str(block)])).flag == "--pipeline-block-file"

@@ -395,6 +395,27 @@ def test_cli_picks_up_v_schedules(capsys: pytest.CaptureFixture[str], tmp_path: 
     assert main(["simulate", "v-half", "-p", "4", "-m", "8", "--json"]) == 0
     payload = json.loads(capsys.readouterr().out)
     assert payload["schedule"] == "v-half" and max(payload["peak_activations_1f1b_units"]) == 3
+    info = block_info("v-half", 4)
+    assert payload["building_block"] == {
+        "block": "v-half",
+        "interval": info.interval,
+        "lifespan": info.lifespan,
+        "memory_bound": info.memory_bound,
+        "steady_peak": info.peak,
+    }
+    assert main(["simulate", "v-min", "-p", "8", "-m", "16"]) == 0
+    info = block_info("v-min", 8)
+    assert f"building block  v-min: interval 6 slots, lifespan {info.lifespan} slots, memory bound 4 M_a" in (
+        capsys.readouterr().out
+    )
+    assert main(["simulate", "1f1b", "-p", "4", "-m", "8", "--json"]) == 0
+    assert "building_block" not in json.loads(capsys.readouterr().out)
+    block = tmp_path / "min.json"
+    block.write_text(json.dumps(v_min_block(4).to_dict() | {"name": "mine"}))
+    assert main(["simulate", "v-block", "-p", "4", "-m", "8", "--block-file", str(block), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["building_block"]["block"] == "mine"
+    assert main(["simulate", "v-zb", "-p", "4", "-m", "8", "--block-file", str(block)]) == 2
+    assert "block_file" in capsys.readouterr().err
     assert main(["simulate", "v-zb", "-p", "4", "-m", "8", "--costs", "3,4,2", "--memory-limit", "3"]) == 0
     assert "v-zb (v placement)" in capsys.readouterr().out
     assert main(["compare", "-p", "4", "-m", "8"]) == 0
