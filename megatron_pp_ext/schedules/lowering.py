@@ -38,7 +38,7 @@ import numpy as np
 
 from .gc_pause import cyclic_gc_paused
 from .ir import Op, ScheduleError
-from .op_arrays import KIND_B, KIND_BW, KIND_F, op_arrays
+from .op_arrays import KIND_B, KIND_BW, KIND_F, OpArrays, op_arrays
 from .rendezvous import events_by_rank, run_rendezvous
 from .schedule import Schedule
 
@@ -313,18 +313,59 @@ def lower(schedule: Schedule) -> LoweredSchedule:
 
 def _plan(schedule: Schedule) -> CommPlan:
     arrays = op_arrays(schedule)
-    p, m = schedule.num_ranks, schedule.num_microbatches
-    num_stages, per_replica = schedule.num_stages, schedule.placement.stages_per_replica
+    stage, mb, rank, index = arrays.stage, arrays.microbatch, arrays.rank, arrays.index
+    consumer, producer, grad = _inputs(schedule, arrays)
+    src, dst = rank[producer], rank[consumer]
+    local = src == dst
+    order = np.argsort(consumer[local], kind="stable")  # in consumer order, rank by rank
+    at = consumer[local][order]
+    from_ = producer[local][order]
+    handoffs = tuple(a.tolist() for a in (grad[local][order], stage[from_], stage[at], mb[at], rank[at]))
+
+    cross = ~local
+    producer, consumer, grad, src, dst = producer[cross], consumer[cross], grad[cross], src[cross], dst[cross]
+    send_gap, recv_gap = index[producer] + 1, index[consumer]
+    order = np.lexsort((send_gap, dst, src))  # channel order: sender, receiver, send position
+    producer, consumer, grad, src, dst = producer[order], consumer[order], grad[order], src[order], dst[order]
+    send_gap, recv_gap = send_gap[order], recv_gap[order]
+    seq, recv_gap = _fifo_channels(src * schedule.num_ranks + dst, recv_gap)
+
+    # The rendezvous run that repairs wait-for cycles (moves receives earlier, in recv_list).
+    events = events_by_rank(schedule.num_ranks, src, dst, send_gap, recv_gap)
+    grad_list, send_list, recv_list = grad.tolist(), send_gap.tolist(), recv_gap.tolist()
+    stuck = run_rendezvous(events, recv_list, is_grad=grad_list, repair=True)
+    return CommPlan(
+        offsets=arrays.offsets,
+        kind_grad=grad_list,
+        src_stage=stage[producer].tolist(),
+        dst_stage=stage[consumer].tolist(),
+        microbatch=mb[consumer].tolist(),
+        src_rank=src.tolist(),
+        dst_rank=dst.tolist(),
+        seq=seq.tolist(),
+        send_gap=send_list,
+        recv_gap=recv_list,
+        consumer=index[consumer].tolist(),
+        handoffs=handoffs,  # type: ignore[arg-type]
+        stuck_at=None if stuck is None else tuple(stuck),
+    )
+
+
+def _inputs(schedule: Schedule, arrays: OpArrays) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(consumer, producer, is_grad)``: every op that takes another stage's output, the op that
+    makes it (global op ids) and whether it is a gradient. A forward of ``(s, mb)`` takes
+    ``F(s-1, mb)``'s activation, a backward the input gradient of ``(s+1, mb)``'s backward, except
+    at the ends of a replica."""
     kind, stage, mb, rank, index = arrays.kind, arrays.stage, arrays.microbatch, arrays.rank, arrays.index
     if arrays.total and (int(stage.min()) < 0 or int(mb.min()) < 0):
         bad = int(np.flatnonzero((stage < 0) | (mb < 0))[0])
         raise ScheduleError(f"rank {rank[bad]}: {schedule.ops[rank[bad]][index[bad]]} has a negative index")
     # Ops beyond the declared stages or micro-batches are lowered all the same (the validator
     # rejects them; a rank running a mismatched schedule then fails in its exchanges, by name).
+    num_stages, m = schedule.num_stages, schedule.num_microbatches
     if arrays.total:
         num_stages, m = max(num_stages, int(stage.max()) + 1), max(m, int(mb.max()) + 1)
-
-    # Producer of every op's input: F(s-1, mb) for a forward, the backward of (s+1, mb) for a backward.
+    per_replica = schedule.placement.stages_per_replica
     cell = stage * m + mb
     ids = np.arange(arrays.total, dtype=np.int64)
     is_f = kind == KIND_F
@@ -340,63 +381,25 @@ def _plan(schedule: Schedule) -> CommPlan:
     producer = np.concatenate((forward_at[cell[act_consumers] - m], backward_at[cell[grad_consumers] + m]))
     grad = np.concatenate((np.zeros(len(act_consumers), np.int64), np.ones(len(grad_consumers), np.int64)))
     if (producer < 0).any():
-        _raise_missing_producer(schedule, arrays.rank, arrays.index, consumer[producer < 0])
+        _raise_missing_producer(schedule, rank, index, consumer[producer < 0])
+    return consumer, producer, grad
 
-    src, dst = rank[producer], rank[consumer]
-    local = src == dst
-    order = np.argsort(consumer[local], kind="stable")  # in consumer order, rank by rank
-    handoff_consumer = consumer[local][order]
-    handoffs = tuple(
-        a.tolist()
-        for a in (
-            grad[local][order],
-            stage[producer[local][order]],
-            stage[handoff_consumer],
-            mb[handoff_consumer],
-            rank[handoff_consumer],
-        )
-    )
 
-    cross = ~local
-    producer, consumer, grad, src, dst = producer[cross], consumer[cross], grad[cross], src[cross], dst[cross]
-    send_gap, recv_gap = index[producer] + 1, index[consumer]
-    order = np.lexsort((send_gap, dst, src))  # channel order
-    producer, consumer, grad, src, dst = producer[order], consumer[order], grad[order], src[order], dst[order]
-    send_gap, recv_gap = send_gap[order], recv_gap[order]
-    n = len(order)
-    channel = src * p + dst
+def _fifo_channels(channel: np.ndarray, recv_gap: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Messages sorted by channel and send position: each one's sequence number on its channel, and
+    its receive position moved up to the next message's receive where that is earlier (FIFO)."""
+    n = len(channel)
     new_channel = np.ones(n, dtype=bool)
     new_channel[1:] = channel[1:] != channel[:-1]
     channel_index = np.cumsum(new_channel) - 1
     seq = np.arange(n, dtype=np.int64) - np.flatnonzero(new_channel)[channel_index]
-    if n:
-        # FIFO per channel: a receive is posted no later than the next one on its channel (a
-        # running minimum from the end, restarted per channel by offsetting each channel below
-        # the ones after it).
-        big = int(recv_gap.max()) + 1
-        offset = (channel_index[-1] - channel_index[::-1]) * big
-        recv_gap = (np.minimum.accumulate(recv_gap[::-1] - offset) + offset)[::-1]
-
-    # The rendezvous run that repairs wait-for cycles (moves receives earlier, in recv_list).
-    events = events_by_rank(p, src, dst, send_gap, recv_gap)
-    src_list, dst_list, grad_list = src.tolist(), dst.tolist(), grad.tolist()
-    send_list, recv_list = send_gap.tolist(), recv_gap.tolist()
-    stuck = run_rendezvous(events, recv_list, is_grad=grad_list, repair=True)
-    return CommPlan(
-        offsets=arrays.offsets,
-        kind_grad=grad_list,
-        src_stage=stage[producer].tolist(),
-        dst_stage=stage[consumer].tolist(),
-        microbatch=mb[consumer].tolist(),
-        src_rank=src_list,
-        dst_rank=dst_list,
-        seq=seq.tolist(),
-        send_gap=send_list,
-        recv_gap=recv_list,
-        consumer=index[consumer].tolist(),
-        handoffs=handoffs,  # type: ignore[arg-type]
-        stuck_at=None if stuck is None else tuple(stuck),
-    )
+    if not n:
+        return seq, recv_gap
+    # a running minimum from the end, restarted per channel by offsetting each channel below the
+    # ones after it
+    big = int(recv_gap.max()) + 1
+    offset = (channel_index[-1] - channel_index[::-1]) * big
+    return seq, (np.minimum.accumulate(recv_gap[::-1] - offset) + offset)[::-1]
 
 
 def _raise_missing_producer(schedule: Schedule, rank: np.ndarray, index: np.ndarray, consumers: np.ndarray) -> None:
