@@ -468,3 +468,36 @@ def test_v_zb_round_built_gives_way_under_tight_limits() -> None:
         schedule = generate("v-zb", p, m, memory_limit=limit)
         validate(schedule)
         assert max(simulate(schedule).peak_activations_1f1b_units) <= limit
+
+
+_COST = st.one_of(
+    st.sampled_from([0.0, 0.5, 1.0, 3.0]),
+    st.floats(0.0, 5.0, allow_nan=False),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    p=st.integers(2, 6),
+    m=st.integers(1, 14),
+    t_f=_COST,
+    t_b=_COST,
+    t_w=_COST,
+    comm=st.sampled_from([0.0, 0.1, 0.5, 2.0]),
+    limit=st.one_of(st.none(), st.sampled_from([1, 1.5, 2, 3, 8, float("inf")])),
+)
+def test_v_zb_any_costs_valid_and_timed(
+    p: int, m: int, t_f: float, t_b: float, t_w: float, comm: float, limit: float | None
+) -> None:
+    # Whatever the costs and limit: a valid schedule within the limit, timed by the generator
+    # exactly as the simulator times it (or a ScheduleError).
+    costs = Costs(t_f, t_b, t_w, None, comm)
+    try:
+        schedule = generate("v-zb", p, m, costs=costs, memory_limit=limit)
+    except ScheduleError:
+        return
+    validate(schedule)
+    result = simulate(schedule, costs)
+    assert result.makespan == pytest.approx(schedule.params["predicted_makespan"], rel=1e-9, abs=1e-9)
+    bound = p if limit is None else limit
+    assert max(result.peak_activations_1f1b_units) <= bound + 1e-9
