@@ -1,0 +1,28 @@
+"""The V-shape schedules at p=8 on real gloo ranks (issue 6: "p=8 if it fits the test budget").
+
+One pool of 8 rank processes for this module (the session pool has 4); on two cores the module
+takes about two minutes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_pp_ext.runtime.tiny_gpt import TinyGPTSpec
+from megatron_pp_ext.runtime.verify import RankPool, verify_schedule
+from megatron_pp_ext.schedules import generate
+
+
+@pytest.fixture(scope="module")
+def pool8():
+    with RankPool(8) as ranks:
+        yield ranks
+
+
+@pytest.mark.parametrize("name", ["v-zb", "v-half", "v-min"])
+def test_v_schedules_at_p8_match_reference(pool8, name):
+    p, m = 8, 16
+    schedule = generate(name, p, m)
+    report = verify_schedule(schedule, pool8, model=TinyGPTSpec(num_layers=2 * p), iterations=2)
+    assert report.problems == []
+    assert report.ok, report
