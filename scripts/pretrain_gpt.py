@@ -216,9 +216,11 @@ def describe(args: Any) -> str:
     m = microbatch_counts(args)[0][-1]
     schedule = config.build(args.pipeline_model_parallel_size, m)
     placement = schedule.placement
+    block = f", building block {schedule.params['block']!r}" if "block" in schedule.params else ""
     return (
         f"pipeline schedule '{schedule.name}' replaces megatron's ({placement.style} placement, "
-        f"p={placement.num_ranks}, {placement.chunks_per_rank} chunk(s) per rank, m={m} micro-batches per iteration)"
+        f"p={placement.num_ranks}, {placement.chunks_per_rank} chunk(s) per rank, m={m} micro-batches per iteration"
+        f"{block})"
     )
 
 
