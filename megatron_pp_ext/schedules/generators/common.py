@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 from ..ir import ScheduleError
 
@@ -51,3 +52,34 @@ def reject_unsupported(schedule: str, unused: Mapping[str, object]) -> None:
             f"{schedule} does not take parameter(s) {', '.join(given)} "
             f"(got {', '.join(f'{k}={unused[k]!r}' for k in given)})"
         )
+
+
+class StageCosts(NamedTuple):
+    """Per-stage op times and the time of one cross-rank hop, as plain tuples."""
+
+    f: tuple[float, ...]
+    b: tuple[float, ...]
+    w: tuple[float, ...]
+    comm: float
+
+
+def stage_costs(costs: object, num_stages: int) -> StageCosts:
+    """Read ``t_f``, ``t_b``, ``t_w`` (a number or one per stage) and ``t_comm`` (a number) from any
+    object that has them, e.g. :class:`megatron_pp_ext.analysis.simulate.Costs`; ``None`` = unit costs."""
+    if costs is None:
+        return StageCosts((1.0,) * num_stages, (1.0,) * num_stages, (1.0,) * num_stages, 0.0)
+    missing = [a for a in ("t_f", "t_b", "t_w") if not hasattr(costs, a)]
+    if missing:
+        raise ScheduleParameterError(
+            f"costs must have attributes t_f, t_b, t_w (and optionally t_comm); {type(costs).__name__} lacks "
+            + ", ".join(missing)
+        )
+    comm = getattr(costs, "t_comm", 0.0)
+    if isinstance(comm, bool) or not isinstance(comm, int | float) or not (math.isfinite(comm) and comm >= 0):
+        raise ScheduleParameterError(f"costs.t_comm must be one finite number >= 0 (time of one hop), got {comm!r}")
+    return StageCosts(
+        per_stage_cost("t_f", costs.t_f, num_stages),  # type: ignore[attr-defined]
+        per_stage_cost("t_b", costs.t_b, num_stages),  # type: ignore[attr-defined]
+        per_stage_cost("t_w", costs.t_w, num_stages),  # type: ignore[attr-defined]
+        float(comm),
+    )

@@ -39,38 +39,10 @@ from ..placement import v_placement
 from ..registry import ScheduleInfo, register
 from ..schedule import Schedule, build_schedule
 from ..timing import op_start_times
-from .common import ScheduleParameterError, check_int, per_stage_cost, reject_unsupported
+from .common import ScheduleParameterError, StageCosts, check_int, reject_unsupported, stage_costs
 from .vshape import V_CONSTRAINTS, check_v_parameters
 
 __all__ = ["POLICIES", "Policy", "VZBTiming", "v_zb", "v_zb_order"]
-
-
-class _StageCosts(NamedTuple):
-    f: tuple[float, ...]
-    b: tuple[float, ...]
-    w: tuple[float, ...]
-    comm: float
-
-
-def _stage_costs(costs: object, num_stages: int) -> _StageCosts:
-    if costs is None:
-        one = (1.0,) * num_stages
-        return _StageCosts(one, one, one, 0.0)
-    missing = [a for a in ("t_f", "t_b", "t_w") if not hasattr(costs, a)]
-    if missing:
-        raise ScheduleParameterError(
-            f"costs must have attributes t_f, t_b, t_w (and optionally t_comm); {type(costs).__name__} lacks "
-            + ", ".join(missing)
-        )
-    comm = getattr(costs, "t_comm", 0.0)
-    if isinstance(comm, bool) or not isinstance(comm, int | float) or not (math.isfinite(comm) and comm >= 0):
-        raise ScheduleParameterError(f"costs.t_comm must be one finite number >= 0 (time of one hop), got {comm!r}")
-    return _StageCosts(
-        per_stage_cost("t_f", costs.t_f, num_stages),  # type: ignore[attr-defined]
-        per_stage_cost("t_b", costs.t_b, num_stages),  # type: ignore[attr-defined]
-        per_stage_cost("t_w", costs.t_w, num_stages),  # type: ignore[attr-defined]
-        float(comm),
-    )
 
 
 def _v_memory_limit(limit: object, p: int) -> int:
@@ -126,7 +98,7 @@ class _Greedy:
     came from its last pass; those next passes are fixed (``obliged``).
     """
 
-    def __init__(self, p: int, m: int, sc: _StageCosts, limit: int, policy: Policy) -> None:
+    def __init__(self, p: int, m: int, sc: StageCosts, limit: int, policy: Policy) -> None:
         self.ordered, lazy_w, prefer_chunk0 = policy[:3]
         self.p, self.m, self.sc, self.limit = p, m, sc, limit
         self.lazy_w, self.prefer_chunk0 = lazy_w, prefer_chunk0
@@ -397,7 +369,7 @@ POLICIES = (
 )
 
 
-def _zbv_handcrafted(p: int, m: int, sc: _StageCosts, limit: int, spec: str) -> tuple[list[list[Op]], VZBTiming] | None:
+def _zbv_handcrafted(p: int, m: int, sc: StageCosts, limit: int, spec: str) -> tuple[list[list[Op]], VZBTiming] | None:
     """ZB-V (zero-bubble paper) as a fixed-priority list schedule, or None if it stalls.
 
     Each rank, when free, runs the ready pass (input arrived) that comes first in ``spec``'s
@@ -537,7 +509,7 @@ class _Rounds(_Greedy):
     """
 
     def __init__(
-        self, p: int, m: int, sc: _StageCosts, limit: int, policy: Policy, approved: tuple[float, ...] | None
+        self, p: int, m: int, sc: StageCosts, limit: int, policy: Policy, approved: tuple[float, ...] | None
     ) -> None:
         super().__init__(p, m, sc, limit, policy)
         self.fill_f, self.fill_b = "F" in policy.rounds, "B" in policy.rounds
@@ -666,7 +638,7 @@ class _Rounds(_Greedy):
         return VZBTiming(max(self.clock), spans, tuple(self.busy), tuple(self.peak))
 
 
-def _zbv_rounds(p: int, m: int, sc: _StageCosts, limit: int, policy: Policy) -> tuple[list[list[Op]], VZBTiming] | None:
+def _zbv_rounds(p: int, m: int, sc: StageCosts, limit: int, policy: Policy) -> tuple[list[list[Op]], VZBTiming] | None:
     """The round-built ZB-V (:class:`_Rounds`), rebuilt with the previous run's idle times as
     the approved slack while that shortens it (the paper's generator does the same); None if
     the construction stalls (e.g. under a tight memory limit)."""
@@ -685,7 +657,7 @@ def _zbv_rounds(p: int, m: int, sc: _StageCosts, limit: int, policy: Policy) -> 
     return None if best is None else (best[1], best[2])
 
 
-def _timing_of_lowered(schedule: Schedule, sc: _StageCosts) -> VZBTiming:
+def _timing_of_lowered(schedule: Schedule, sc: StageCosts) -> VZBTiming:
     """Time the lowered program the way the runtime runs it (:mod:`..timing`, the simulator's
     default ``comm="async"`` model: a compute op waits for its own input only)."""
     table = {OpKind.F: sc.f, OpKind.B: sc.b, OpKind.W: sc.w}
@@ -703,7 +675,7 @@ def _timing_of_lowered(schedule: Schedule, sc: _StageCosts) -> VZBTiming:
     return VZBTiming(max(last_end), spans, busy, tuple(peaks))
 
 
-def _candidate(p: int, m: int, sc: _StageCosts, limit: int, policy: Policy) -> tuple[list[list[Op]], VZBTiming] | None:
+def _candidate(p: int, m: int, sc: StageCosts, limit: int, policy: Policy) -> tuple[list[list[Op]], VZBTiming] | None:
     """One policy's per-rank orders and ideal timing, or None if it stalls."""
     if policy.rounds:
         return _zbv_rounds(p, m, sc, limit, policy)
@@ -714,7 +686,7 @@ def _candidate(p: int, m: int, sc: _StageCosts, limit: int, policy: Policy) -> t
     return greedy.rows, ideal
 
 
-def _unbeatable(p: int, m: int, sc: _StageCosts) -> tuple[float, float]:
+def _unbeatable(p: int, m: int, sc: StageCosts) -> tuple[float, float]:
     """A floor on any schedule's (makespan, longest span): rank ``r`` starts no earlier than micro-batch
     0's forward reaches it and then has its passes to run; a span holds at least its rank's passes."""
     busy = [m * sum(c[s] for c in (sc.f, sc.b, sc.w) for s in (r, 2 * p - 1 - r)) for r in range(p)]
@@ -731,7 +703,7 @@ def v_zb_order(
     one that reaches :func:`_unbeatable`'s floor ends the search)."""
     check_int("p", p, 2)
     check_int("m", m, 1)
-    sc = _stage_costs(costs, 2 * p)
+    sc = stage_costs(costs, 2 * p)
     limit = _v_memory_limit(memory_limit, p)
     placement = v_placement(p)
     floor = _unbeatable(p, m, sc)
