@@ -27,7 +27,6 @@ from megatron_pp_ext.analysis.validate import validate
 from megatron_pp_ext.runtime.tiny_gpt import TinyGPTSpec
 from megatron_pp_ext.runtime.verify import OURS, RankPool, RunSpec, _check_errors
 from megatron_pp_ext.schedules import generate
-from megatron_pp_ext.schedules.ir import OpKind
 
 
 def measure(pool: RankPool, name: str, p: int, m: int, iterations: int, warmup: int) -> dict:
@@ -41,7 +40,7 @@ def measure(pool: RankPool, name: str, p: int, m: int, iterations: int, warmup: 
         vocab_size=512,
         micro_batch_size=2,
     )
-    split = any(op.kind in (OpKind.B, OpKind.W) for _, _, op in schedule.all_ops())
+    split = schedule.splits_backward
     spec = RunSpec(
         pp=p,
         num_microbatches=m,

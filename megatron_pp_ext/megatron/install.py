@@ -229,9 +229,7 @@ def install(args_or_config: Any = None, *, layout_hooks: bool | None = None) -> 
 def _splits_backward(config: PipelineConfig) -> bool:
     """Does the selected schedule run separate B and W ops?"""
     if config.schedule_file:
-        from ..schedules.ir import OpKind
-
-        return any(op.kind in (OpKind.B, OpKind.W) for _, _, op in config.load_file().all_ops())
+        return config.load_file().splits_backward
     return bool(config.schedule) and registry.get(config.schedule).splits_backward
 
 

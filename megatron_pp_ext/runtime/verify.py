@@ -492,13 +492,12 @@ def verify_schedule(
 ) -> VerifyReport:
     """Run ``schedule`` (a validated Schedule) and its reference; return the comparison."""
     from ..analysis.validate import validate
-    from ..schedules.ir import OpKind
 
     validate(schedule)
     p, m = schedule.num_ranks, schedule.num_microbatches
     if model is None:
         model = TinyGPTSpec(num_layers=schedule.placement.stages_per_replica)
-    split = any(op.kind in (OpKind.B, OpKind.W) for _, _, op in schedule.all_ops())
+    split = schedule.splits_backward
     common = {
         "num_microbatches": m,
         "tp": tp,

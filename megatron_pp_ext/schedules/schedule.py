@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .ir import Op, ScheduleSyntaxError
+from .ir import Op, OpKind, ScheduleSyntaxError
 from .placement import Placement, make_placement
 
 CSV_MAGIC = "megatron_pp_ext schedule v1"
@@ -72,6 +72,11 @@ class Schedule:
         """Global stages a micro-batch passes through, in forward order."""
         first = self.placement.first_stage(self.replica_of_microbatch(microbatch))
         return range(first, first + self.placement.stages_per_replica)
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether any backward is split into ``B`` and ``W`` (the weight-gradient store is needed)."""
+        return any(op.kind in (OpKind.B, OpKind.W) for row in self.ops for op in row)
 
     def all_ops(self) -> Iterable[tuple[int, int, Op]]:
         for rank, row in enumerate(self.ops):
