@@ -55,8 +55,8 @@ def events_by_rank(
     order = np.lexsort((is_recv, pos, rank))
     rank, pos, is_recv = rank[order], pos[order], is_recv[order]
     mids = np.concatenate((ids, ids))[order]
-    peers = np.where(is_recv == 1, src[mids] if n else mids, dst[mids] if n else mids)
-    needs = np.where(is_recv == 1, send_pos[mids] if n else mids, -1)
+    peers = np.where(is_recv == 1, src[mids], dst[mids])
+    needs = np.where(is_recv == 1, send_pos[mids], -1)
     first = np.ones(len(rank), dtype=bool)
     first[1:] = (rank[1:] != rank[:-1]) | (pos[1:] != pos[:-1])
     batch_start = np.flatnonzero(first)
