@@ -175,6 +175,12 @@ def _patch_sequence_parallel_collectives() -> None:
     def reduce_scatter_tensor(
         output: Any, input: Any, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False
     ) -> Any:
+        if output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr():
+            # In place (megatron DDP's distributed-optimizer path: the output is this rank's shard of
+            # the bucket): an all-reduce of the whole input leaves the reduced shard where megatron
+            # reads it, and, unlike a copy after the fact, stays right inside megatron's
+            # _coalescing_manager, where gloo runs the collectives only when the block ends.
+            return dist.all_reduce(input, op=op, group=group, async_op=async_op)
         with torch.no_grad():
             total = input.clone()
             dist.all_reduce(total, op=op, group=group)
@@ -315,6 +321,14 @@ def _patch_tensor_type() -> None:
         return original(self, dtype, non_blocking, **kwargs)
 
     torch.Tensor.type = type_  # type: ignore[method-assign,assignment]
+
+
+def enable_megatron_optimizer_on_cpu() -> None:
+    """What megatron-core's optimizers (``get_megatron_optimizer``, the distributed optimizer) need
+    on CPU beyond :func:`enable_cpu_mode`: CUDA type names from ``Tensor.type()``."""
+    if is_enabled() and not getattr(torch.Tensor.type, "_megatron_pp_cpu", False):
+        _patch_tensor_type()
+        torch.Tensor.type._megatron_pp_cpu = True  # type: ignore[attr-defined]
 
 
 def _patch_device_queries() -> None:

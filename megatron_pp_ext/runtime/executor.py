@@ -7,7 +7,12 @@ returns. It interprets this rank's lowered program instruction by instruction:
 * ``F``  runs megatron's ``forward_step`` on the op's chunk;
 * ``BW`` runs megatron's ``backward_step`` (full backward);
 * ``B`` / ``W`` run the split backward through the weight-gradient store;
-* an ``Exchange`` posts its sends and receives as one batch (``runtime.p2p``).
+* an ``Exchange`` posts its sends and receives as one batch (``runtime.p2p``);
+* the collectives :mod:`~megatron_pp_ext.schedules.collectives` derives for a gap
+  (data-parallel gradient reduction of a chunk after its last backward, the
+  distributed optimizer's parameter gather before its first forward, FSDP
+  unshard/reshard, the replica gradient sync of bidirectional placements) are
+  launched when the program reaches that gap.
 
 Tensors move through a mailbox keyed like the lowering's messages
 ``(kind, consumer stage, micro-batch)``: a producer deposits its output, a send
@@ -28,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..schedules.collectives import Collective, CollectiveKind, CollectivePolicy, derive_collectives
 from ..schedules.ir import Op, OpKind, ScheduleError
 from ..schedules.lowering import ACT, GRAD, Compute, Exchange, LoweredSchedule, lower
 from ..schedules.schedule import Schedule
@@ -66,11 +72,13 @@ class _Plan:
     program: tuple[Compute | Exchange, ...]
     first_forward: frozenset[Op]  # first F of each local chunk
     sync_points: dict[Op, tuple[int, bool]]  # op -> (chunk, is the chunk's very last grad-producing op)
+    collectives: dict[int, tuple[Collective, ...]]  # gap (index of the next compute op) -> collectives
 
 
-def _plan_for(lowered: LoweredSchedule, rank: int) -> _Plan:
+def _plan_for(lowered: LoweredSchedule, rank: int, policy: CollectivePolicy) -> _Plan:
     placement = lowered.schedule.placement
     program = lowered.program(rank)
+    collectives = derive_collectives(lowered.schedule, policy).on_rank(rank)
     ops = [ins.op for ins in program if isinstance(ins, Compute)]
     first_forward: dict[int, Op] = {}
     last_input_grad: dict[int, Op] = {}  # last op producing grads in B (B or BW)
@@ -90,17 +98,17 @@ def _plan_for(lowered: LoweredSchedule, rank: int) -> _Plan:
     for table in (last_input_grad, last_weight_grad):
         for chunk, op in table.items():
             sync_points[op] = (chunk, last_any[chunk] == op)
-    return _Plan(lowered, program, frozenset(first_forward.values()), sync_points)
+    return _Plan(lowered, program, frozenset(first_forward.values()), sync_points, collectives)
 
 
 class _GradSync:
-    """Megatron's no_sync / grad_sync hooks, driven by the schedule's last backward ops.
+    """Megatron's no_sync / grad_sync hooks, driven by the schedule.
 
-    Grad reduction stays disabled except while a chunk's last input-gradient op
-    and its last weight-gradient op run (DDP marks a parameter ready when its
-    grad accumulates with sync enabled), or, when megatron installed
-    ``grad_sync_func``, it is launched for a chunk right after the chunk's last
-    gradient-producing op.
+    Grad reduction stays disabled (``no_sync``) for the whole iteration. When megatron installed
+    ``grad_sync_func`` (``overlap_grad_reduce``), the derived ``reduce-grads`` collective of a chunk
+    launches it right after the chunk's last gradient-producing op. Without it, DDP's own hooks
+    decide: sync is enabled while a chunk's last input-gradient op and its last weight-gradient op
+    run (DDP marks a parameter ready when its grad accumulates with sync enabled).
     """
 
     def __init__(self, config: Any, models: Sequence[torch.nn.Module], active: bool) -> None:
@@ -119,10 +127,7 @@ class _GradSync:
 
             no_sync = all_no_sync
         self.no_sync_func = no_sync or contextlib.nullcontext
-        grad_sync = config.grad_sync_func if active else None
-        if grad_sync is not None and not isinstance(grad_sync, list):
-            grad_sync = [grad_sync] * len(models)
-        self.grad_sync_func = grad_sync
+        self.grad_sync_func = _per_chunk(config.grad_sync_func if active else None, len(models))
         self.synced: set[int] = set()
         self._ctx: Any = None
 
@@ -138,28 +143,36 @@ class _GradSync:
 
     @contextlib.contextmanager
     def around(self, sync_point: tuple[int, bool] | None) -> Iterator[None]:
-        if sync_point is None or not self.active:
+        if sync_point is None or not self.active or self.grad_sync_func is not None:
             yield
             return
-        chunk, last = sync_point
-        if self.grad_sync_func is None:
-            self.enable()
-            try:
-                yield
-            finally:
-                self.disable()
-        else:
+        self.enable()
+        try:
             yield
-            if last:
-                self.grad_sync_func[chunk](self.models[chunk].parameters())
-                self.synced.add(chunk)
+        finally:
+            self.disable()
 
-    def finish(self) -> None:
+    def reduce(self, chunk: int) -> None:
+        """The derived ``reduce-grads`` collective: start the chunk's data-parallel reduction."""
+        assert self.grad_sync_func is not None
+        if chunk in self.synced:
+            raise ExecutorError(f"gradient reduction of chunk {chunk} launched twice in one iteration")
+        self.grad_sync_func[chunk](self.models[chunk].parameters())
+        self.synced.add(chunk)
+
+    def finish(self, where: str) -> None:
         self.enable()
         if self.grad_sync_func is not None:
-            for chunk, model in enumerate(self.models):
-                if chunk not in self.synced:
-                    self.grad_sync_func[chunk](model.parameters())
+            missing = [chunk for chunk in range(len(self.models)) if chunk not in self.synced]
+            if missing:
+                raise ExecutorError(f"{where}: chunks {missing} never launched their gradient reduction")
+
+
+def _per_chunk(funcs: Any, num_chunks: int) -> list[Callable[..., Any]] | None:
+    """Megatron's per-chunk hook lists (``grad_sync_func``, ``param_sync_func``): one function or a list."""
+    if funcs is None:
+        return None
+    return list(funcs) if isinstance(funcs, list) else [funcs] * num_chunks
 
 
 def make_forward_backward_func(
@@ -168,14 +181,30 @@ def make_forward_backward_func(
     tracer_factory: Callable[[int], Tracer] | None = None,
     timeout_s: float | None = None,
     use_tags: bool = True,
+    fsdp_max_unsharded: int | None = None,
+    replica_sync_func: Callable[[int], None] | None = None,
 ) -> Callable[..., list[Any]]:
-    """Build megatron's ``forward_backward_func`` for schedules from ``schedule_for(num_microbatches)``."""
-    plans: dict[tuple[int, int, bool], tuple[Schedule, _Plan]] = {}
+    """Build megatron's ``forward_backward_func`` for schedules from ``schedule_for(num_microbatches)``.
+
+    ``fsdp_max_unsharded``: the model chunks are FSDP chunks (``unshard()`` / ``reshard()``, see
+    :mod:`.fsdp`) of which at most this many are gathered at once. ``replica_sync_func(chunk)``:
+    all-reduces a chunk's gradients with the other replica's copy (bidirectional placements).
+    Megatron's own ``grad_sync_func`` / ``param_sync_func`` (config) are launched where the
+    collectives pass places them.
+    """
+    plans: dict[tuple[int, int, bool, CollectivePolicy], tuple[Schedule, _Plan]] = {}
     tracers: dict[int, Tracer] = {}
 
-    def plan(num_microbatches: int, rank: int, forward_only: bool) -> _Plan:
+    def plan(num_microbatches: int, rank: int, forward_only: bool, config: Any) -> _Plan:
         schedule = schedule_for(num_microbatches)  # the source caches; it may re-plan between calls
-        key = (num_microbatches, rank, forward_only)
+        training = not forward_only
+        policy = CollectivePolicy(
+            reduce_grads=training and config.grad_sync_func is not None,
+            param_sync=training and config.param_sync_func is not None,
+            fsdp_max_unsharded=fsdp_max_unsharded,
+            replica_sync=training and replica_sync_func is not None,
+        )
+        key = (num_microbatches, rank, forward_only, policy)
         cached = plans.get(key)
         if cached is None or cached[0] is not schedule:
             if schedule.num_microbatches != num_microbatches:
@@ -184,7 +213,7 @@ def make_forward_backward_func(
                     f"megatron asked for {num_microbatches}"
                 )
             run_schedule = forward_only_schedule(schedule) if forward_only else schedule
-            plans[key] = cached = (schedule, _plan_for(lower(run_schedule), rank))
+            plans[key] = cached = (schedule, _plan_for(lower(run_schedule), rank, policy))
         return cached[1]
 
     def forward_backward_func(
@@ -209,7 +238,9 @@ def make_forward_backward_func(
         models = list(model) if isinstance(model, list) else [model]
         pp_group, pg_collection = _groups(p2p_communicator, pg_collection)
         rank = pp_group.rank()
-        the_plan = plan(num_microbatches, rank, forward_only)
+        from megatron.core.utils import get_model_config
+
+        the_plan = plan(num_microbatches, rank, forward_only, get_model_config(models[0]))
         if rank not in tracers:
             tracers[rank] = tracer_factory(rank) if tracer_factory else NullTracer()
         run = _Run(
@@ -231,6 +262,7 @@ def make_forward_backward_func(
             tracer=tracers[rank],
             timeout_s=p2p.DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s,
             use_tags=use_tags,
+            replica_sync_func=replica_sync_func,
         )
         return run.execute()
 
@@ -280,7 +312,9 @@ class _Run:
         self.tracer: Tracer = kw["tracer"]
         self.timeout_s: float = kw["timeout_s"]
         self.use_tags: bool = kw["use_tags"]
+        self.replica_sync_func: Callable[[int], None] | None = kw["replica_sync_func"]
         self.config = get_model_config(self.models[0])
+        self.param_sync_func = _per_chunk(self.config.param_sync_func, len(self.models))
 
         if pp_group.size() != self.schedule.num_ranks:
             raise ExecutorError(
@@ -381,13 +415,20 @@ class _Run:
         )
         self.tracer.begin_iteration(self.forward_only)
         program = self.plan.program
+        collectives = self.plan.collectives
+        gap = 0
         for index, instruction in enumerate(program):
             if isinstance(instruction, Compute):
+                for collective in collectives.get(gap, ()):
+                    self._collective(collective)
                 self._compute(instruction.op)
+                gap += 1
             else:
                 self._exchange(instruction, _next_op(program, index))
+        for collective in collectives.get(gap, ()):
+            self._collective(collective)
         self._retire_completed(wait=True)
-        self.grad_sync.finish()
+        self.grad_sync.finish(self._where())
         self._check_drained()
         for it in self.iterators:
             if it is not None:
@@ -416,6 +457,26 @@ class _Run:
         if not self.forward_only:
             self.wgrad.check_empty(self._where())
 
+    def _collective(self, collective: Collective) -> None:
+        """Launch a derived collective (asynchronous where the implementation allows)."""
+        chunk = self.placement.chunk_of(collective.stage)
+        self.tracer.collective(collective)
+        kind = collective.kind
+        if kind == CollectiveKind.REDUCE_GRADS:
+            self.grad_sync.reduce(chunk)
+        elif kind == CollectiveKind.PARAM_SYNC:
+            assert self.param_sync_func is not None
+            self.param_sync_func[chunk](self.models[chunk].parameters())
+        elif kind == CollectiveKind.UNSHARD:
+            self.models[chunk].unshard()
+        elif kind == CollectiveKind.RESHARD:
+            self.models[chunk].reshard()
+        elif kind == CollectiveKind.REPLICA_SYNC:
+            assert self.replica_sync_func is not None
+            self.replica_sync_func(chunk)
+        else:  # pragma: no cover - a kind added to the pass but not here
+            raise ExecutorError(f"{self._where()}: no implementation for collective {collective}")
+
     def _compute(self, op: Op) -> None:
         self._await_inputs(op)  # waiting for data is idle time, not part of the op
         self.tracer.begin_op(op)
@@ -433,9 +494,6 @@ class _Run:
         from megatron.core.pipeline_parallel.schedules import check_first_val_step, forward_step
 
         chunk = self.placement.chunk_of(op.stage)
-        if op in self.plan.first_forward and not self.forward_only and self.config.param_sync_func is not None:
-            funcs = self.config.param_sync_func
-            (funcs[chunk] if isinstance(funcs, list) else funcs)(self.models[chunk].parameters())
         input_tensor = None
         if not self.placement.is_first(op.stage):
             input_tensor = self._take((ACT, op.stage, op.microbatch), op)

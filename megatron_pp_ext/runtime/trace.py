@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..schedules.collectives import Collective
 from ..schedules.ir import Op
 
 
@@ -32,6 +33,7 @@ class NullTracer:
     def begin_comm(self) -> None: ...
     def end_comm(self) -> None: ...
     def released(self, op: Op) -> None: ...
+    def collective(self, collective: Collective) -> None: ...
     def add_held_bytes(self, nbytes: int) -> None: ...
 
     @contextlib.contextmanager
@@ -57,6 +59,8 @@ class Tracer(NullTracer):
         self._last_end = 0.0
         self.peak_bytes = 0
         self.stage_bytes: dict[int, int] = {}  # bytes one micro-batch's forward saved, per stage
+        self._collectives: list[dict[str, Any]] = []  # this iteration's launches
+        self._last_backward_end = 0.0
 
     def _now(self) -> float:
         return time.perf_counter() - self._t0
@@ -69,11 +73,16 @@ class Tracer(NullTracer):
         self._busy = 0.0
         self._first_start = None
         self._iter_peak = self.live_bytes()
+        self._collectives = []
+        self._last_backward_end = 0.0
 
     def end_iteration(self) -> None:
         end = self._now()
         span = (self._last_end - self._first_start) if self._first_start is not None else 0.0
         total = end - self._iter_start
+        counts: dict[str, int] = {}
+        for launch in self._collectives:
+            counts[launch["kind"]] = counts.get(launch["kind"], 0) + 1
         self.iterations.append(
             {
                 "step_time_s": total,
@@ -81,6 +90,30 @@ class Tracer(NullTracer):
                 "span_s": span,
                 "bubble_rate": (total - self._busy) / total if total > 0 else 0.0,
                 "peak_activation_bytes": self._iter_peak,
+                "collective_counts": counts,
+                # launches relative to the iteration: "before_last_backward_end" says a reduction
+                # started while backward work of this rank was still to come (overlap)
+                "collectives": [
+                    {**launch, "before_last_backward_end": launch["t_s"] < self._last_backward_end - self._iter_start}
+                    for launch in self._collectives
+                ],
+            }
+        )
+
+    def collective(self, collective: Collective) -> None:
+        now = self._now()
+        self._collectives.append(
+            {"kind": str(collective.kind), "stage": collective.stage, "t_s": now - self._iter_start}
+        )
+        self.events.append(
+            {
+                "name": str(collective),
+                "cat": "collective",
+                "ph": "i",
+                "s": "t",
+                "pid": self.rank,
+                "tid": 2,
+                "ts": now * 1e6,
             }
         )
 
@@ -93,6 +126,8 @@ class Tracer(NullTracer):
         end = self._now()
         self._busy += end - self._op_start
         self._last_end = end
+        if op.kind != "F":
+            self._last_backward_end = end
         live = self.live_bytes()
         self._iter_peak = max(self._iter_peak, live)
         self.peak_bytes = max(self.peak_bytes, live)
@@ -157,7 +192,7 @@ class Tracer(NullTracer):
         """Mean duration (s) of each op kind per stage, over every traced op."""
         sums: dict[tuple[str, int], list[float]] = {}
         for event in self.events:
-            if event["cat"] == "comm":
+            if event["cat"] in ("comm", "collective"):
                 continue
             kind, stage = event["cat"], int(event["name"][len(event["cat"]) :].split(".")[0])
             sums.setdefault((kind, stage), []).append(event["dur"] / 1e6)
