@@ -124,7 +124,9 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
     overlap = spec.dp > 1 or spec.distributed_optimizer
     if spec.use_ddp:
         ddp_config = DistributedDataParallelConfig(
-            overlap_grad_reduce=overlap, use_distributed_optimizer=spec.distributed_optimizer
+            overlap_grad_reduce=overlap,
+            use_distributed_optimizer=spec.distributed_optimizer,
+            overlap_param_gather=spec.distributed_optimizer,
         )
         chunks = [
             DistributedDataParallel(config=config, ddp_config=ddp_config, module=c, disable_bucketing=(i > 0))
@@ -133,6 +135,8 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
         config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
         if overlap:  # as megatron's training loop does with overlap_grad_reduce and align_grad_reduce
             config.grad_sync_func = [c.start_grad_sync for c in chunks]
+        if spec.distributed_optimizer:  # likewise with overlap_param_gather and align_param_gather
+            config.param_sync_func = [c.start_param_sync for c in chunks]
         config.finalize_model_grads_func = finalize_model_grads
     params = [p for c in chunks for p in c.parameters()]
     if spec.distributed_optimizer:
@@ -441,6 +445,9 @@ class VerifyReport:
     losses: list[float]
     peak_activation_bytes: list[int] = field(default_factory=list)
     measured_bubble_rate: list[float] = field(default_factory=list)
+    # per pipeline rank (data-parallel replica 0): the derived collectives launched in the last
+    # iteration, in order, each with whether it started before the rank's last backward ended
+    collectives: list[list[str]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     tolerance: float = 1e-6
 
@@ -540,9 +547,18 @@ def compare(
         losses=[sum(x) / len(x) if x else float("nan") for x in run_losses],
         peak_activation_bytes=[t["peak_activation_bytes"] for t in traces if t],
         measured_bubble_rate=[t["measured_bubble_rate"] for t in traces if t],
+        collectives=[_launches(t) for t in traces if t],
         problems=problems,
         tolerance=tol,
     )
+
+
+def _launches(trace: dict[str, Any]) -> list[str]:
+    last = trace["per_iteration"][-1] if trace.get("per_iteration") else {}
+    return [
+        f"{c['kind']}[s{c['stage']}]{' (overlaps backward)' if c['before_last_backward_end'] else ''}"
+        for c in last.get("collectives", [])
+    ]
 
 
 def default_tolerance(dp: int) -> float:

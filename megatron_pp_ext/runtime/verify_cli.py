@@ -26,7 +26,20 @@ def add_verify_parser(subparsers: Any) -> None:
     parser.add_argument("--untied-embeddings", action="store_true", help="separate input and output embeddings")
     parser.add_argument("--no-ddp", action="store_true", help="plain autograd gradients instead of megatron DDP")
     parser.add_argument("--sequence-parallel", action="store_true", help="megatron sequence parallelism (tp > 1)")
-    parser.add_argument("--tolerance", type=float, default=1e-6, help="max relative gradient difference")
+    parser.add_argument(
+        "--dp", type=int, default=1, help="data-parallel replicas of the pipeline (P x TP x DP ranks; default 1)"
+    )
+    parser.add_argument(
+        "--distributed-optimizer",
+        action="store_true",
+        help="megatron's distributed optimizer (gradient reduce-scatter, parameter all-gather); needs megatron DDP",
+    )
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="max relative gradient difference (default 1e-6, 1e-5 with --dp > 1: see verify.default_tolerance)",
+    )
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a stuck send/recv fails")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(func=run_verify)
@@ -37,6 +50,12 @@ def run_verify(args: argparse.Namespace) -> int:
     from .tiny_gpt import TinyGPTSpec
     from .verify import VerifyRunError, verify_schedule
 
+    if args.dp < 1:
+        print(f"{PROG}: --dp must be an integer >= 1, got {args.dp}", file=sys.stderr)
+        return 2
+    if args.distributed_optimizer and args.no_ddp:
+        print(f"{PROG}: --distributed-optimizer needs megatron DDP (drop --no-ddp)", file=sys.stderr)
+        return 2
     schedule = _schedule_from_args(args)
     model = TinyGPTSpec(
         num_layers=schedule.placement.stages_per_replica * args.layers_per_stage,
@@ -52,6 +71,8 @@ def run_verify(args: argparse.Namespace) -> int:
             sequence_parallel=args.sequence_parallel,
             timeout_s=args.timeout,
             tol=args.tolerance,
+            dp=args.dp,
+            distributed_optimizer=args.distributed_optimizer,
         )
     except (VerifyRunError, TimeoutError) as exc:
         print(f"{PROG}: verify of {schedule.name} failed on a rank: {exc}", file=sys.stderr)
@@ -68,6 +89,8 @@ def run_verify(args: argparse.Namespace) -> int:
         print(f"  losses per iteration: {', '.join(f'{x:.6f}' for x in report.losses)}")
         print(f"  peak activation bytes per rank: {report.peak_activation_bytes}")
         print(f"  measured bubble rate per rank: {[round(x, 3) for x in report.measured_bubble_rate]}")
+        for rank, launches in enumerate(report.collectives):
+            print(f"  rank {rank} collectives (last iteration): {launches}")
         for problem in report.problems:
             print(f"  problem: {problem}")
     if not report.ok:
