@@ -235,7 +235,19 @@ class ShardedChunk(torch.nn.Module):
 
     # ---- forward passthrough (megatron's schedules unwrap ``.module`` for set_input_tensor) --------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        output = self.module(*args, **kwargs)
+        if isinstance(output, torch.Tensor) and output.grad_fn is not None:
+            # The chunk's backward starts at this node: fail clearly if its weights were freed meanwhile
+            # (instead of torch's "data is not allocated yet" from deep inside a layer's backward).
+            output.grad_fn.register_prehook(self._check_unsharded_for_backward)
+        return output
+
+    def _check_unsharded_for_backward(self, _grad_outputs: Any) -> None:
+        if not self.is_unsharded:
+            raise FsdpError(
+                f"rank {self.global_rank}: backward of {self.chunk_name} while its parameters are sharded "
+                "(call unshard, and wait_unshard, before the chunk's B/BW ops)"
+            )
 
     def _check_unsharded_for_forward(self, _module: Any, _args: Any) -> None:
         if not self.is_unsharded:

@@ -28,6 +28,7 @@ class FsdpCase:
     lr: float = 1e-4
     extra_reduce_param: str | None = None  # chunk-1 parameter all-reduced over the world group first
     skip_unshard_on_rank: int | None = None  # provoke a collective timeout
+    backward_while_sharded: bool = False  # driver error: chunk 0's backward sweep without unshard
     timeout_s: float = 30.0
     model: TinyGPTSpec = field(
         default_factory=lambda: TinyGPTSpec(
@@ -174,6 +175,13 @@ def _run(case: FsdpCase, rank: int, torch: Any, dist: Any) -> dict[str, Any]:
                 store.run(1, mb, "test W chunk 1")
             chunks[1].reshard()
         chunks[1].start_grad_reduce()  # overlaps chunk 0's backward
+        if case.backward_while_sharded:
+            try:
+                torch.autograd.backward(acts[-1], inputs[-1].grad)
+            except FsdpError as exc:
+                out["sharded_backward_error"] = str(exc)
+            chunks[1].finish_grad_reduce()
+            return out
         unshard(0, calls)
         for mb in reversed(range(m)):
             with store.deferring(0, mb, enabled=case.split_backward, where="test B chunk 0"):

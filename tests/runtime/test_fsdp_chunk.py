@@ -85,6 +85,12 @@ def test_extra_grad_reduction_sums_over_the_other_group_first(pool):
         assert max(r["grad_rel"]) <= TOL, r["grad_rel"]
 
 
+def test_backward_of_a_resharded_chunk_fails_clearly(pool):
+    results = _run(pool, FsdpCase(microbatches=2, backward_while_sharded=True))
+    for r in results:
+        assert "backward of chunk 0 while its parameters are sharded" in r["sharded_backward_error"]
+
+
 def test_a_missing_peer_times_out_naming_rank_and_op(pool):
     results = pool.run_fn(fsdp_check, FsdpCase(skip_unshard_on_rank=1, timeout_s=2.0), 2, 120)
     _check_errors(results)
