@@ -54,6 +54,7 @@ __all__ = [
     "FsdpMemory",
     "FsdpTimeoutError",
     "ShardedChunk",
+    "add_tied_grads_locally",
     "tied_embedding_reductions",
 ]
 
@@ -138,7 +139,9 @@ class ShardedChunk(torch.nn.Module):
     ``extra_grad_reductions`` maps a parameter name (``module.named_parameters()``) to a process group
     over which that parameter's full gradient is all-reduced (summed) before the reduce-scatter — e.g.
     the tied word embedding over megatron's embedding group (:func:`tied_embedding_reductions`), or
-    sequence-parallel layer-norm weights over the tensor-parallel group.
+    sequence-parallel layer-norm weights over the tensor-parallel group — or to a callable that gets
+    the full (unscaled) gradient view and may change it in place. Both ends of a tied embedding on
+    one rank (V-shape) use :func:`add_tied_grads_locally` instead.
     """
 
     def __init__(
@@ -336,6 +339,9 @@ class ShardedChunk(torch.nn.Module):
         self.ensure_grad_buffer()  # a chunk without gradients still joins the collective (zeros)
         views = dict(zip(self._names, (p.main_grad for p in self._params), strict=True))  # type: ignore[attr-defined]
         for pname, group in self.extra_grad_reductions.items():
+            if callable(group) and not isinstance(group, dist.ProcessGroup):
+                group(views[pname])
+                continue
             work = dist.all_reduce(views[pname], group=group, async_op=True)
             self._wait(work, f"all-reduce of {pname} (extra_grad_reductions)")
             self.counters.extra_all_reduces += 1
@@ -424,6 +430,11 @@ class ShardedChunk(torch.nn.Module):
     def sharded_names(self) -> Iterator[str]:
         return iter(self._names)
 
+    def main_grad_of(self, name: str) -> torch.Tensor:
+        """The full-gradient view of one parameter (allocating the buffer if needed)."""
+        self.ensure_grad_buffer()
+        return self._params[self._names.index(name)].main_grad  # type: ignore[attr-defined,no-any-return]
+
 
 def tied_embedding_reductions(module: Any, embedding_group: Any) -> dict[str, Any]:
     """``extra_grad_reductions`` for megatron's tied word embedding on the first and last stage.
@@ -445,3 +456,15 @@ def tied_embedding_reductions(module: Any, embedding_group: Any) -> dict[str, An
     if getattr(gpt, "post_process", False):
         return {"output_layer.weight": embedding_group}
     return {}
+
+
+def add_tied_grads_locally(a: ShardedChunk, name_a: str, b: ShardedChunk, name_b: str) -> None:
+    """Tied embedding with both ends on this rank (V-shape): both copies get the summed gradient.
+
+    The local equivalent of megatron's embedding-group all-reduce. Call it after the last backward
+    (and W) of *both* chunks and before either chunk's :meth:`ShardedChunk.start_grad_reduce`: the
+    loss-side chunk therefore keeps its full gradient until the embedding-side chunk's backward ends.
+    """
+    ga, gb = a.main_grad_of(name_a), b.main_grad_of(name_b)
+    ga.add_(gb)
+    gb.copy_(ga)

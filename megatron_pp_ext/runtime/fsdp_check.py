@@ -10,6 +10,7 @@ counters and memory; ``tests/runtime/test_fsdp_chunk.py`` asserts on them.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,7 @@ class FsdpCase:
     lr: float = 1e-4
     extra_reduce_param: str | None = None  # chunk-1 parameter all-reduced over the world group first
     skip_unshard_on_rank: int | None = None  # provoke a collective timeout
+    tied: bool = False  # tied embedding, both ends on this rank: add_tied_grads_locally
     backward_while_sharded: bool = False  # driver error: chunk 0's backward sweep without unshard
     timeout_s: float = 30.0
     model: TinyGPTSpec = field(
@@ -68,11 +70,11 @@ def fsdp_check(case: FsdpCase, rank: int, init_method: str) -> dict[str, Any]:
 def _run(case: FsdpCase, rank: int, torch: Any, dist: Any) -> dict[str, Any]:
     from ..schedules.placement import loop_placement
     from . import tiny_gpt
-    from .fsdp import FsdpError, FsdpMemory, FsdpTimeoutError, ShardedChunk
+    from .fsdp import FsdpError, FsdpMemory, FsdpTimeoutError, ShardedChunk, add_tied_grads_locally
     from .wgrad import get_weight_grad_store
     from .wgrad_hooks import install_wgrad_hooks, uninstall_wgrad_hooks
 
-    spec = case.model
+    spec = dataclasses.replace(case.model, tied_embeddings=True) if case.tied else case.model
     m, n = case.microbatches, case.dp
     if case.split_backward:
         install_wgrad_hooks()
@@ -174,7 +176,8 @@ def _run(case: FsdpCase, rank: int, torch: Any, dist: Any) -> dict[str, Any]:
             for mb in reversed(range(m)):
                 store.run(1, mb, "test W chunk 1")
             chunks[1].reshard()
-        chunks[1].start_grad_reduce()  # overlaps chunk 0's backward
+        if not case.tied:
+            chunks[1].start_grad_reduce()  # overlaps chunk 0's backward
         if case.backward_while_sharded:
             try:
                 torch.autograd.backward(acts[-1], inputs[-1].grad)
@@ -193,6 +196,9 @@ def _run(case: FsdpCase, rank: int, torch: Any, dist: Any) -> dict[str, Any]:
             for mb in reversed(range(m)):
                 store.run(0, mb, "test W chunk 0")
         chunks[0].reshard()
+        if case.tied:  # the output layer's copy waited for the embedding's gradient
+            add_tied_grads_locally(chunks[0], "embedding.word_embeddings.weight", chunks[1], "output_layer.weight")
+            chunks[1].start_grad_reduce()
         chunks[0].start_grad_reduce()
         chunks[1].finish_grad_reduce()
         chunks[0].finish_grad_reduce()

@@ -85,6 +85,14 @@ def test_extra_grad_reduction_sums_over_the_other_group_first(pool):
         assert max(r["grad_rel"]) <= TOL, r["grad_rel"]
 
 
+def test_tied_embedding_with_both_ends_on_one_rank(pool):
+    """V-shape's case: the two copies of the word embedding get the summed gradient and stay equal."""
+    results = _run(pool, FsdpCase(microbatches=2, iterations=2, adam=True, tied=True))
+    for r in results:
+        assert max(r["grad_rel"]) <= TOL, r["grad_rel"]
+        assert max(r["param_rel"]) <= TOL, r["param_rel"]
+
+
 def test_backward_of_a_resharded_chunk_fails_clearly(pool):
     results = _run(pool, FsdpCase(microbatches=2, backward_while_sharded=True))
     for r in results:
