@@ -55,6 +55,7 @@ __all__ = [
     "FsdpTimeoutError",
     "ShardedChunk",
     "add_tied_grads_locally",
+    "finalize_sharded_grads",
     "tied_embedding_reductions",
 ]
 
@@ -398,6 +399,18 @@ class ShardedChunk(torch.nn.Module):
         """The tensors an optimizer updates (``torch.optim.Adam(chunk.optimizer_params())``)."""
         return [self.main_shard]
 
+    def local_grad_sq_norm(self) -> torch.Tensor:
+        """Sum of squares of this rank's reduced gradient shard (padding is zero).
+
+        For gradient clipping: all-reduce the sum over all chunks of a rank over the data-parallel and
+        pipeline groups, then scale the shards' ``.grad`` by ``min(1, max_norm / sqrt(total))``.
+        """
+        return self._grad_shard.double().pow(2).sum()
+
+    @property
+    def reduce_started(self) -> bool:
+        return self._reduce_work is not None or self._reduced
+
     # ---- verification helpers (collectives: every rank of the group calls them) -------------------
     def _gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
         full = torch.empty(self.padded_numel, dtype=shard.dtype, device=shard.device)
@@ -468,3 +481,21 @@ def add_tied_grads_locally(a: ShardedChunk, name_a: str, b: ShardedChunk, name_b
     ga, gb = a.main_grad_of(name_a), b.main_grad_of(name_b)
     ga.add_(gb)
     gb.copy_(ga)
+
+
+def finalize_sharded_grads(model: list[Any], num_tokens: Any = None, **_ignored: Any) -> None:
+    """``config.finalize_model_grads_func`` for sharded chunks (megatron's own calls ``finish_grad_sync``).
+
+    Starts the reduction of any chunk the schedule did not reduce yet, waits for all of them and
+    checks every chunk ends the iteration sharded. ``num_tokens`` (per-token loss) is not supported.
+    """
+    if num_tokens is not None:
+        raise FsdpError("finalize_sharded_grads: calculate_per_token_loss is not supported with FSDP chunks")
+    chunks = [c for c in model if isinstance(c, ShardedChunk)]
+    for chunk in chunks:
+        if not chunk.reduce_started:
+            chunk.start_grad_reduce()
+    for chunk in chunks:
+        if chunk._reduce_work is not None:
+            chunk.finish_grad_reduce()
+        chunk.end_iteration()

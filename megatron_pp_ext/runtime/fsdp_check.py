@@ -70,7 +70,14 @@ def fsdp_check(case: FsdpCase, rank: int, init_method: str) -> dict[str, Any]:
 def _run(case: FsdpCase, rank: int, torch: Any, dist: Any) -> dict[str, Any]:
     from ..schedules.placement import loop_placement
     from . import tiny_gpt
-    from .fsdp import FsdpError, FsdpMemory, FsdpTimeoutError, ShardedChunk, add_tied_grads_locally
+    from .fsdp import (
+        FsdpError,
+        FsdpMemory,
+        FsdpTimeoutError,
+        ShardedChunk,
+        add_tied_grads_locally,
+        finalize_sharded_grads,
+    )
     from .wgrad import get_weight_grad_store
     from .wgrad_hooks import install_wgrad_hooks, uninstall_wgrad_hooks
 
@@ -200,11 +207,14 @@ def _run(case: FsdpCase, rank: int, torch: Any, dist: Any) -> dict[str, Any]:
             add_tied_grads_locally(chunks[0], "embedding.word_embeddings.weight", chunks[1], "output_layer.weight")
             chunks[1].start_grad_reduce()
         chunks[0].start_grad_reduce()
-        chunks[1].finish_grad_reduce()
-        chunks[0].finish_grad_reduce()
         store.check_empty("test end of iteration")
-        for c in chunks:
-            c.end_iteration()
+        if case.adam:  # megatron's finalize hook: waits for both reductions, checks the end state
+            finalize_sharded_grads(chunks)
+        else:
+            chunks[1].finish_grad_reduce()
+            chunks[0].finish_grad_reduce()
+            for c in chunks:
+                c.end_iteration()
 
         # ---- compare gradient shards with the reference's slices ---------------------------------
         rels = []
@@ -218,6 +228,11 @@ def _run(case: FsdpCase, rank: int, torch: Any, dist: Any) -> dict[str, Any]:
             full = c.gather_full_grads()
             rels.append(max(_rel(full[k], expected[k]) for k in full))
         out["grad_rel"].append(max(rels))
+        if not case.tied and case.extra_reduce_param is None:  # norm for clipping: shards summed over DP
+            sq = sum(c.local_grad_sq_norm() for c in chunks)
+            dist.all_reduce(sq)
+            ref_sq = sum(float(p.grad.double().pow(2).sum()) for p in ref_params.values())
+            out["grad_norm_rel"] = abs(float(sq) - ref_sq) / ref_sq
         out["unshard_calls"].append(calls)
         out["counters"].append([(c.counters.all_gathers, c.counters.reduce_scatters) for c in chunks])
         out["storage_freed"] = all(

@@ -32,6 +32,7 @@ def test_breadth_first_sweeps_reduce_to_the_reference_average(pool):
     for r in results:
         assert max(r["grad_rel"]) <= TOL, r["grad_rel"]
         assert r["storage_freed"]
+        assert r["grad_norm_rel"] <= TOL  # local_grad_sq_norm summed over DP = reference norm^2
         assert "sharded (call unshard)" in r["sharded_forward_error"]
 
 
