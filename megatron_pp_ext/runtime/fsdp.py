@@ -434,7 +434,7 @@ class ShardedChunk(torch.nn.Module):
 
     def shard_of(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """This rank's slice of the flat, padded concatenation of full tensors given by name."""
-        flat = torch.zeros(self.padded_numel, dtype=torch.float32)
+        flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.main_shard.device)
         for n, p, off in zip(self._names, self._params, self._offsets, strict=True):
             flat[off : off + p.numel()] = tensors[n].detach().reshape(-1).to(torch.float32)
         lo = self.rank * self.shard_numel

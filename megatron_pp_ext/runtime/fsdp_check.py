@@ -29,6 +29,7 @@ class FsdpCase:
     lr: float = 1e-4
     extra_reduce_param: str | None = None  # chunk-1 parameter all-reduced over the world group first
     skip_unshard_on_rank: int | None = None  # provoke a collective timeout
+    prefetch: bool = False  # gather chunk 1 asynchronously while chunk 0's forward sweep runs
     tied: bool = False  # tied embedding, both ends on this rank: add_tied_grads_locally
     backward_while_sharded: bool = False  # driver error: chunk 0's backward sweep without unshard
     timeout_s: float = 30.0
@@ -160,9 +161,15 @@ def _run(case: FsdpCase, rank: int, torch: Any, dist: Any) -> dict[str, Any]:
 
         # ---- forward sweeps ------------------------------------------------------------------------
         unshard(0, calls)
+        if case.prefetch:
+            chunks[1].unshard(async_op=True)
+            calls[1] += 1
         acts = [chunks[0](b["tokens"], b["position_ids"], None) for b in mine]
         chunks[0].reshard()
-        unshard(1, calls)
+        if case.prefetch:
+            chunks[1].wait_unshard()
+        else:
+            unshard(1, calls)
         inputs = [a.detach().requires_grad_() for a in acts]
         losses = []
         for x, b in zip(inputs, mine, strict=True):

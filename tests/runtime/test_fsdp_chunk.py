@@ -79,6 +79,14 @@ def test_counters_and_peak_memory(pool):
         assert r["memory_peak_total"] <= shard_bytes + max(r["full_param_bytes"]) + sum(r["full_grad_bytes"])
 
 
+def test_async_prefetch_of_the_next_chunk(pool):
+    results = _run(pool, FsdpCase(microbatches=2, prefetch=True))
+    for r in results:
+        assert max(r["grad_rel"]) <= TOL, r["grad_rel"]
+        assert r["counters"] == [[(2, 1), (2, 1)]]
+        assert r["memory_peak"]["full_params"] == sum(r["full_param_bytes"])  # both chunks gathered at once
+
+
 def test_extra_grad_reduction_sums_over_the_other_group_first(pool):
     name = "output_layer.weight"
     results = _run(pool, FsdpCase(microbatches=2, extra_reduce_param=name))
