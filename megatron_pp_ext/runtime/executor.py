@@ -71,7 +71,6 @@ class _Plan:
     lowered: LoweredSchedule
     program: tuple[Compute | Exchange, ...]
     first_forward: frozenset[Op]  # first F of each local chunk
-    sync_points: dict[Op, tuple[int, bool]]  # op -> (chunk, is the chunk's very last grad-producing op)
     collectives: dict[int, tuple[Collective, ...]]  # gap (index of the next compute op) -> collectives
 
 
@@ -79,36 +78,22 @@ def _plan_for(lowered: LoweredSchedule, rank: int, policy: CollectivePolicy) -> 
     placement = lowered.schedule.placement
     program = lowered.program(rank)
     collectives = derive_collectives(lowered.schedule, policy).on_rank(rank)
-    ops = [ins.op for ins in program if isinstance(ins, Compute)]
     first_forward: dict[int, Op] = {}
-    last_input_grad: dict[int, Op] = {}  # last op producing grads in B (B or BW)
-    last_weight_grad: dict[int, Op] = {}  # last op producing grads in W (W or BW)
-    last_any: dict[int, Op] = {}
-    for op in ops:
-        chunk = placement.chunk_of(op.stage)
-        if op.kind == OpKind.F:
-            first_forward.setdefault(chunk, op)
-            continue
-        if op.kind in (OpKind.B, OpKind.BW):
-            last_input_grad[chunk] = op
-        if op.kind in (OpKind.W, OpKind.BW):
-            last_weight_grad[chunk] = op
-        last_any[chunk] = op
-    sync_points: dict[Op, tuple[int, bool]] = {}
-    for table in (last_input_grad, last_weight_grad):
-        for chunk, op in table.items():
-            sync_points[op] = (chunk, last_any[chunk] == op)
-    return _Plan(lowered, program, frozenset(first_forward.values()), sync_points, collectives)
+    for ins in program:
+        if isinstance(ins, Compute) and ins.op.kind == OpKind.F:
+            first_forward.setdefault(placement.chunk_of(ins.op.stage), ins.op)
+    return _Plan(lowered, program, frozenset(first_forward.values()), collectives)
 
 
 class _GradSync:
     """Megatron's no_sync / grad_sync hooks, driven by the schedule.
 
-    Grad reduction stays disabled (``no_sync``) for the whole iteration. When megatron installed
-    ``grad_sync_func`` (``overlap_grad_reduce``), the derived ``reduce-grads`` collective of a chunk
-    launches it right after the chunk's last gradient-producing op. Without it, DDP's own hooks
-    decide: sync is enabled while a chunk's last input-gradient op and its last weight-gradient op
-    run (DDP marks a parameter ready when its grad accumulates with sync enabled).
+    Grad reduction stays disabled (``no_sync``) for the whole iteration. The derived
+    ``reduce-grads`` collective of a chunk, right after the chunk's last gradient-producing op,
+    launches megatron's ``grad_sync_func`` (set by megatron's training loop with
+    ``overlap_grad_reduce`` and ``align_grad_reduce``), or the chunk's own ``start_grad_sync``
+    when its DDP overlaps the reduction without that hook. Without an overlapped reduction
+    megatron's ``finalize_model_grads`` reduces everything after the pipeline, as in megatron.
     """
 
     def __init__(self, config: Any, models: Sequence[torch.nn.Module], active: bool) -> None:
@@ -127,7 +112,7 @@ class _GradSync:
 
             no_sync = all_no_sync
         self.no_sync_func = no_sync or contextlib.nullcontext
-        self.grad_sync_func = _per_chunk(config.grad_sync_func if active else None, len(models))
+        self.grad_sync_func = grad_sync_funcs(config, models) if active else None
         self.synced: set[int] = set()
         self._ctx: Any = None
 
@@ -140,17 +125,6 @@ class _GradSync:
         if self._ctx is not None:
             self._ctx.__exit__(None, None, None)
             self._ctx = None
-
-    @contextlib.contextmanager
-    def around(self, sync_point: tuple[int, bool] | None) -> Iterator[None]:
-        if sync_point is None or not self.active or self.grad_sync_func is not None:
-            yield
-            return
-        self.enable()
-        try:
-            yield
-        finally:
-            self.disable()
 
     def reduce(self, chunk: int) -> None:
         """The derived ``reduce-grads`` collective: start the chunk's data-parallel reduction."""
@@ -166,6 +140,18 @@ class _GradSync:
             missing = [chunk for chunk in range(len(self.models)) if chunk not in self.synced]
             if missing:
                 raise ExecutorError(f"{where}: chunks {missing} never launched their gradient reduction")
+
+
+def grad_sync_funcs(config: Any, models: Sequence[torch.nn.Module]) -> list[Callable[..., Any]] | None:
+    """Per chunk, what starts its overlapped gradient reduction: megatron's ``grad_sync_func``, else a
+    DDP chunk's ``start_grad_sync`` when its ``overlap_grad_reduce`` is on, else None (no overlap)."""
+    funcs = _per_chunk(config.grad_sync_func, len(models))
+    if funcs is not None:
+        return funcs
+    overlapped = [getattr(getattr(m, "ddp_config", None), "overlap_grad_reduce", False) for m in models]
+    if models and all(overlapped):
+        return [lambda params, m=m: m.start_grad_sync() for m in models]
+    return None
 
 
 def _per_chunk(funcs: Any, num_chunks: int) -> list[Callable[..., Any]] | None:
@@ -195,11 +181,11 @@ def make_forward_backward_func(
     plans: dict[tuple[int, int, bool, CollectivePolicy], tuple[Schedule, _Plan]] = {}
     tracers: dict[int, Tracer] = {}
 
-    def plan(num_microbatches: int, rank: int, forward_only: bool, config: Any) -> _Plan:
+    def plan(num_microbatches: int, rank: int, forward_only: bool, config: Any, models: list[Any]) -> _Plan:
         schedule = schedule_for(num_microbatches)  # the source caches; it may re-plan between calls
         training = not forward_only
         policy = CollectivePolicy(
-            reduce_grads=training and config.grad_sync_func is not None,
+            reduce_grads=training and grad_sync_funcs(config, models) is not None,
             param_sync=training and config.param_sync_func is not None,
             fsdp_max_unsharded=fsdp_max_unsharded,
             replica_sync=training and replica_sync_func is not None,
@@ -240,7 +226,7 @@ def make_forward_backward_func(
         rank = pp_group.rank()
         from megatron.core.utils import get_model_config
 
-        the_plan = plan(num_microbatches, rank, forward_only, get_model_config(models[0]))
+        the_plan = plan(num_microbatches, rank, forward_only, get_model_config(models[0]), models)
         if rank not in tracers:
             tracers[rank] = tracer_factory(rank) if tracer_factory else NullTracer()
         run = _Run(
@@ -482,12 +468,10 @@ class _Run:
         self.tracer.begin_op(op)
         if op.kind == OpKind.F:
             self._forward(op)
+        elif op.kind == OpKind.W:
+            self.wgrad.run(self.placement.chunk_of(op.stage), op.microbatch, self._where(op))
         else:
-            with self.grad_sync.around(self.plan.sync_points.get(op)):
-                if op.kind == OpKind.W:
-                    self.wgrad.run(self.placement.chunk_of(op.stage), op.microbatch, self._where(op))
-                else:
-                    self._backward(op)
+            self._backward(op)
         self.tracer.end_op(op)
 
     def _forward(self, op: Op) -> None:

@@ -65,6 +65,11 @@ class RunSpec:
     # launched where the collectives pass places each chunk's reduction.
     dp: int = 1
     distributed_optimizer: bool = False  # megatron's DistributedOptimizer (reduce-scatter + param all-gather)
+    # Fully sharded data parallelism per chunk (runtime/fsdp.py) instead of megatron DDP: the executor
+    # gathers and frees each chunk's parameters where the collectives pass places it, at most
+    # ``fsdp_max_unsharded`` chunks gathered at once.
+    fsdp: bool = False
+    fsdp_max_unsharded: int = 1
 
     @property
     def world_size(self) -> int:
@@ -122,7 +127,20 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
     config = tiny_gpt.make_config(spec.model, tp=spec.tp, sequence_parallel=spec.sequence_parallel)
     chunks, layouts = tiny_gpt.build_chunks(config, spec.model, placement, pp_rank)
     overlap = spec.dp > 1 or spec.distributed_optimizer
-    if spec.use_ddp:
+    fsdp_memory = None
+    if spec.fsdp:
+        from .fsdp import FsdpMemory, ShardedChunk, finalize_sharded_grads
+
+        fsdp_memory = FsdpMemory()
+        chunks = [
+            ShardedChunk(
+                c, ps.get_data_parallel_group(), name=f"chunk{i}", memory=fsdp_memory, timeout_s=spec.timeout_s
+            )
+            for i, c in enumerate(chunks)
+        ]
+        config.grad_sync_func = [lambda params, c=c: c.start_grad_reduce() for c in chunks]
+        config.finalize_model_grads_func = finalize_sharded_grads
+    elif spec.use_ddp:
         ddp_config = DistributedDataParallelConfig(
             overlap_grad_reduce=overlap,
             use_distributed_optimizer=spec.distributed_optimizer,
@@ -139,7 +157,9 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
             config.param_sync_func = [c.start_param_sync for c in chunks]
         config.finalize_model_grads_func = finalize_model_grads
     params = [p for c in chunks for p in c.parameters()]
-    if spec.distributed_optimizer:
+    if spec.fsdp:
+        optimizer = torch.optim.Adam([p for c in chunks for p in c.optimizer_params()], lr=spec.lr)
+    elif spec.distributed_optimizer:
         optimizer = _megatron_optimizer(spec, chunks)
     else:
         optimizer = torch.optim.Adam(params, lr=spec.lr)
@@ -166,17 +186,21 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
                 tracer_factory=(lambda r: tracer) if tracer is not None else None,  # type: ignore[arg-type,return-value]
                 timeout_s=spec.timeout_s,
                 use_tags=spec.p2p_tags,
+                fsdp_max_unsharded=spec.fsdp_max_unsharded if spec.fsdp else None,
             )
     else:
         forward_backward = get_forward_backward_func()
 
     losses: list[list[float]] = []
     grads: list[dict[str, Any]] = []
+    fsdp_counts: list[list[int]] = []  # per iteration, per chunk: parameter all-gathers
     step_times: list[float] = []
     schedules_used: list[str] = []
     for iteration in range(spec.iterations):
         for c in chunks:
-            if spec.use_ddp:
+            if spec.fsdp:
+                c.start_iteration()
+            elif spec.use_ddp:
                 c.zero_grad_buffer()
             else:
                 c.zero_grad(set_to_none=True)
@@ -201,6 +225,17 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
         if spec.forward_only:
             continue
         step: dict[str, Any] = {}
+        if spec.fsdp:
+            for chunk, layout in zip(chunks, layouts, strict=True):
+                chunk.end_iteration()  # reduced once, resharded, nothing pending
+                for name, g in chunk.gather_full_grads().items():
+                    global_key = tiny_gpt.global_name(name, layout, spec.model.tied_embeddings)
+                    step[f"{global_key}#tp{tp_rank}#stage{layout.stage}#dp{dp_rank}"] = g
+            fsdp_counts.append([c.counters.all_gathers for c in chunks])
+            grads.append(step)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            continue
         for chunk, layout in zip(chunks, layouts, strict=True):
             owned = _owned_grad_ranges(chunk, dp_rank, spec.dp) if spec.distributed_optimizer else {}
             for name, p in tiny_gpt._unwrap(chunk).named_parameters():
@@ -227,6 +262,13 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
         "schedules_used": schedules_used,
         "measured_costs": None if source is None or source.costs is None else repr(source.costs),
     }
+    if fsdp_memory is not None:
+        result["fsdp"] = {
+            "all_gathers_per_iteration": [sum(x) for x in fsdp_counts],
+            "peak_bytes": dict(fsdp_memory.peak),
+            "peak_total_bytes": fsdp_memory.peak_total,
+            "full_param_bytes_per_chunk": [c.full_param_bytes for c in chunks],
+        }
     if tracer is not None:
         result["trace"] = tracer.summary()
     return result
@@ -448,6 +490,8 @@ class VerifyReport:
     # per pipeline rank (data-parallel replica 0): the derived collectives launched in the last
     # iteration, in order, each with whether it started before the rank's last backward ended
     collectives: list[list[str]] = field(default_factory=list)
+    # FSDP runs, per pipeline rank: gathers derived vs measured per iteration, peak bytes held
+    fsdp: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     tolerance: float = 1e-6
 
@@ -587,6 +631,8 @@ def verify_schedule(
     p2p_tags: bool = True,
     dp: int = 1,
     distributed_optimizer: bool = False,
+    fsdp: bool = False,
+    fsdp_max_unsharded: int = 1,
 ) -> VerifyReport:
     """Run ``schedule`` (a validated Schedule) and its reference; return the comparison.
 
@@ -594,6 +640,10 @@ def verify_schedule(
     share of ``dp x m`` micro-batches; the reference runs all of them in one process. ``tol``
     defaults to :func:`default_tolerance`."""
     tol = default_tolerance(dp) if tol is None else tol
+    if fsdp and distributed_optimizer:
+        raise ValueError("--fsdp shards gradients and optimizer state itself: drop --distributed-optimizer")
+    if fsdp and (model is None or model.tied_embeddings):
+        raise ValueError("--fsdp supports untied embeddings only for now (add --untied-embeddings)")
     from ..analysis.validate import validate
 
     validate(schedule)
@@ -620,6 +670,8 @@ def verify_schedule(
                 num_microbatches=m,
                 dp=dp,
                 distributed_optimizer=distributed_optimizer,
+                fsdp=fsdp,
+                fsdp_max_unsharded=fsdp_max_unsharded,
                 mode=OURS,
                 schedule_csv=schedule.to_csv(),
                 trace=trace,
@@ -632,4 +684,25 @@ def verify_schedule(
     finally:
         if own_pool:
             pool.close()
-    return compare(schedule.name, p, m, schedule.chunks_per_rank, ref, run, tol)
+    report = compare(schedule.name, p, m, schedule.chunks_per_rank, ref, run, tol)
+    if fsdp:
+        _check_fsdp_gathers(report, schedule, run, fsdp_max_unsharded)
+    return report
+
+
+def _check_fsdp_gathers(report: VerifyReport, schedule: Any, run: list[dict[str, Any]], limit: int) -> None:
+    """FSDP: every rank gathered its chunks exactly as often per iteration as the lowering derived."""
+    from ..schedules.collectives import CollectiveKind, CollectivePolicy, derive_collectives
+
+    plan = derive_collectives(schedule, CollectivePolicy(fsdp_max_unsharded=limit))
+    for r in sorted(run, key=lambda r: (r["pp_rank"], r["dp_rank"], r["tp_rank"])):
+        derived = plan.count(CollectiveKind.UNSHARD, r["pp_rank"])
+        measured = r["fsdp"]["all_gathers_per_iteration"]
+        if r["dp_rank"] == 0 and r["tp_rank"] == 0:
+            report.fsdp.append({"derived_unshards": derived, **r["fsdp"]})
+        if any(n != derived for n in measured):
+            report.problems.append(
+                f"pipeline rank {r['pp_rank']} dp rank {r['dp_rank']}: {measured} parameter all-gathers per "
+                f"iteration, the lowering derived {derived}"
+            )
+            report.ok = False

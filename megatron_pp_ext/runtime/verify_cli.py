@@ -35,6 +35,18 @@ def add_verify_parser(subparsers: Any) -> None:
         help="megatron's distributed optimizer (gradient reduce-scatter, parameter all-gather); needs megatron DDP",
     )
     parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="fully sharded data parallelism per model chunk: the schedule's derived unshard/reshard "
+        "collectives gather and free each chunk's parameters (needs --untied-embeddings for now)",
+    )
+    parser.add_argument(
+        "--fsdp-max-unsharded",
+        type=int,
+        default=1,
+        help="with --fsdp: model chunks a rank may hold gathered at once (default 1)",
+    )
+    parser.add_argument(
         "--tolerance",
         type=float,
         default=None,
@@ -56,6 +68,16 @@ def run_verify(args: argparse.Namespace) -> int:
     if args.distributed_optimizer and args.no_ddp:
         print(f"{PROG}: --distributed-optimizer needs megatron DDP (drop --no-ddp)", file=sys.stderr)
         return 2
+    if args.fsdp and (args.distributed_optimizer or args.no_ddp or not args.untied_embeddings):
+        print(
+            f"{PROG}: --fsdp shards parameters, gradients and optimizer state itself and supports untied "
+            "embeddings only for now: use it with --untied-embeddings, without --distributed-optimizer / --no-ddp",
+            file=sys.stderr,
+        )
+        return 2
+    if args.fsdp_max_unsharded < 1:
+        print(f"{PROG}: --fsdp-max-unsharded must be >= 1, got {args.fsdp_max_unsharded}", file=sys.stderr)
+        return 2
     schedule = _schedule_from_args(args)
     model = TinyGPTSpec(
         num_layers=schedule.placement.stages_per_replica * args.layers_per_stage,
@@ -73,6 +95,8 @@ def run_verify(args: argparse.Namespace) -> int:
             tol=args.tolerance,
             dp=args.dp,
             distributed_optimizer=args.distributed_optimizer,
+            fsdp=args.fsdp,
+            fsdp_max_unsharded=args.fsdp_max_unsharded,
         )
     except (VerifyRunError, TimeoutError) as exc:
         print(f"{PROG}: verify of {schedule.name} failed on a rank: {exc}", file=sys.stderr)
@@ -91,6 +115,11 @@ def run_verify(args: argparse.Namespace) -> int:
         print(f"  measured bubble rate per rank: {[round(x, 3) for x in report.measured_bubble_rate]}")
         for rank, launches in enumerate(report.collectives):
             print(f"  rank {rank} collectives (last iteration): {launches}")
+        for rank, info in enumerate(report.fsdp):
+            print(
+                f"  rank {rank} FSDP: {info['derived_unshards']} gathers derived, measured per iteration "
+                f"{info['all_gathers_per_iteration']}, peak bytes {info['peak_bytes']}"
+            )
         for problem in report.problems:
             print(f"  problem: {problem}")
     if not report.ok:

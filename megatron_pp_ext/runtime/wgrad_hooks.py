@@ -74,9 +74,11 @@ def _weight_grad_closure(ctx: Any, input_: torch.Tensor, weight: torch.Tensor, g
                 roots.append(weight)
                 grads.append(dummy)
         else:
+            _clear_dummy_flag(weight)
             roots.append(weight)
             grads.append(go.t().matmul(ti))
         if bias is not None:
+            _clear_dummy_flag(bias)
             roots.append(bias)
             grads.append(go.sum(dim=0))
         if roots:
@@ -123,7 +125,24 @@ def _input_grad_only(ctx: Any, grad_output: torch.Tensor, store: Any) -> tuple[A
         mlayers.dist_reduce_scatter_func(result, grad_input, group=tp_group)
     closure, held = _weight_grad_closure(ctx, input_, weight, grad_output)
     store.put(closure, held)
-    return (result, None, None) + (None,) * 7
+    bias = ctx.bias_param if ctx.use_bias else None
+    return (result, _dummy_grad(weight), _dummy_grad(bias)) + (None,) * 7
+
+
+def _dummy_grad(param: Any) -> torch.Tensor | None:
+    """What B hands a parameter's accumulator: nothing, or under megatron DDP (which asserts a grad
+    with ``overlap_grad_reduce``) a dummy flagged as already added to ``main_grad``, as megatron's
+    own fused-accumulation backward returns. W clears the flag before its real gradient arrives."""
+    if param is None or not hasattr(param, "grad_added_to_main_grad"):
+        return None
+    param.grad_added_to_main_grad = True
+    # megatron's DDP hook adds the grad anyway when zero_out_wgrad is set: then it must be zeros
+    return torch.zeros_like(param) if getattr(param, "zero_out_wgrad", False) else torch.empty_like(param)
+
+
+def _clear_dummy_flag(param: Any) -> None:
+    if hasattr(param, "grad_added_to_main_grad"):
+        param.grad_added_to_main_grad = False
 
 
 def install_wgrad_hooks() -> None:
