@@ -196,7 +196,7 @@ def policy_for(
     optimizer's parameter gathers unless FSDP gathers anyway; replica syncs for two-replica placements."""
     limit = None
     if fsdp:
-        limit = fsdp_max_unsharded or declared_fsdp_limit(schedule) or 1
+        limit = fsdp_max_unsharded if fsdp_max_unsharded is not None else (declared_fsdp_limit(schedule) or 1)
     elif fsdp_max_unsharded is not None:
         raise ScheduleError("fsdp_max_unsharded is an FSDP setting: give it together with FSDP")
     return CollectivePolicy(
