@@ -25,12 +25,13 @@ from megatron_pp_ext.analysis.validate import validate
 from megatron_pp_ext.schedules import generate
 from megatron_pp_ext.schedules.collectives import policy_for
 from megatron_pp_ext.schedules.ir import ScheduleError
+from megatron_pp_ext.schedules.schedule import Schedule
 
 SCHEDULES = ("bfs", "bfs-zb", "interleaved-1f1b", "1f1b")
 SETUPS = (("DP", {}), ("dist-opt", {"distributed_optimizer": True}), ("FSDP", {"fsdp": True}))
 
 
-def _build(name: str, p: int, m: int, v: int):  # type: ignore[no-untyped-def]
+def _build(name: str, p: int, m: int, v: int) -> Schedule | None:
     try:
         return generate(name, p, m, v=None if name == "1f1b" else v)
     except ScheduleError:
@@ -77,10 +78,6 @@ def dp_run(
     )
 
 
-def result_schedule(name: str, p: int, m: int, v: int):  # type: ignore[no-untyped-def]
-    return _build(name, p, m, v)
-
-
 def dp_table(dp: int, gbps: float, ratios: list[float]) -> None:
     for ratio in ratios:
         print(
@@ -108,7 +105,7 @@ def dp_table(dp: int, gbps: float, ratios: list[float]) -> None:
                             cells.append("n/a")
                             continue
                         data = result.data_parallel
-                        plain = simulate(result_schedule(name, p, m, v), result.costs)
+                        plain = simulate(_build(name, p, m, v), result.costs)  # type: ignore[arg-type]
                         compute = f"{plain.makespan:.1f}"
                         cells.append(f"{data.iteration_time:.1f} / {max(data.exposed):.1f}")
                         if label == "FSDP":
