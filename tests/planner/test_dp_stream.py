@@ -48,3 +48,32 @@ def test_estimate_is_an_upper_bound(name: str, p: int, m: int, v: int | None) ->
         estimate, simulated = _both(name, p, m, v, reduce)
         assert estimate >= simulated - 1e-9
         assert estimate <= reduce + 1e-9
+
+
+def test_planner_rows_use_the_stream() -> None:
+    """In a plan, a one-chunk schedule pays its whole reduction after the pipeline (as before) and
+    breadth-first with v chunks hides all but its last chunk's (chunks split by layers)."""
+    from megatron_pp_ext.planner.costs import CostModel, get_device
+    from megatron_pp_ext.planner.memory import TrainingSetup
+    from megatron_pp_ext.planner.models import get_model
+    from megatron_pp_ext.planner.plan import Planner, SearchSpace
+
+    spec = get_model("zb-1.5b")
+    cost = CostModel(spec, get_device("A100-80GB"), TrainingSetup())
+    space = SearchSpace(
+        tp=(1,), pp=(4,), micro_batch=(1,), virtual=(1, 3), recompute=("none",), schedules=("1f1b", "bfs")
+    )
+    rows = {
+        (r.config.schedule, r.config.chunks): r
+        for r in Planner(spec, 8, 32, cost, space=space).run(progress=False).rows
+    }
+    assert set(rows) == {("1f1b", 1), ("bfs", 1), ("bfs", 3)}
+    for (_name, chunks), row in rows.items():
+        c = row.config
+        assert c.dp == 2
+        full = max(cost.dp_time(mem.parameters, c.tp, c.dp) for mem in row.memory)
+        assert row.iteration_time == pytest.approx(row.pipeline_time + row.dp_time + row.optimizer_time)
+        if chunks == 1:
+            assert row.dp_time == pytest.approx(full)  # the reduction starts after the rank's last op
+        else:
+            assert 0 < row.dp_time < 0.5 * full
