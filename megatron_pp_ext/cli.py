@@ -84,14 +84,17 @@ def generate_schedule(
     costs: Costs | None = None,
     memory_limit: object = None,
     block_file: str | None = None,
+    microbatch_group_size: int | None = None,
 ) -> Schedule:
     """Generate a registered schedule. ``costs`` goes only to cost-aware generators (those with a
-    ``costs`` parameter); ``v``, ``memory_limit`` and ``block_file`` go to all, which reject what
-    they cannot honour."""
+    ``costs`` parameter); ``v``, ``memory_limit``, ``block_file`` and ``microbatch_group_size`` go
+    to all, which reject what they cannot honour."""
     info = registry.get(name)
     kwargs: dict[str, object] = {"v": v, "memory_limit": memory_limit}
     if block_file is not None:
         kwargs["block_file"] = block_file
+    if microbatch_group_size is not None:
+        kwargs["microbatch_group_size"] = microbatch_group_size
     if costs is not None and _takes_keyword(info.generate, "costs"):
         kwargs["costs"] = costs
     return info.generate(p, m, **kwargs)
@@ -107,6 +110,13 @@ def _add_source_args(parser: argparse.ArgumentParser, file_option: bool = True) 
         "--memory-limit", metavar="N|Np", help="activation memory limit, a number or a multiple of p (e.g. 2p)"
     )
     parser.add_argument("--block-file", metavar="JSON", help="building block of v-block (default: the V-Half block)")
+    parser.add_argument(
+        "--microbatch-group-size",
+        type=_positive_int,
+        default=None,
+        metavar="G",
+        help="micro-batches per group (interleaved-1f1b; bfs: per breadth-first group, default m)",
+    )
     if file_option:
         parser.add_argument("--schedule-file", metavar="CSV", help="load the schedule from a CSV file instead")
 
@@ -132,6 +142,7 @@ def _schedule_from_args(args: argparse.Namespace) -> Schedule:
         parse_costs(args.costs),
         parse_memory_limit(args.memory_limit, args.p),
         getattr(args, "block_file", None),
+        getattr(args, "microbatch_group_size", None),
     )
 
 
@@ -215,9 +226,111 @@ def building_block_of(schedule: Schedule) -> dict[str, object] | None:
     return {key: schedule.params[key] for key in BLOCK_KEYS}
 
 
+# ---- data parallelism (simulate --dp ...) ---------------------------------------------------------
+_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d*)?(?:e\d+)?|\.\d+)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+_BYTE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+#: With --dp, --costs times are milliseconds: a collective of B bytes at X GB/s takes B / (X * 1e6) ms.
+BYTES_PER_MS_PER_GBPS = 1e6
+
+
+def parse_bytes(text: str, flag: str) -> float:
+    """``"300M"`` -> 3e8, ``"1.5G"`` -> 1.5e9, ``"4096"`` -> 4096 (decimal units; a trailing B is ignored)."""
+    match = _BYTES_RE.match(text)
+    if match is None or float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()] <= 0:
+        raise CliError(f"{flag} must be a number of bytes > 0, optionally with K, M, G or T (e.g. 300M), got {text!r}")
+    return float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()]
+
+
+def _dp_options(args: argparse.Namespace, schedule: Schedule) -> dict[str, Any]:
+    """``simulate()`` keywords for the data-parallel flags (empty without --dp), or CliError."""
+    from .schedules.collectives import policy_for
+
+    given = [
+        flag
+        for flag, value in (
+            ("--dp-bandwidth", args.dp_bandwidth),
+            ("--param-bytes", args.param_bytes),
+            ("--fsdp", args.fsdp or None),
+            ("--fsdp-max-unsharded", args.fsdp_max_unsharded),
+            ("--distributed-optimizer", args.distributed_optimizer or None),
+        )
+        if value is not None
+    ]
+    if args.dp is None:
+        if given:
+            raise CliError(f"{given[0]} describes data parallelism: give --dp N (data-parallel size) too")
+        return {}
+    if args.dp < 2:
+        raise CliError(f"--dp must be an integer >= 2 (data-parallel ranks per pipeline stage), got {args.dp}")
+    missing = [
+        flag
+        for flag, value in (("--dp-bandwidth", args.dp_bandwidth), ("--param-bytes", args.param_bytes))
+        if value is None
+    ]
+    if missing:
+        raise CliError(f"--dp {args.dp} needs {' and '.join(missing)} (collective times come from bytes and bandwidth)")
+    try:
+        gbps = float(args.dp_bandwidth)
+    except ValueError:
+        gbps = -1.0
+    if not gbps > 0 or gbps == float("inf"):
+        raise CliError(f"--dp-bandwidth must be a number of GB/s > 0, got {args.dp_bandwidth!r}")
+    if args.fsdp_max_unsharded is not None and not args.fsdp:
+        raise CliError("--fsdp-max-unsharded needs --fsdp")
+    if args.fsdp_max_unsharded is not None and args.fsdp_max_unsharded < 1:
+        raise CliError(f"--fsdp-max-unsharded must be >= 1 (chunks gathered at once), got {args.fsdp_max_unsharded}")
+    policy = policy_for(
+        schedule,
+        fsdp=args.fsdp,
+        distributed_optimizer=args.distributed_optimizer,
+        fsdp_max_unsharded=args.fsdp_max_unsharded,
+    )
+    return {
+        "collectives": policy,
+        "dp": args.dp,
+        "dp_bandwidth": gbps * BYTES_PER_MS_PER_GBPS,
+        # one rank's share of the model (1/p of it) split evenly across the chunks holding it
+        "param_bytes": parse_bytes(args.param_bytes, "--param-bytes") / schedule.placement.stages_per_rank_per_replica,
+    }
+
+
+def data_parallel_summary(result: SimResult) -> str:
+    """The --dp part of the simulate report: exposed data-parallel time per rank, chunk reductions."""
+    dp = result.data_parallel
+    assert dp is not None
+    policy = dp.plan.policy
+    fsdp = "" if policy.fsdp_max_unsharded is None else f", FSDP with {policy.fsdp_max_unsharded} gathered chunk(s)"
+    dist = ", distributed optimizer (param gather per chunk)" if policy.param_sync else ""
+    lines = [
+        f"data parallel   dp={dp.dp}, {dp.reduce} per chunk{fsdp}{dist}; times in ms (--costs read as ms)",
+        f"iteration       {_num(dp.iteration_time)} (compute ends {_num(max(dp.compute_end))}, "
+        f"worst exposed data-parallel time {_num(max(dp.exposed))})",
+        "",
+    ]
+    rows = [
+        [r, _num(dp.exposed[r]), _num(dp.stall[r]), _num(dp.tail[r]), _num(dp.stream_busy[r]), dp.gathers(r)]
+        for r in range(len(dp.end))
+    ]
+    lines.append(_fmt_table(["rank", "exposed dp", "gather stall", "drain tail", "stream busy", "gathers"], rows))
+    lines += ["", "gradient reductions (rank, chunk, stage, start, end):"]
+    placement = dp.plan.schedule.placement
+    rows = [
+        [rank, placement.chunk_of(stage), stage, _num(start), _num(end)] for rank, stage, start, end in dp.reductions()
+    ]
+    lines.append(_fmt_table(["rank", "chunk", "stage", "start", "end"], rows))
+    return "\n".join(lines)
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from .analysis.simulate import simulate
+    from .analysis.validate import validate
+
     schedule = _schedule_from_args(args)
-    result = _simulate(schedule, parse_costs(args.costs))
+    dp_options = _dp_options(args, schedule)
+    if dp_options:
+        result = simulate(schedule, parse_costs(args.costs), lowered=validate(schedule), **dp_options)
+    else:
+        result = _simulate(schedule, parse_costs(args.costs))
     if args.json:
         data = result.to_json_dict()
         block = building_block_of(schedule)
@@ -226,6 +339,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(json.dumps(data))
         return 0
     print(summary(schedule, result))
+    if result.data_parallel is not None:
+        print()
+        print(data_parallel_summary(result))
     if args.show:
         print()
         print(schedule.table())
@@ -305,11 +421,26 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from .analysis.validate import validate
+    from .analysis.validate import check_collective_plan, validate
+    from .schedules.collectives import CollectiveKind, policy_for
 
+    wants = args.collectives or args.fsdp or args.distributed_optimizer or args.fsdp_max_unsharded is not None
+    if args.fsdp_max_unsharded is not None and (not args.fsdp or args.fsdp_max_unsharded < 1):
+        raise CliError(f"--fsdp-max-unsharded needs --fsdp and must be >= 1, got {args.fsdp_max_unsharded}")
+    collectives = ""
     try:
         schedule = Schedule.load(args.file)
         lowered = validate(schedule)
+        if wants:
+            policy = policy_for(
+                schedule,
+                fsdp=args.fsdp,
+                distributed_optimizer=args.distributed_optimizer,
+                fsdp_max_unsharded=args.fsdp_max_unsharded,
+            )
+            plan = check_collective_plan(schedule, policy)
+            counts = ", ".join(f"{plan.count(kind)} {kind}" for kind in CollectiveKind if plan.count(kind))
+            collectives = f"; collectives checked ({counts or 'none'})"
     except ScheduleError as exc:
         message = str(exc)
         prefix = f"{args.file}:"
@@ -320,6 +451,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         f"OK {args.file}: {schedule.name}, {schedule.placement.style} placement, p={schedule.num_ranks} "
         f"m={schedule.num_microbatches} stages={schedule.num_stages}, {num_ops} ops, "
         f"{len(lowered.messages)} p2p messages, {len(lowered.local_handoffs)} local hand-offs, deadlock-free"
+        f"{collectives}"
     )
     return 0
 
@@ -394,6 +526,25 @@ def build_parser(load_verify: bool = False) -> argparse.ArgumentParser:
     _add_source_args(sim)
     sim.add_argument("--json", action="store_true", help="print the result as JSON")
     sim.add_argument("--show", action="store_true", help="also print every rank's op list")
+    dp = sim.add_argument_group("data parallelism (a collective stream per rank; --costs then read as ms)")
+    dp.add_argument("--dp", type=int, default=None, metavar="N", help="data-parallel size (ranks per stage), >= 2")
+    dp.add_argument("--dp-bandwidth", metavar="GBPS", help="data-parallel bus bandwidth per rank, GB/s")
+    dp.add_argument(
+        "--param-bytes",
+        metavar="BYTES",
+        help="parameter (and gradient) bytes of one rank's 1/p of the model, e.g. 300M; split evenly over its chunks",
+    )
+    dp.add_argument("--fsdp", action="store_true", help="fully sharded: gather each chunk before use (FSDP)")
+    dp.add_argument(
+        "--fsdp-max-unsharded",
+        type=int,
+        default=None,
+        metavar="K",
+        help="chunks gathered at once (default: the schedule's)",
+    )
+    dp.add_argument(
+        "--distributed-optimizer", action="store_true", help="reduce-scatter gradients, gather parameters per chunk"
+    )
     sim.set_defaults(func=cmd_simulate)
 
     cmp_ = sub.add_parser("compare", help="every applicable schedule side by side")
@@ -406,6 +557,16 @@ def build_parser(load_verify: bool = False) -> argparse.ArgumentParser:
 
     val = sub.add_parser("validate", help="check a schedule CSV (dependencies, placement, deadlock freedom)")
     val.add_argument("file", help="schedule CSV")
+    val.add_argument(
+        "--collectives", action="store_true", help="also derive and check the data-parallel gradient reductions"
+    )
+    val.add_argument("--fsdp", action="store_true", help="... and FSDP gathers / reshards (implies --collectives)")
+    val.add_argument("--fsdp-max-unsharded", type=int, default=None, metavar="K", help="FSDP chunks gathered at once")
+    val.add_argument(
+        "--distributed-optimizer",
+        action="store_true",
+        help="... and per-chunk parameter gathers (implies --collectives)",
+    )
     val.set_defaults(func=cmd_validate)
 
     drw = sub.add_parser("draw", help="Gantt chart of a simulated schedule")

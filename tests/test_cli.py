@@ -212,3 +212,90 @@ def test_non_runtime_commands_do_not_import_torch(tmp_path: Path) -> None:
     )
     proc = subprocess.run([sys.executable, "-c", script, str(csv)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+# ---- data parallelism (simulate --dp, validate --collectives/--fsdp) ----------------------------------
+DP_ARGS = ["--dp", "4", "--dp-bandwidth", "50", "--param-bytes", "300M"]
+
+
+def test_simulate_dp_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "simulate", "bfs", "-p", "4", "-m", "8", "-v", "2", *DP_ARGS, "--fsdp", "--json")
+    assert code == 0 and err == ""
+    data = json.loads(out)["data_parallel"]
+    assert data["dp"] == 4 and data["reduce"] == "reduce-scatter"
+    assert len(data["exposed"]) == 4 and data["gathers"] == [3, 3, 3, 3]  # 2v - 1 with FSDP, limit 1
+    reductions = {(r["rank"], r["stage"]): (r["start"], r["end"]) for r in data["reductions"]}
+    assert set(reductions) == {(s % 4, s) for s in range(8)}  # every chunk of every rank, once
+    # 300 MB per rank, 150 MB per chunk, (N-1)/N x 150e6 B / 50e9 B/s = 2.25 ms per reduce-scatter
+    assert all(end - start == pytest.approx(2.25) for start, end in reductions.values())
+    assert data["iteration_time"] == json.loads(out)["makespan"] >= max(data["compute_end"])
+
+
+def test_simulate_dp_report(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "simulate", "interleaved-1f1b", "-p", "4", "-m", "8", "-v", "2", *DP_ARGS)
+    assert code == 0
+    assert "data parallel   dp=4, all-reduce per chunk" in out
+    assert "exposed dp" in out and "gradient reductions (rank, chunk, stage, start, end):" in out
+    _, plain, _ = run(capsys, "simulate", "interleaved-1f1b", "-p", "4", "-m", "8", "-v", "2")
+    assert "data parallel" not in plain and "exposed dp" not in plain
+    _, plain_json, _ = run(capsys, "simulate", "bfs", "-p", "4", "-m", "8", "--json")
+    assert "data_parallel" not in json.loads(plain_json)
+
+
+def test_simulate_microbatch_group_size(capsys: pytest.CaptureFixture[str]) -> None:
+    _, pure, _ = run(capsys, "simulate", "bfs", "-p", "4", "-m", "8", "--json")
+    _, hybrid, _ = run(capsys, "simulate", "bfs", "-p", "4", "-m", "8", "--microbatch-group-size", "4", "--json")
+    assert json.loads(pure)["peak_activations"] == [16] * 4 and json.loads(hybrid)["peak_activations"] == [8] * 4
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--dp", "1", "--dp-bandwidth", "5", "--param-bytes", "1M"], "--dp must be an integer >= 2"),
+        (["--dp", "4"], "--dp 4 needs --dp-bandwidth and --param-bytes"),
+        (["--dp", "4", "--dp-bandwidth", "fast", "--param-bytes", "1M"], "--dp-bandwidth must be a number of GB/s"),
+        (["--dp", "4", "--dp-bandwidth", "-1", "--param-bytes", "1M"], "--dp-bandwidth must be a number of GB/s"),
+        (["--dp", "4", "--dp-bandwidth", "5", "--param-bytes", "lots"], "--param-bytes must be a number of bytes"),
+        (["--fsdp"], "--fsdp describes data parallelism: give --dp N"),
+        ([*DP_ARGS, "--fsdp-max-unsharded", "2"], "--fsdp-max-unsharded needs --fsdp"),
+        ([*DP_ARGS, "--fsdp", "--fsdp-max-unsharded", "0"], "--fsdp-max-unsharded must be >= 1"),
+        (["--microbatch-group-size", "9"], "microbatch_group_size (micro-batches per breadth-first group) must be"),
+    ],
+)
+def test_simulate_dp_bad_input(capsys: pytest.CaptureFixture[str], extra: list[str], message: str) -> None:
+    code, out, err = run(capsys, "simulate", "bfs", "-p", "4", "-m", "8", *extra)
+    assert code == 2 and out == ""
+    assert err.startswith("megatron-pp: error: ") and message in err and err.count("\n") == 1
+
+
+def test_validate_collectives(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "bfs.csv"
+    generate("bfs", 4, 8, v=2).save(path)
+    code, out, _ = run(capsys, "validate", str(path))
+    assert code == 0 and "collectives checked" not in out and out.rstrip().endswith("deadlock-free")  # unchanged
+    code, out, _ = run(capsys, "validate", str(path), "--fsdp")
+    assert code == 0 and "collectives checked (8 reduce-grads, 12 unshard, 12 reshard)" in out
+    code, out, _ = run(capsys, "validate", str(path), "--distributed-optimizer")
+    assert code == 0 and "8 reduce-grads, 8 param-sync" in out
+
+
+def test_validate_reports_broken_collectives(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib
+    from dataclasses import replace
+
+    from megatron_pp_ext.schedules.collectives import derive_collectives
+
+    validate_module = importlib.import_module("megatron_pp_ext.analysis.validate")
+
+    def drops_last_reduction(schedule, policy=None):  # type: ignore[no-untyped-def]
+        plan = derive_collectives(schedule, policy)
+        return replace(plan, at=(plan.at[0][:-1], *plan.at[1:]))
+
+    monkeypatch.setattr(validate_module, "derive_collectives", drops_last_reduction)
+    path = tmp_path / "bfs.csv"
+    generate("bfs", 2, 4, v=2).save(path)
+    code, out, err = run(capsys, "validate", str(path), "--collectives")
+    assert code == 1 and out == ""
+    assert err.startswith(f"INVALID {path}: rank 0: chunks [0] never reduce their gradients")

@@ -1,14 +1,16 @@
 """Pure-Python analysis of schedules: validation (dependencies, deadlock freedom) and simulation."""
 
-from .simulate import DEFAULT_W_RETAINED_FRACTION, Costs, SimResult, simulate
+from .simulate import DEFAULT_W_RETAINED_FRACTION, Costs, DataParallelResult, SimResult, simulate
 from .validate import (
     ChannelError,
+    CollectiveError,
     DeadlockError,
     DependencyError,
     DuplicateOpError,
     MissingOpError,
     PlacementError,
     ScheduleValidationError,
+    check_collective_plan,
     check_dependencies,
     check_lowered,
     check_ops,
@@ -18,7 +20,9 @@ from .validate import (
 __all__ = [
     "DEFAULT_W_RETAINED_FRACTION",
     "ChannelError",
+    "CollectiveError",
     "Costs",
+    "DataParallelResult",
     "DeadlockError",
     "DependencyError",
     "DuplicateOpError",
@@ -26,6 +30,7 @@ __all__ = [
     "PlacementError",
     "ScheduleValidationError",
     "SimResult",
+    "check_collective_plan",
     "check_dependencies",
     "check_lowered",
     "check_ops",

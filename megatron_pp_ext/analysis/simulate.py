@@ -16,6 +16,17 @@ in their length):
   - ``"blocking"``: the exchange completes at the latest of the rank's time and the arrival
     of every receive it holds (no overlap: a rank stalls at an early-posted receive).
 
+Data parallelism (``dp > 1`` or a ``collectives`` policy): the collectives that
+:func:`~megatron_pp_ext.schedules.collectives.derive_collectives` places run on one
+data-parallel stream per rank that overlaps compute, in issue order; a collective is issued when
+its rank reaches its gap and lasts (ring algorithms over ``dp`` ranks, ``B`` bytes of the chunk's
+parameters or gradients, ``bw`` bytes per time unit): all-reduce ``2(N-1)/N B/bw``,
+reduce-scatter and all-gather ``(N-1)/N B/bw``, replica sync an all-reduce over 2. An op that
+reads a chunk's weights waits for the chunk's pending unshard / parameter gather; the iteration
+ends when the last op has ended and every stream has drained (``makespan`` then includes that
+drain; the per-rank ``span`` stays the compute span). Without ``dp`` / ``collectives`` nothing of
+this runs and results are exactly those of the plain model.
+
 Activation memory, per rank: ``F`` adds its stage's activation, ``B`` frees the fraction
 ``1 - w_retained_fraction`` of it, ``W`` the rest, ``BW`` all of it. The peak is counted in
 units of one stage-microbatch activation of this schedule's stages (``peak_activations``),
@@ -32,15 +43,23 @@ from functools import cached_property
 
 import numpy as np
 
+from ..schedules.collectives import (
+    CollectiveKind,
+    CollectivePlan,
+    CollectivePolicy,
+    check_collectives,
+    derive_collectives,
+    reduces_by_scatter,
+)
 from ..schedules.gc_pause import cyclic_gc_paused
 from ..schedules.ir import Op, OpKind
 from ..schedules.lowering import LoweredSchedule
 from ..schedules.op_arrays import KIND_B, KIND_BW, KIND_F, KIND_W, op_arrays
 from ..schedules.schedule import Schedule
-from ..schedules.timing import op_start_times
+from ..schedules.timing import op_start_times, op_start_times_with_stream
 from .validate import DeadlockError, validate
 
-__all__ = ["DEFAULT_W_RETAINED_FRACTION", "Costs", "SimResult", "simulate"]
+__all__ = ["DEFAULT_W_RETAINED_FRACTION", "Costs", "DataParallelResult", "SimResult", "collective_time", "simulate"]
 
 #: Fraction of a stage's activation that stays alive after its ``B`` until its ``W``.
 #: 1.0 counts an activation as live from ``F`` until its last backward op (``W`` or ``BW``)
@@ -169,6 +188,7 @@ class SimResult:
     starts: list[list[float]] = field(repr=False, default_factory=list)  # per rank, start of each op in rank order
     ops: tuple[tuple[Op, ...], ...] = field(repr=False, default=())
     durations: _Durations | None = field(repr=False, compare=False, default=None)
+    data_parallel: DataParallelResult | None = None  # with dp / collectives only
 
     @cached_property
     def timeline(self) -> list[tuple[int, str, float, float]]:
@@ -206,7 +226,72 @@ class SimResult:
         }
         if include_timeline:
             out["timeline"] = [[rank, op, r(s), r(e)] for rank, op, s, e in self.timeline]
+        if self.data_parallel is not None:
+            out["data_parallel"] = self.data_parallel.to_json_dict(digits)
         return out
+
+
+@dataclass
+class DataParallelResult:
+    """The data-parallel stream of every rank (see the module doc); times in the costs' unit."""
+
+    dp: int
+    bandwidth: float  # bytes per time unit
+    reduce: str  # "all-reduce" or "reduce-scatter"
+    plan: CollectivePlan = field(repr=False)
+    compute_end: list[float]  # per rank: end of its last op
+    end: list[float]  # per rank: max(compute_end, stream drained)
+    exposed: list[float]  # per rank: stall + tail, data-parallel time not hidden behind compute
+    stall: list[float]  # per rank: time ops waited for a gather beyond their input and their rank
+    tail: list[float]  # per rank: stream drain after the rank's last op
+    stream_busy: list[float]  # per rank: sum of its collective durations
+    collectives: list[tuple[int, str, int, float, float, float]]  # (rank, kind, stage, issued, start, end)
+
+    @property
+    def iteration_time(self) -> float:
+        return max(self.end, default=0.0)
+
+    def gathers(self, rank: int | None = None) -> int:
+        """FSDP unshards (all-gathers) per iteration, on one rank or all."""
+        return self.plan.count(CollectiveKind.UNSHARD, rank)
+
+    def reductions(self) -> list[tuple[int, int, float, float]]:
+        """``(rank, stage, start, end)`` of every chunk's gradient reduction."""
+        return [(r, s, b, e) for r, k, s, _, b, e in self.collectives if k == CollectiveKind.REDUCE_GRADS]
+
+    def to_json_dict(self, digits: int = 6) -> dict[str, object]:
+        def r(x: float) -> float:
+            return round(x, digits)
+
+        return {
+            "dp": self.dp,
+            "bandwidth": self.bandwidth,
+            "reduce": self.reduce,
+            "iteration_time": r(self.iteration_time),
+            "compute_end": [r(x) for x in self.compute_end],
+            "end": [r(x) for x in self.end],
+            "exposed": [r(x) for x in self.exposed],
+            "stall": [r(x) for x in self.stall],
+            "tail": [r(x) for x in self.tail],
+            "stream_busy": [r(x) for x in self.stream_busy],
+            "gathers": [self.gathers(rank) for rank in range(len(self.end))],
+            "reductions": [
+                {"rank": rank, "stage": stage, "start": r(b), "end": r(e)} for rank, stage, b, e in self.reductions()
+            ],
+            "collectives": [[rank, kind, stage, r(i), r(b), r(e)] for rank, kind, stage, i, b, e in self.collectives],
+        }
+
+
+def collective_time(kind: CollectiveKind, num_bytes: float, dp: int, bandwidth: float, scatter: bool) -> float:
+    """Ring-algorithm time of one collective over ``dp`` ranks (replica sync: over 2)."""
+    if kind == CollectiveKind.RESHARD:
+        return 0.0
+    if kind == CollectiveKind.REPLICA_SYNC:
+        return num_bytes / bandwidth  # all-reduce over the 2 replicas: 2 (2-1)/2 B / bw
+    share = (dp - 1) / dp * num_bytes / bandwidth
+    if kind == CollectiveKind.REDUCE_GRADS and not scatter:
+        return 2 * share
+    return share
 
 
 def simulate(
@@ -218,6 +303,10 @@ def simulate(
     message_bytes: PerStage | None = None,
     lowered: LoweredSchedule | None = None,
     comm: str = "async",
+    collectives: CollectivePolicy | None = None,
+    dp: int = 1,
+    dp_bandwidth: float | None = None,
+    param_bytes: PerStage | None = None,
 ) -> SimResult:
     """Simulate ``schedule`` (validated and lowered unless ``lowered`` is given).
 
@@ -229,6 +318,11 @@ def simulate(
     counting; about 0.9 is realistic, as ``W`` needs only the linear layers' inputs and output
     gradients). Raises :class:`~megatron_pp_ext.analysis.validate.ScheduleValidationError`
     subclasses for an invalid schedule, ``ValueError`` for bad costs or sizes.
+
+    Data parallelism (module doc): ``dp`` ranks per data-parallel group, ``collectives`` the policy
+    (default: gradient reduction only), ``dp_bandwidth`` in bytes per time unit of ``costs`` and
+    ``param_bytes`` the bytes of one stage's parameters (one number or one per global stage; its
+    gradients are counted the same size). Needs ``comm="async"``.
     """
     costs = Costs.unit() if costs is None else costs
     if comm not in COMM_MODELS:
@@ -239,8 +333,45 @@ def simulate(
         lowered = validate(schedule)
     elif lowered.schedule is not schedule and lowered.schedule != schedule:
         raise ValueError("lowered was made from a different schedule")
+    dp_setup = None
+    if collectives is not None or dp != 1:
+        dp_setup = _dp_setup(schedule, collectives, dp, dp_bandwidth, param_bytes, comm)
+    elif dp_bandwidth is not None or param_bytes is not None:
+        raise ValueError("dp_bandwidth and param_bytes describe data parallelism: give dp (> 1) or collectives too")
     with cyclic_gc_paused():
-        return _simulate(schedule, costs, lowered, activation_bytes, w_retained_fraction, message_bytes, comm)
+        return _simulate(schedule, costs, lowered, activation_bytes, w_retained_fraction, message_bytes, comm, dp_setup)
+
+
+class _DPSetup:
+    __slots__ = ("bandwidth", "dp", "plan", "scatter", "sizes")
+
+    def __init__(self, plan: CollectivePlan, dp: int, bandwidth: float, sizes: list[float]) -> None:
+        self.plan, self.dp, self.bandwidth, self.sizes = plan, dp, bandwidth, sizes
+        self.scatter = reduces_by_scatter(plan.policy)
+
+
+def _dp_setup(
+    schedule: Schedule,
+    policy: CollectivePolicy | None,
+    dp: int,
+    bandwidth: float | None,
+    param_bytes: PerStage | None,
+    comm: str,
+) -> _DPSetup:
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dp (data-parallel size) must be an integer >= 1, got {dp!r}")
+    if comm != "async":
+        raise ValueError("the data-parallel stream is modelled with comm='async' only")
+    if dp > 1 and (bandwidth is None or param_bytes is None):
+        raise ValueError(f"dp={dp} needs dp_bandwidth (bytes per time unit) and param_bytes (per stage)")
+    if bandwidth is not None and (isinstance(bandwidth, bool) or not math.isfinite(bandwidth) or bandwidth <= 0):
+        raise ValueError(f"dp_bandwidth must be a finite number > 0 (bytes per time unit), got {bandwidth!r}")
+    sizes = [0.0] * schedule.num_stages
+    if param_bytes is not None:
+        sizes = _expand("param_bytes", _cost("param_bytes", param_bytes), schedule.num_stages)
+    plan = derive_collectives(schedule, policy)
+    check_collectives(plan)
+    return _DPSetup(plan, dp, 1.0 if bandwidth is None else float(bandwidth), sizes)
 
 
 def _simulate(
@@ -251,17 +382,22 @@ def _simulate(
     w_retained_fraction: float,
     message_bytes: PerStage | None,
     comm: str,
+    dp_setup: _DPSetup | None = None,
 ) -> SimResult:
     num_stages = schedule.num_stages
     durations = _Durations(costs, num_stages)
     per_op = _op_durations(schedule, durations)
+    data_parallel = None
     try:
-        starts, last_end = op_start_times(lowered, per_op, float(costs.t_comm), blocking=comm == "blocking")
+        if dp_setup is None:
+            starts, last_end = op_start_times(lowered, per_op, float(costs.t_comm), blocking=comm == "blocking")
+        else:
+            starts, last_end, data_parallel = _simulate_dp(schedule, lowered, per_op, float(costs.t_comm), dp_setup)
     except RuntimeError as exc:  # validate() rules this out
         raise DeadlockError(str(exc)) from None
     p = schedule.num_ranks
     span = [end - row[0] if row else 0.0 for row, end in zip(starts, last_end, strict=True)]
-    makespan = max(last_end, default=0.0)
+    makespan = max(last_end, default=0.0) if data_parallel is None else data_parallel.iteration_time
     peak, busy = _memory_and_busy(schedule, [1.0] * num_stages, w_retained_fraction, per_op)
     c_max = max(span, default=0.0)
     w_max = max(busy, default=0.0)
@@ -304,7 +440,55 @@ def _simulate(
         starts=starts,
         ops=schedule.ops,
         durations=durations,
+        data_parallel=data_parallel,
     )
+
+
+_GATES = (CollectiveKind.UNSHARD, CollectiveKind.PARAM_SYNC)
+_USES_WEIGHTS = (OpKind.F, OpKind.B, OpKind.BW)
+
+
+def _simulate_dp(
+    schedule: Schedule, lowered: LoweredSchedule, per_op: list[list[float]], t_comm: float, setup: _DPSetup
+) -> tuple[list[list[float]], list[float], DataParallelResult]:
+    """Timing with one data-parallel stream per rank (see the module doc)."""
+    plan, dp, bw = setup.plan, setup.dp, setup.bandwidth
+    streams: list[list[tuple[int, float]]] = []
+    gates: list[list[int]] = []
+    for rank, ops in enumerate(schedule.ops):
+        items = plan.at[rank]
+        streams.append(
+            [(gap, collective_time(c.kind, setup.sizes[c.stage], dp, bw, setup.scatter)) for gap, c in items]
+        )
+        gate, latest, j = [], {}, 0  # latest: stage -> index of its last gather issued so far
+        for i, op in enumerate(ops):
+            while j < len(items) and items[j][0] <= i:
+                if items[j][1].kind in _GATES:
+                    latest[items[j][1].stage] = j
+                j += 1
+            gate.append(latest.get(op.stage, -1) if op.kind in _USES_WEIGHTS else -1)
+        gates.append(gate)
+    times = op_start_times_with_stream(lowered, per_op, t_comm, streams, gates)
+    end = [max([t, *ends]) for t, ends in zip(times.last_end, times.end, strict=True)]
+    tail = [max(0.0, e - t) for e, t in zip(end, times.last_end, strict=True)]
+    result = DataParallelResult(
+        dp=dp,
+        bandwidth=bw,
+        reduce="reduce-scatter" if setup.scatter else "all-reduce",
+        plan=plan,
+        compute_end=times.last_end,
+        end=end,
+        exposed=[st + tl for st, tl in zip(times.stall, tail, strict=True)],
+        stall=times.stall,
+        tail=tail,
+        stream_busy=[sum(d for _, d in row) for row in streams],
+        collectives=[
+            (rank, str(c.kind), c.stage, times.issue[rank][k], times.begin[rank][k], times.end[rank][k])
+            for rank, items in enumerate(plan.at)
+            for k, (_, c) in enumerate(items)
+        ],
+    )
+    return times.starts, times.last_end, result
 
 
 def _ratio(num: float, den: float) -> float:

@@ -12,6 +12,11 @@
    ``(s,m)`` after the backward of ``(s+1,m)`` and after ``F(s,m)``, ``W`` after its ``B``.
 4. :class:`DeadlockError`: the lowered program (see :mod:`megatron_pp_ext.schedules.lowering`)
    runs to the end under rendezvous semantics, and every channel receives in send order.
+5. only when a :class:`~megatron_pp_ext.schedules.collectives.CollectivePolicy` is given,
+   :class:`CollectiveError`: the derived data-parallel / FSDP / replica collectives pass
+   :func:`~megatron_pp_ext.schedules.collectives.check_collectives` (every chunk reduced once
+   after its last gradient op, gathered before every weight use within the limit, replica
+   pairs in the same order).
 
 All checks are linear in the number of ops.
 """
@@ -24,6 +29,7 @@ from operator import le
 
 import numpy as np
 
+from ..schedules.collectives import CollectivePlan, CollectivePolicy, check_collectives, derive_collectives
 from ..schedules.ir import Op, OpKind, ScheduleError
 from ..schedules.lowering import GRAD, Compute, Exchange, LoweredSchedule, Message, lower
 from ..schedules.op_arrays import KIND_BW, KIND_F, KIND_W, op_arrays
@@ -31,6 +37,7 @@ from ..schedules.schedule import Schedule
 
 __all__ = [
     "ChannelError",
+    "CollectiveError",
     "DeadlockError",
     "DependencyError",
     "DuplicateOpError",
@@ -38,6 +45,7 @@ __all__ = [
     "OpPositions",
     "PlacementError",
     "ScheduleValidationError",
+    "check_collective_plan",
     "check_dependencies",
     "check_lowered",
     "check_ops",
@@ -73,6 +81,10 @@ class ChannelError(DeadlockError):
     """Sends and receives of a lowered program do not pair up (a message posted twice, on the
     wrong rank, or a channel whose receives are not in send order: NCCL pairs by order, so this
     would hand the wrong tensor over or hang)."""
+
+
+class CollectiveError(ScheduleValidationError):
+    """The collectives derived for a data-parallel set-up break a rule (see check_collectives)."""
 
 
 _INF = 1 << 62  # "no W" position of a BW cell: any B position is smaller
@@ -548,10 +560,25 @@ def excerpt(schedule: Schedule, rank: int, index: int, width: int = EXCERPT_OPS)
 
 
 # ---- all together ---------------------------------------------------------------------------
-def validate(schedule: Schedule) -> LoweredSchedule:
-    """Check ``schedule`` (see the module doc); return its lowering, or raise the first problem."""
+def check_collective_plan(schedule: Schedule, policy: CollectivePolicy) -> CollectivePlan:
+    """Derive the collectives ``policy`` asks for and check them; :class:`CollectiveError` if not."""
+    try:
+        plan = derive_collectives(schedule, policy)
+        check_collectives(plan)
+    except ScheduleValidationError:
+        raise
+    except ScheduleError as exc:
+        raise CollectiveError(str(exc)) from None
+    return plan
+
+
+def validate(schedule: Schedule, collectives: CollectivePolicy | None = None) -> LoweredSchedule:
+    """Check ``schedule`` (see the module doc); return its lowering, or raise the first problem.
+    With ``collectives``, the collectives derived for that policy are checked too."""
     pos = check_ops(schedule)
     check_dependencies(schedule, pos)
     lowered = lower(schedule)
     check_lowered(lowered)
+    if collectives is not None:
+        check_collective_plan(schedule, collectives)
     return lowered

@@ -47,6 +47,7 @@ from ..schedules.ir import ScheduleError
 from ..schedules.lowering import LoweredSchedule
 from ..schedules.schedule import Schedule
 from .costs import CostModel, model_flops_per_iteration
+from .dp_stream import ReductionProfile, exposed_dp_time, reduction_profile
 from .memory import (
     GIB,
     ActivationProfile,
@@ -137,7 +138,7 @@ class PlanRow:
     config: Config
     iteration_time: float
     pipeline_time: float  # simulated makespan of the schedule
-    dp_time: float
+    dp_time: float  # gradient reduction left after the pipeline (per-chunk reductions overlap, dp_stream.py)
     optimizer_time: float
     samples_per_second: float
     tokens_per_second_per_gpu: float
@@ -378,6 +379,7 @@ class Planner:
         self._built: dict[tuple[Any, ...], _Built] = {}
         self._profiles: dict[tuple[Any, ...], ActivationProfile] = {}
         self._sims: dict[tuple[Any, ...], _Sim] = {}
+        self._reductions: dict[tuple[Any, ...], ReductionProfile] = {}
         self.stats: Counter[str] = Counter()
         self.disk_cache = ScheduleCache(cache_dir) if cache_dir is not None else None
 
@@ -696,6 +698,37 @@ class Planner:
         makespan, busy, span = (float(v) for v in values)  # type: ignore[arg-type]
         return makespan, busy, span
 
+    def _exposed_dp(
+        self,
+        builds: Sequence[tuple[int, _Built, tuple[Any, ...]]],
+        layout: Sequence[StageInfo],
+        costs: Costs,
+        per_rank: Sequence[float],
+        m: int,
+    ) -> float:
+        """Gradient reduction time left after the pipeline: each rank's reduction (``per_rank``)
+        split over its chunks by layers, on a stream per rank (:mod:`.dp_stream`); at ``m``
+        (extrapolated from the anchors like the makespan)."""
+        tables = costs.per_stage(len(layout))
+        chunk_time: list[dict[int, float]] = []
+        for rank, total in enumerate(per_rank):
+            mine = [info for info in layout if info.rank == rank]
+            layers = sum(info.layers for info in mine)
+            chunk_time.append(
+                {info.stage: total * (info.layers / layers if layers else 1 / len(mine)) for info in mine}
+            )
+        values = []
+        for _, built, key in builds:
+            assert built.schedule is not None
+            profile = self._reductions.get(key)
+            if profile is None:
+                profile = self._reductions[key] = reduction_profile(built.schedule)
+            values.append(exposed_dp_time(profile, tables, chunk_time))
+        if len(values) == 1:
+            return values[0]
+        value = _affine_at([mm for mm, _, _ in builds], values, m, math.inf)
+        return min(max(0.0, float(values[-1] if value is None else value)), max(per_rank, default=0.0))
+
     def _evaluate(self, var: _Variant, t: int, p: int, d: int, b: int, m: int, recompute: str) -> PlanRow | float | str:
         """A row, the worst rank's memory (bytes) if over the budget, or why ``m`` itself is refused."""
         schedule = var.schedule
@@ -733,7 +766,7 @@ class Planner:
         makespan, busy, span = times
         extrapolated = len(builds) > 1
         params = [mem.parameters for mem in memory]
-        dp_time = max(self.costs.dp_time(n, t, d) for n in params)
+        dp_time = self._exposed_dp(builds, layout, costs, [self.costs.dp_time(n, t, d) for n in params], m)
         if schedule.placement.style == "bidirectional":
             dp_time += max(self.costs.replica_sync_time(n, t, p) for n in params)
         opt_time = max(self.costs.optimizer_time(n, d) for n in params)

@@ -177,6 +177,41 @@ def _fsdp(schedule: Schedule, rank: int, limit: int) -> list[tuple[int, int, Col
     return items
 
 
+def declared_fsdp_limit(schedule: Schedule) -> int | None:
+    """The gathered-chunk limit a schedule declares for FSDP (``Schedule.params["fsdp_max_unsharded"]``,
+    e.g. 1 for breadth-first orders), or None when it declares none."""
+    limit = schedule.params.get("fsdp_max_unsharded")
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+
+
+def policy_for(
+    schedule: Schedule,
+    *,
+    fsdp: bool = False,
+    distributed_optimizer: bool = False,
+    fsdp_max_unsharded: int | None = None,
+) -> CollectivePolicy:
+    """The policy of a data-parallel set-up: gradients reduced per chunk; FSDP gathers with
+    ``fsdp_max_unsharded`` (default: the schedule's declared limit, else 1); the distributed
+    optimizer's parameter gathers unless FSDP gathers anyway; replica syncs for two-replica placements."""
+    limit = None
+    if fsdp:
+        limit = fsdp_max_unsharded if fsdp_max_unsharded is not None else (declared_fsdp_limit(schedule) or 1)
+    elif fsdp_max_unsharded is not None:
+        raise ScheduleError("fsdp_max_unsharded is an FSDP setting: give it together with FSDP")
+    return CollectivePolicy(
+        reduce_grads=True,
+        param_sync=distributed_optimizer and not fsdp,
+        fsdp_max_unsharded=limit,
+        replica_sync=schedule.placement.num_replicas == 2,
+    )
+
+
+def reduces_by_scatter(policy: CollectivePolicy) -> bool:
+    """Whether ``reduce-grads`` is a reduce-scatter (distributed optimizer, FSDP) or an all-reduce."""
+    return policy.param_sync or policy.fsdp_max_unsharded is not None
+
+
 def mirror_rank(num_ranks: int, rank: int) -> int:
     """The rank holding the other replica's copy of this rank's model slices (bidirectional)."""
     return num_ranks - 1 - rank
@@ -215,7 +250,8 @@ def check_collectives(plan: CollectivePlan) -> None:
     for rank, ops in enumerate(schedule.ops):
         by_gap = plan.on_rank(rank)
         stages = set(schedule.placement.stages_on_rank(rank))
-        last = _last_grad_gaps(schedule, rank)
+        # found again here, not through derive's helper, so that a bug there cannot hide from the check
+        last = {op.stage: i + 1 for i, op in enumerate(ops) if op.kind in _MAKES_GRADS}
         reduced: dict[int, int] = {}
         gathered: set[int] = set()
         for i in range(len(ops) + 1):
@@ -266,6 +302,9 @@ __all__ = [
     "CollectivePlan",
     "CollectivePolicy",
     "check_collectives",
+    "declared_fsdp_limit",
     "derive_collectives",
     "mirror_rank",
+    "policy_for",
+    "reduces_by_scatter",
 ]

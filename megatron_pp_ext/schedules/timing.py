@@ -11,12 +11,12 @@ of its own input; ``blocking=True``: a rank waits at each batch of receives the 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from .lowering import LoweredSchedule
 
-__all__ = ["op_start_times"]
+__all__ = ["StreamTimes", "op_start_times", "op_start_times_with_stream"]
 
 _NOT_SENT, _AWAITED = -1.0, -2.0
 
@@ -131,3 +131,87 @@ def _run_blocking(
                 arrival[mid] = t + t_comm
             k += 1
         pc[rank], clock[rank] = k, t
+
+
+class StreamTimes(NamedTuple):
+    """What :func:`op_start_times_with_stream` found, per rank."""
+
+    starts: list[list[float]]  # start of each op in rank order
+    last_end: list[float]  # end of the last op (0 for an empty rank)
+    issue: list[list[float]]  # per collective (in issue order): when the rank reached its gap
+    begin: list[list[float]]  # when it started on the stream
+    end: list[list[float]]  # when it finished
+    stall: list[float]  # time ops waited for a collective beyond their input and their rank
+
+
+def op_start_times_with_stream(
+    lowered: LoweredSchedule,
+    durations: Sequence[list[float]],
+    t_comm: float,
+    collectives: Sequence[Sequence[tuple[int, float]]],
+    gate: Sequence[Sequence[int]],
+) -> StreamTimes:
+    """:func:`op_start_times` (non-blocking receives) plus one collective stream per rank.
+
+    ``collectives[r]``: ``(gap, duration)`` in issue order (gap ``i`` = just before op ``i``).
+    A collective is issued when its rank reaches its gap (the end of the op before it) and runs
+    on the rank's stream after the collectives issued before it, overlapping compute.
+    ``gate[r][i]``: index in ``collectives[r]`` of the collective op ``i`` waits for (an FSDP
+    unshard or parameter gather of its chunk), -1 for none.
+    """
+    plan = lowered.timing_plan
+    p = len(durations)
+    inputs, sent_after, dst = plan.inputs_of_ops, plan.sends_after_ops, plan.dst_rank
+    arrival = [_NOT_SENT] * plan.num_messages
+    starts: list[list[float]] = [[] for _ in range(p)]
+    issue: list[list[float]] = [[] for _ in range(p)]
+    begin: list[list[float]] = [[] for _ in range(p)]
+    end: list[list[float]] = [[] for _ in range(p)]
+    stall = [0.0] * p
+    free = [0.0] * p  # when each rank's stream is free
+    clock = [0.0] * p
+    pc = [0] * p
+    stack = list(range(p - 1, -1, -1))
+    while stack:
+        rank = stack.pop()
+        dur, wait, sends, colls, gates = durations[rank], inputs[rank], sent_after[rank], collectives[rank], gate[rank]
+        n = len(dur)
+        k, t = pc[rank], clock[rank]
+        while k <= n:
+            c = len(issue[rank])
+            while c < len(colls) and colls[c][0] <= k:  # issue what the rank reached (once)
+                start = max(t, free[rank])
+                free[rank] = start + colls[c][1]
+                issue[rank].append(t)
+                begin[rank].append(start)
+                end[rank].append(free[rank])
+                c += 1
+            if k == n:
+                break
+            ready = t
+            need = wait[k]
+            if need >= 0:
+                at = arrival[need]
+                if at < 0:  # not sent yet: its sender resumes this rank
+                    arrival[need] = _AWAITED
+                    break
+                ready = max(ready, at)
+            g = gates[k]
+            if g >= 0 and end[rank][g] > ready:
+                stall[rank] += end[rank][g] - ready
+                ready = end[rank][g]
+            starts[rank].append(ready)
+            t = ready + dur[k]
+            mid = sends[k]
+            if mid >= 0:
+                if arrival[mid] == _AWAITED:
+                    stack.append(dst[mid])
+                if arrival[mid] < 0:
+                    arrival[mid] = t + t_comm
+            k += 1
+        pc[rank], clock[rank] = k, t
+    stuck = [r for r in range(p) if pc[r] < len(durations[r])]
+    if stuck:
+        raise RuntimeError(f"simulation stuck: ranks {stuck} wait for messages that are never sent")
+    last_end = [row[-1] + d[-1] if row else 0.0 for row, d in zip(starts, durations, strict=True)]
+    return StreamTimes(starts, last_end, issue, begin, end, stall)

@@ -2,6 +2,7 @@
 
 from . import (
     baselines,  # noqa: F401
+    bfs,  # noqa: F401
     vshape,  # noqa: F401
     zbv,  # noqa: F401
     zero_bubble,  # noqa: F401
