@@ -125,6 +125,17 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
         config.finalize_model_grads_func = finalize_model_grads
     params = [p for c in chunks for p in c.parameters()]
     optimizer = torch.optim.Adam(params, lr=spec.lr)
+    replica_group = None
+    if placement.num_replicas == 2 and spec.mode == OURS:
+        from .replica_sync import new_replica_group
+
+        replica_group = new_replica_group(ps.get_pipeline_model_parallel_group())
+    # micro-batch of each loss this rank reports (in the order the executor stores them)
+    loss_microbatches = (
+        [op.microbatch for op in schedule.ops[pp_rank] if op.kind == "F" and placement.is_last(op.stage)]
+        if schedule is not None and spec.mode == OURS
+        else None
+    )
 
     tracer: Tracer | None = None
     source: Any = None
@@ -181,6 +192,12 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
         losses.append([float(d["lm loss"]) for d in out])
         if spec.forward_only:
             continue
+        if replica_group is not None and not getattr(forward_backward, "syncs_replicas", False):
+            # The executor does not run the schedule's replica-sync collectives yet: sum the two
+            # copies' gradients here, after the iteration (BitPipe without its eager overlap).
+            from .replica_sync import sync_all
+
+            sync_all(placement, pp_rank, chunks, replica_group)
         step: dict[str, Any] = {}
         for chunk, layout in zip(chunks, layouts, strict=True):
             for name, p in tiny_gpt._unwrap(chunk).named_parameters():
@@ -196,6 +213,7 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
         "pp_rank": pp_rank,
         "tp_rank": tp_rank,
         "losses": losses,
+        "loss_microbatches": loss_microbatches,
         "grads": grads if spec.keep_grads else [],
         "step_times": step_times,
         "schedules_used": schedules_used,
@@ -203,6 +221,14 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
     }
     if tracer is not None:
         result["trace"] = tracer.summary()
+    if replica_group is not None:  # final weights, to check that the two copies stayed identical
+        result["weights"] = {
+            f"{tiny_gpt.global_name(name, layout, spec.model.tied_embeddings)}#tp{tp_rank}#stage{layout.stage}": (
+                p.detach().clone()
+            )
+            for chunk, layout in zip(chunks, layouts, strict=True)
+            for name, p in tiny_gpt._unwrap(chunk).named_parameters()
+        }
     return result
 
 
@@ -407,6 +433,42 @@ def _loss_rank(results: list[dict[str, Any]]) -> dict[str, Any]:
     return holders[0]
 
 
+def _losses_by_microbatch(results: list[dict[str, Any]]) -> list[list[float]]:
+    """Per iteration, every micro-batch's loss in micro-batch order, gathered from all ranks that
+    computed one (a bidirectional schedule computes the losses on two ranks); ranks that did not
+    say which micro-batches they hold are read as before (the first rank with losses)."""
+    holders = [r for r in results if r["losses"] and r["losses"][0] and r.get("loss_microbatches") is not None]
+    if not holders or len(holders) == 1:
+        return _loss_rank(results)["losses"]
+    merged = []
+    for it in range(len(holders[0]["losses"])):
+        by_mb: dict[int, float] = {}
+        for r in holders:
+            by_mb.update(zip(r["loss_microbatches"], r["losses"][it], strict=True))
+        merged.append([by_mb[mb] for mb in sorted(by_mb)])
+    return merged
+
+
+def _replica_copies_differ(results: list[dict[str, Any]]) -> list[str]:
+    """Bidirectional runs: the two copies of every parameter (two stages) must be bitwise equal."""
+    import torch
+
+    copies: dict[str, list[tuple[str, Any]]] = {}
+    for r in results:
+        for key, w in r.get("weights", {}).items():
+            name, tp, stage = key.split("#")
+            copies.setdefault(f"{name}#{tp}", []).append((stage, w))
+    problems = []
+    for key, found in sorted(copies.items()):  # 2 copies; a tied embedding 4 (each replica's two ends)
+        if len(found) < 2:
+            problems.append(f"{key}: {len(found)} copy only, expected one per replica")
+        for stage, w in found[1:]:
+            if not torch.equal(found[0][1], w):
+                diff = float((found[0][1] - w).abs().max())
+                problems.append(f"{key}: copies {found[0][0]} and {stage} differ after training (max {diff:g})")
+    return problems
+
+
 def compare(
     name: str, p: int, m: int, v: int, ref: list[dict[str, Any]], run: list[dict[str, Any]], tol: float = 1e-6
 ) -> VerifyReport:
@@ -414,8 +476,9 @@ def compare(
     import torch
 
     ref_losses = _loss_rank(ref)["losses"]
-    run_losses = _loss_rank(run)["losses"]
+    run_losses = _losses_by_microbatch(run)
     problems: list[str] = []
+    problems += _replica_copies_differ(run)
     loss_diff = 0.0
     bitwise = True
     for it, (a, b) in enumerate(zip(run_losses, ref_losses, strict=True)):
@@ -489,8 +552,16 @@ def verify_schedule(
     timeout_s: float = 60.0,
     tol: float = 1e-6,
     p2p_tags: bool = True,
+    lr: float | None = None,
 ) -> VerifyReport:
-    """Run ``schedule`` (a validated Schedule) and its reference; return the comparison."""
+    """Run ``schedule`` (a validated Schedule) and its reference; return the comparison.
+
+    ``lr`` (Adam) defaults to :class:`RunSpec`'s, and to a tenth of it under a bidirectional
+    placement: there the two replicas' partial gradients are summed, ``(g0+g1)+(g2+g3)`` against
+    the reference's ``((g0+g1)+g2)+g3``, which re-associates every parameter's gradient (about
+    1e-7 relative in the first iteration), and Adam's normalisation turns sign flips of
+    near-zero elements into ``O(lr)`` weight differences that the next iterations' gradients show.
+    """
     from ..analysis.validate import validate
 
     validate(schedule)
@@ -507,6 +578,8 @@ def verify_schedule(
         "sequence_parallel": sequence_parallel,
         "timeout_s": timeout_s,
     }
+    if lr is not None or schedule.placement.num_replicas > 1:
+        common["lr"] = lr if lr is not None else RunSpec.lr / 10
     own_pool = pool is None
     pool = pool or RankPool(p * tp)
     try:

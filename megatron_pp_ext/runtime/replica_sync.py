@@ -1,0 +1,99 @@
+"""Gradient sync between the two model replicas of a bidirectional placement (BitPipe).
+
+Under the ``bidirectional`` placement rank ``r`` and its mirror ``p-1-r`` hold the two copies of
+the same model slices (:func:`~megatron_pp_ext.schedules.collectives.mirror_rank`): each copy's
+gradient covers only the micro-batches of its own replica, and the model's gradient is their sum.
+Both copies start from the same weights (``tiny_gpt.build_chunks`` / a checkpoint copies them by
+global layer number), so after an all-reduce (sum) of every chunk's gradients they take identical
+optimizer steps and stay identical.
+
+The schedule decides *when* each chunk syncs (``replica-sync`` collectives of
+:func:`~megatron_pp_ext.schedules.collectives.derive_collectives`); this module does the work:
+
+* :func:`new_replica_group`: the process group of this rank and its mirror, within its pipeline
+  group (same tensor- and data-parallel coordinates). Every rank must call it, in the same order,
+  like any ``new_group``. Data parallelism composes: megatron's DDP reduces over the data-parallel
+  group as usual and the replica sum comes on top (the paper's "virtual data parallel" group is the
+  union of the two; keeping them apart leaves megatron's DDP and distributed optimizer untouched).
+* :func:`sync_chunk`: all-reduce one chunk's gradients (``main_grad`` under megatron DDP, else
+  ``.grad``), async on request so that it overlaps the remaining backward work.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..schedules.collectives import mirror_rank
+from ..schedules.placement import Placement
+
+
+def new_replica_group(pp_group: Any) -> Any:
+    """The group {this rank, its mirror} of every pipeline group; collective over the whole world."""
+    mine = dist.get_process_group_ranks(pp_group)
+    every: list[list[int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    pipelines = sorted({tuple(g) for g in every if g is not None})
+    me = dist.get_rank()
+    found = None
+    for ranks in pipelines:
+        p = len(ranks)
+        for i in range(p // 2):
+            pair = [ranks[i], ranks[mirror_rank(p, i)]]
+            group = dist.new_group(pair)
+            if me in pair:
+                found = group
+    if found is None:
+        raise RuntimeError(f"rank {me} has no mirror rank: replica sync needs an even pipeline size")
+    return found
+
+
+def _grads(module: Any) -> list[torch.Tensor]:
+    out = []
+    for param in module.parameters():
+        grad = getattr(param, "main_grad", None) if hasattr(param, "main_grad") else param.grad
+        if grad is not None:
+            out.append(grad)
+    return out
+
+
+def sync_chunk(module: Any, group: Any, async_op: bool = False) -> list[Any]:
+    """Sum one chunk's gradients with the mirror rank's copy; returns the work handles if ``async_op``."""
+    works = []
+    grads = _grads(module)
+    if not grads:
+        return works
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    work = dist.all_reduce(flat, group=group, async_op=async_op)
+
+    def unpack() -> None:
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    if async_op:
+        works.append(_Pending(work, unpack))
+    else:
+        unpack()
+    return works
+
+
+class _Pending:
+    """An in-flight chunk sync: ``wait()`` finishes the all-reduce and writes the sums back."""
+
+    def __init__(self, work: Any, unpack: Any) -> None:
+        self.work, self.unpack = work, unpack
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.unpack()
+
+
+def sync_all(placement: Placement, rank: int, models: list[Any], group: Any) -> None:
+    """Sync every chunk, in the order both ranks of the pair agree on (their model slices, ascending)."""
+    by_slice = sorted(range(len(models)), key=lambda c: placement.model_slice_of(placement.stage_at(rank, c)))
+    for chunk in by_slice:
+        sync_chunk(models[chunk], group)
