@@ -15,7 +15,7 @@ from megatron_pp_ext.runtime.verify import verify_schedule
 from megatron_pp_ext.schedules import generate
 
 
-@pytest.mark.parametrize(("name", "p", "m"), [("bitpipe", 2, 4)])
+@pytest.mark.parametrize(("name", "p", "m"), [("bitpipe", 2, 4), ("bitpipe-zb", 2, 4), ("bitpipe", 4, 8)])
 def test_bitpipe_matches_reference(pool, name, p, m):
     schedule = generate(name, p, m)
     report = verify_schedule(schedule, pool, model=TinyGPTSpec(num_layers=2 * p), iterations=3)
