@@ -17,6 +17,11 @@ The schedule decides *when* each chunk syncs (``replica-sync`` collectives of
   union of the two; keeping them apart leaves megatron's DDP and distributed optimizer untouched).
 * :func:`sync_chunk`: all-reduce one chunk's gradients (``main_grad`` under megatron DDP, else
   ``.grad``), async on request so that it overlaps the remaining backward work.
+* :class:`ReplicaSyncer`: what an executor needs to run the schedule's ``replica-sync``
+  collectives eagerly: ``at_gap(i)`` before the rank's compute op ``i`` (and ``at_gap(len(ops))``
+  after its last), ``finish()`` before megatron's ``finalize_model_grads`` (which reads the same
+  gradient buffers). Sums commute with megatron's data-parallel average and with the local tied
+  embedding add, so their order does not matter; only in-flight all-reduces must be finished first.
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..schedules.collectives import mirror_rank
+from ..schedules.collectives import CollectiveKind, CollectivePolicy, derive_collectives, mirror_rank
 from ..schedules.placement import Placement
+from ..schedules.schedule import Schedule
 
 
 def new_replica_group(pp_group: Any) -> Any:
@@ -97,3 +103,60 @@ def sync_all(placement: Placement, rank: int, models: list[Any], group: Any) -> 
     by_slice = sorted(range(len(models)), key=lambda c: placement.model_slice_of(placement.stage_at(rank, c)))
     for chunk in by_slice:
         sync_chunk(models[chunk], group)
+
+
+class ReplicaSyncer:
+    """Runs one rank's ``replica-sync`` collectives of ``schedule`` at their gaps, asynchronously."""
+
+    def __init__(self, schedule: Schedule, rank: int, models: list[Any], group: Any) -> None:
+        plan = derive_collectives(schedule, CollectivePolicy(reduce_grads=False, replica_sync=True))
+        self.placement = schedule.placement
+        self.models = models
+        self.group = group
+        self.at: dict[int, list[int]] = {}
+        for gap, collective in plan.at[rank]:
+            if collective.kind == CollectiveKind.REPLICA_SYNC:
+                self.at.setdefault(gap, []).append(collective.stage)
+        self.pending: list[Any] = []
+        self.issued: list[tuple[int, int]] = []  # (gap, stage), for traces and tests
+
+    def at_gap(self, gap: int) -> None:
+        for stage in self.at.get(gap, ()):
+            self.pending += sync_chunk(self.models[self.placement.chunk_of(stage)], self.group, async_op=True)
+            self.issued.append((gap, stage))
+
+    def finish(self) -> None:
+        for work in self.pending:
+            work.wait()
+        self.pending = []
+
+
+def replica_sync_check(case: tuple[str, int, int], rank: int, init_method: str) -> dict[str, Any]:
+    """Self-check on a ``p``-rank gloo world (one pipeline group): plain modules with known gradients,
+    a :class:`ReplicaSyncer` driven gap by gap as an executor would; returns the summed gradients."""
+    import datetime
+
+    from ..schedules import generate
+
+    name, p, m = case
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=p, timeout=datetime.timedelta(60))
+    try:
+        schedule = generate(name, p, m)
+        group = new_replica_group(dist.group.WORLD)
+        models = []
+        for chunk in range(schedule.chunks_per_rank):
+            module = torch.nn.Linear(3, 2)
+            for i, param in enumerate(module.parameters()):  # gradient = f(rank, chunk), exact in fp32
+                param.grad = torch.full_like(param, float(100 * rank + 10 * chunk + i))
+            models.append(module)
+        syncer = ReplicaSyncer(schedule, rank, models, group)
+        for gap in range(len(schedule.ops[rank]) + 1):
+            syncer.at_gap(gap)
+        syncer.finish()
+        return {
+            "grads": [[param.grad[0].flatten()[0].item() for param in module.parameters()] for module in models],
+            "issued": syncer.issued,
+            "num_ops": len(schedule.ops[rank]),
+        }
+    finally:
+        dist.destroy_process_group()
