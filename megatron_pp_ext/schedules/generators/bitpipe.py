@@ -153,7 +153,7 @@ def bitpipe(p: int, m: int, *, v: int | None = None, **unused: object) -> Schedu
     return build_schedule("bitpipe", bidirectional_placement(p), m, ops, bitpipe_rounds(p, m))
 
 
-def _fill_w(p: int, m: int, rows: list[list[tuple[str, int, int]]], replicas: tuple[int, ...]) -> list[list[Op]]:
+def _fill_w(p: int, rows: list[list[tuple[str, int, int]]], replicas: tuple[int, ...]) -> list[list[Op]]:
     """Split every backward; run each ``W`` in the first slot where its rank would otherwise wait.
 
     Dataflow timing with ``T_F = T_B = T_W = 1``: a rank whose next ``F``/``B`` has no input yet
@@ -207,7 +207,7 @@ def bitpipe_zb(p: int, m: int, *, v: int | None = None, **unused: object) -> Sch
     _check("bitpipe-zb", p, m, v)
     reject_unsupported("bitpipe-zb", unused)
     replicas = bitpipe_rounds(p, m)
-    ops = _fill_w(p, m, [_phases(p, m, r) for r in range(p)], replicas)
+    ops = _fill_w(p, [_phases(p, m, r) for r in range(p)], replicas)
     return build_schedule("bitpipe-zb", bidirectional_placement(p), m, ops, replicas)
 
 
