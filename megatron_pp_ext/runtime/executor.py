@@ -33,7 +33,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..schedules.collectives import Collective, CollectiveKind, CollectivePolicy, derive_collectives
+from ..schedules.collectives import (
+    Collective,
+    CollectiveKind,
+    CollectivePolicy,
+    declared_fsdp_limit,
+    derive_collectives,
+)
 from ..schedules.ir import Op, OpKind, ScheduleError
 from ..schedules.lowering import ACT, GRAD, Compute, Exchange, LoweredSchedule, lower
 from ..schedules.schedule import Schedule
@@ -168,13 +174,15 @@ def make_forward_backward_func(
     timeout_s: float | None = None,
     use_tags: bool = True,
     fsdp_max_unsharded: int | None = None,
-    replica_sync_func: Callable[[int], None] | None = None,
+    replica_sync: Any = None,
 ) -> Callable[..., list[Any]]:
     """Build megatron's ``forward_backward_func`` for schedules from ``schedule_for(num_microbatches)``.
 
     ``fsdp_max_unsharded``: the model chunks are FSDP chunks (``unshard()`` / ``reshard()``, see
-    :mod:`.fsdp`) of which at most this many are gathered at once. ``replica_sync_func(chunk)``:
-    all-reduces a chunk's gradients with the other replica's copy (bidirectional placements).
+    :mod:`.fsdp`) of which at most this many are gathered at once (None: the schedule's declared
+    limit, if any). ``replica_sync`` (bidirectional placements, :class:`.replica_sync.ReplicaSync`):
+    ``launch(chunk)`` starts a chunk's gradient all-reduce with the other replica's copy,
+    ``finish()`` waits for them.
     Megatron's own ``grad_sync_func`` / ``param_sync_func`` (config) are launched where the
     collectives pass places them.
     """
@@ -184,11 +192,15 @@ def make_forward_backward_func(
     def plan(num_microbatches: int, rank: int, forward_only: bool, config: Any, models: list[Any]) -> _Plan:
         schedule = schedule_for(num_microbatches)  # the source caches; it may re-plan between calls
         training = not forward_only
+        if fsdp_max_unsharded is None and all(hasattr(m, "unshard") for m in models):
+            limit = declared_fsdp_limit(schedule) or 1  # FSDP chunks: the schedule's declared policy
+        else:
+            limit = fsdp_max_unsharded
         policy = CollectivePolicy(
             reduce_grads=training and grad_sync_funcs(config, models) is not None,
             param_sync=training and config.param_sync_func is not None,
-            fsdp_max_unsharded=fsdp_max_unsharded,
-            replica_sync=training and replica_sync_func is not None,
+            fsdp_max_unsharded=limit,
+            replica_sync=training and replica_sync is not None,
         )
         key = (num_microbatches, rank, forward_only, policy)
         cached = plans.get(key)
@@ -248,11 +260,12 @@ def make_forward_backward_func(
             tracer=tracers[rank],
             timeout_s=p2p.DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s,
             use_tags=use_tags,
-            replica_sync_func=replica_sync_func,
+            replica_sync=replica_sync,
         )
         return run.execute()
 
     forward_backward_func.megatron_pp_ext = True  # type: ignore[attr-defined]
+    forward_backward_func.syncs_replicas = replica_sync is not None  # type: ignore[attr-defined]
     return forward_backward_func
 
 
@@ -298,7 +311,7 @@ class _Run:
         self.tracer: Tracer = kw["tracer"]
         self.timeout_s: float = kw["timeout_s"]
         self.use_tags: bool = kw["use_tags"]
-        self.replica_sync_func: Callable[[int], None] | None = kw["replica_sync_func"]
+        self.replica_sync: Any = kw["replica_sync"]
         self.config = get_model_config(self.models[0])
         self.param_sync_func = _per_chunk(self.config.param_sync_func, len(self.models))
 
@@ -415,6 +428,8 @@ class _Run:
             self._collective(collective)
         self._retire_completed(wait=True)
         self.grad_sync.finish(self._where())
+        if self.replica_sync is not None and not self.forward_only:
+            self.replica_sync.finish()  # before finalize_model_grads reads the same buffers
         self._check_drained()
         for it in self.iterators:
             if it is not None:
@@ -458,8 +473,8 @@ class _Run:
         elif kind == CollectiveKind.RESHARD:
             self.models[chunk].reshard()
         elif kind == CollectiveKind.REPLICA_SYNC:
-            assert self.replica_sync_func is not None
-            self.replica_sync_func(chunk)
+            assert self.replica_sync is not None
+            self.replica_sync.launch(chunk)
         else:  # pragma: no cover - a kind added to the pass but not here
             raise ExecutorError(f"{self._where()}: no implementation for collective {collective}")
 

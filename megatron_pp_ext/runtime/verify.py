@@ -163,6 +163,17 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
         optimizer = _megatron_optimizer(spec, chunks)
     else:
         optimizer = torch.optim.Adam(params, lr=spec.lr)
+    replica_group = None
+    if placement.num_replicas == 2 and spec.mode == OURS:
+        from .replica_sync import new_replica_group
+
+        replica_group = new_replica_group(ps.get_pipeline_model_parallel_group())
+    # micro-batch of each loss this rank reports (in the order the executor stores them)
+    loss_microbatches = (
+        [op.microbatch for op in schedule.ops[pp_rank] if op.kind == "F" and placement.is_last(op.stage)]
+        if schedule is not None and spec.mode == OURS
+        else None
+    )
 
     tracer: Tracer | None = None
     source: Any = None
@@ -173,6 +184,8 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
         param_storages = {p.untyped_storage().data_ptr() for p in params}
         if spec.trace:
             tracer = Tracer(pp_rank, param_storages)
+        if replica_group is not None:
+            from .replica_sync import ReplicaSync
         if spec.profile_iterations > 0:
             source = _replanning_source(spec, placement.num_ranks)
             profiler = source.make_tracer(tracer)
@@ -187,6 +200,7 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
                 timeout_s=spec.timeout_s,
                 use_tags=spec.p2p_tags,
                 fsdp_max_unsharded=spec.fsdp_max_unsharded if spec.fsdp else None,
+                replica_sync=ReplicaSync(chunks, replica_group) if replica_group is not None else None,
             )
     else:
         forward_backward = get_forward_backward_func()
@@ -224,6 +238,12 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
         losses.append([float(d["lm loss"]) for d in out])
         if spec.forward_only:
             continue
+        if replica_group is not None and not getattr(forward_backward, "syncs_replicas", False):
+            # The executor does not run the schedule's replica-sync collectives yet: sum the two
+            # copies' gradients here, after the iteration (BitPipe without its eager overlap).
+            from .replica_sync import sync_all
+
+            sync_all(placement, pp_rank, chunks, replica_group)
         step: dict[str, Any] = {}
         if spec.fsdp:
             for chunk, layout in zip(chunks, layouts, strict=True):
@@ -257,6 +277,7 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
         "tp_rank": tp_rank,
         "dp_rank": dp_rank,
         "losses": losses,
+        "loss_microbatches": loss_microbatches,
         "grads": grads if spec.keep_grads else [],
         "step_times": step_times,
         "schedules_used": schedules_used,
@@ -271,6 +292,14 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
         }
     if tracer is not None:
         result["trace"] = tracer.summary()
+    if replica_group is not None:  # final weights, to check that the two copies stayed identical
+        result["weights"] = {
+            f"{tiny_gpt.global_name(name, layout, spec.model.tied_embeddings)}#tp{tp_rank}#stage{layout.stage}": (
+                p.detach().clone()
+            )
+            for chunk, layout in zip(chunks, layouts, strict=True)
+            for name, p in tiny_gpt._unwrap(chunk).named_parameters()
+        }
     return result
 
 
@@ -507,16 +536,49 @@ def _check_errors(results: list[dict[str, Any]]) -> None:
 
 
 def _losses(results: list[dict[str, Any]]) -> list[list[float]]:
-    """Per iteration, the micro-batch losses of the whole global batch: those of the loss-holding
-    rank of each data-parallel replica, in data-parallel order (tensor-parallel rank 0)."""
+    """Per iteration, the micro-batch losses of the whole global batch: data-parallel replica by
+    replica (tensor-parallel rank 0), and within one the losses of every rank that computed some
+    (a bidirectional schedule computes them on two ranks) merged in micro-batch order."""
     holders = [r for r in results if r["losses"] and r["losses"][0] and r.get("tp_rank", 0) == 0]
     if not holders:
         raise VerifyRunError("no rank reported a loss")
-    by_dp: dict[int, dict[str, Any]] = {}
+    by_dp: dict[int, list[dict[str, Any]]] = {}
     for r in holders:
-        by_dp.setdefault(r.get("dp_rank", 0), r)
-    replicas = [by_dp[d] for d in sorted(by_dp)]
-    return [[x for r in replicas for x in r["losses"][it]] for it in range(len(replicas[0]["losses"]))]
+        by_dp.setdefault(r.get("dp_rank", 0), []).append(r)
+    merged: list[list[float]] = []
+    for it in range(len(holders[0]["losses"])):
+        row: list[float] = []
+        for d in sorted(by_dp):
+            ranks = by_dp[d]
+            if len(ranks) == 1 or any(r.get("loss_microbatches") is None for r in ranks):
+                row += ranks[0]["losses"][it]
+                continue
+            by_mb: dict[int, float] = {}
+            for r in ranks:
+                by_mb.update(zip(r["loss_microbatches"], r["losses"][it], strict=True))
+            row += [by_mb[mb] for mb in sorted(by_mb)]
+        merged.append(row)
+    return merged
+
+
+def _replica_copies_differ(results: list[dict[str, Any]]) -> list[str]:
+    """Bidirectional runs: the two copies of every parameter (two stages) must be bitwise equal."""
+    import torch
+
+    copies: dict[str, list[tuple[str, Any]]] = {}
+    for r in results:
+        for key, w in r.get("weights", {}).items():
+            name, tp, stage = key.split("#")
+            copies.setdefault(f"{name}#{tp}", []).append((stage, w))
+    problems = []
+    for key, found in sorted(copies.items()):  # 2 copies; a tied embedding 4 (each replica's two ends)
+        if len(found) < 2:
+            problems.append(f"{key}: {len(found)} copy only, expected one per replica")
+        for stage, w in found[1:]:
+            if not torch.equal(found[0][1], w):
+                diff = float((found[0][1] - w).abs().max())
+                problems.append(f"{key}: copies {found[0][0]} and {stage} differ after training (max {diff:g})")
+    return problems
 
 
 def compare(
@@ -528,6 +590,7 @@ def compare(
     ref_losses = _losses(ref)
     run_losses = _losses(run)
     problems: list[str] = []
+    problems += _replica_copies_differ(run)
     loss_diff = 0.0
     bitwise = True
     for it, (a, b) in enumerate(zip(run_losses, ref_losses, strict=True)):
@@ -633,12 +696,20 @@ def verify_schedule(
     distributed_optimizer: bool = False,
     fsdp: bool = False,
     fsdp_max_unsharded: int = 1,
+    lr: float | None = None,
 ) -> VerifyReport:
     """Run ``schedule`` (a validated Schedule) and its reference; return the comparison.
 
     With ``dp`` > 1 the pipeline runs ``dp`` times (``p x tp x dp`` ranks), each replica on its
     share of ``dp x m`` micro-batches; the reference runs all of them in one process. ``tol``
-    defaults to :func:`default_tolerance`."""
+    defaults to :func:`default_tolerance`.
+
+    ``lr`` (Adam) defaults to :class:`RunSpec`'s, and to a tenth of it under a bidirectional
+    placement: there the two replicas' partial gradients are summed, ``(g0+g1)+(g2+g3)`` against
+    the reference's ``((g0+g1)+g2)+g3``, which re-associates every parameter's gradient (about
+    1e-7 relative in the first iteration), and Adam's normalisation turns sign flips of
+    near-zero elements into ``O(lr)`` weight differences that the next iterations' gradients show.
+    """
     tol = default_tolerance(dp) if tol is None else tol
     if fsdp and distributed_optimizer:
         raise ValueError("--fsdp shards gradients and optimizer state itself: drop --distributed-optimizer")
@@ -659,6 +730,8 @@ def verify_schedule(
         "sequence_parallel": sequence_parallel,
         "timeout_s": timeout_s,
     }
+    if lr is not None or schedule.placement.num_replicas > 1:
+        common["lr"] = lr if lr is not None else RunSpec.lr / 10
     own_pool = pool is None
     pool = pool or RankPool(p * tp * dp)
     try:
