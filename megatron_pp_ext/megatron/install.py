@@ -181,7 +181,7 @@ def install(args_or_config: Any = None, *, layout_hooks: bool | None = None) -> 
     source: Callable[[int], Schedule] = make_schedule_source(config)
     if config.replan_iterations > 0:
         source, tracer_factory = _replanning(config, tracer_factory)
-    executor_func = make_forward_backward_func(source, tracer_factory=tracer_factory)
+    executor_func = make_forward_backward_func(source, tracer_factory=tracer_factory, check_grads=config.check_grads)
 
     def forward_backward_func(**kwargs: Any) -> Any:
         if tracer_factory is not None and not param_storages:

@@ -34,6 +34,7 @@ from ..schedules.schedule import Schedule
 from . import p2p
 from .data import MicrobatchIterator
 from .embedding_sync import add_local_tied_grads, ends_on_same_rank, local_tied_pairs, without_embedding_groups
+from .grad_check import GradCheckPolicy, GradWatch, watching
 from .trace import NullTracer, Tracer
 from .wgrad import WeightGradStore, get_weight_grad_store
 
@@ -168,10 +169,15 @@ def make_forward_backward_func(
     tracer_factory: Callable[[int], Tracer] | None = None,
     timeout_s: float | None = None,
     use_tags: bool = True,
+    check_grads: bool = False,
 ) -> Callable[..., list[Any]]:
-    """Build megatron's ``forward_backward_func`` for schedules from ``schedule_for(num_microbatches)``."""
+    """Build megatron's ``forward_backward_func`` for schedules from ``schedule_for(num_microbatches)``.
+
+    ``check_grads``: watch every training iteration with :mod:`.grad_check` (the first one always is).
+    """
     plans: dict[tuple[int, int, bool], tuple[Schedule, _Plan]] = {}
     tracers: dict[int, Tracer] = {}
+    grad_checks = GradCheckPolicy(every_iteration=check_grads)
 
     def plan(num_microbatches: int, rank: int, forward_only: bool) -> _Plan:
         schedule = schedule_for(num_microbatches)  # the source caches; it may re-plan between calls
@@ -231,6 +237,7 @@ def make_forward_backward_func(
             tracer=tracers[rank],
             timeout_s=p2p.DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s,
             use_tags=use_tags,
+            grad_watch=grad_checks.watcher(models, forward_only),
         )
         return run.execute()
 
@@ -280,6 +287,7 @@ class _Run:
         self.tracer: Tracer = kw["tracer"]
         self.timeout_s: float = kw["timeout_s"]
         self.use_tags: bool = kw["use_tags"]
+        self.grad_watch: GradWatch | None = kw.get("grad_watch")
         self.config = get_model_config(self.models[0])
 
         if pp_group.size() != self.schedule.num_ranks:
@@ -415,6 +423,8 @@ class _Run:
             raise ExecutorError(f"{self._where()}: tensors left over at the end of the iteration: {leftovers[:8]}")
         if not self.forward_only:
             self.wgrad.check_empty(self._where())
+        if self.grad_watch is not None:
+            self.grad_watch.finish(self._where())
 
     def _compute(self, op: Op) -> None:
         self._await_inputs(op)  # waiting for data is idle time, not part of the op
@@ -422,7 +432,8 @@ class _Run:
         if op.kind == OpKind.F:
             self._forward(op)
         else:
-            with self.grad_sync.around(self.plan.sync_points.get(op)):
+            watched = watching(self.grad_watch, self.placement.chunk_of(op.stage), op.microbatch)
+            with self.grad_sync.around(self.plan.sync_points.get(op)), watched:
                 if op.kind == OpKind.W:
                     self.wgrad.run(self.placement.chunk_of(op.stage), op.microbatch, self._where(op))
                 else:
