@@ -221,7 +221,12 @@ def install(args_or_config: Any = None, *, layout_hooks: bool | None = None) -> 
             )
         layout.activate(placement, config.num_layers, config.layer_split)
     if _splits_backward(config):
-        _enable_backward_split(patcher, config.label)
+        try:
+            _enable_backward_split(patcher, config.label)
+        except BaseException:  # e.g. an unsupported Transformer Engine: leave megatron as it was
+            patcher.restore()
+            layout.deactivate()
+            raise
     _STATE = _Installed(config, forward_backward_func, patcher)
     return forward_backward_func
 
@@ -246,6 +251,7 @@ def _enable_backward_split(patcher: Patcher, label: str) -> None:
     """
     import importlib.util
 
+    from ..runtime.wgrad import get_weight_grad_store
     from ..runtime.wgrad_hooks import install_wgrad_hooks, uninstall_wgrad_hooks
 
     install_wgrad_hooks()
@@ -260,7 +266,9 @@ def _enable_backward_split(patcher: Patcher, label: str) -> None:
 
     check_te_support(label)
     patch_for_split(patcher)
-    enable_te_wgrad()
+    provider = enable_te_wgrad()
+    store = get_weight_grad_store()
+    patcher.on_restore(lambda: store.providers.remove(provider) if provider in store.providers else None)
 
 
 def uninstall() -> None:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import weakref
 from collections import deque
 from typing import Any
 
@@ -221,21 +222,21 @@ class TEDeferral:
 
     def __init__(self) -> None:
         self._order: dict[int, deque[int]] = {}  # chunk -> micro-batches whose B ran, W pending
-        self._modules: dict[int, list[Any]] = {}
-        self._before: dict[int, list[int]] = {}
+        self._modules: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+        self._before: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
 
     def applies_to(self, model_chunk: Any) -> bool:
-        key = id(model_chunk)
-        if key not in self._modules:
-            self._modules[key] = deferring_modules(model_chunk)
-        return bool(self._modules[key])
+        modules = self._modules.get(model_chunk)
+        if modules is None:
+            modules = self._modules[model_chunk] = deferring_modules(model_chunk)
+        return bool(modules)
 
     def before_backward(self, chunk: int, microbatch: int, model_chunk: Any) -> None:
-        self._before[id(model_chunk)] = [te_queue_size(m) for m in self._modules[id(model_chunk)]]
+        self._before[model_chunk] = [te_queue_size(m) for m in self._modules[model_chunk]]
 
     def _added(self, model_chunk: Any) -> list[tuple[Any, int]]:
-        modules = self._modules[id(model_chunk)]
-        before = self._before.pop(id(model_chunk), [0] * len(modules))
+        modules = self._modules[model_chunk]
+        before = self._before.pop(model_chunk, [0] * len(modules))
         return [(m, te_queue_size(m) - b) for m, b in zip(modules, before, strict=True) if te_queue_size(m) > b]
 
     def after_full_backward(self, chunk: int, microbatch: int, model_chunk: Any) -> None:

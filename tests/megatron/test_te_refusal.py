@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import pytest
 from megatron_args_helpers import make_args
 
@@ -59,3 +62,75 @@ def test_check_grads_flag():
     assert not validate_arguments(make_args(["--pipeline-schedule", "zb-h1"])).check_grads
     with pytest.raises(PipelineArgumentError, match="--pipeline-check-grads: needs --pipeline-schedule"):
         validate_arguments(make_args(["--pipeline-check-grads"]))
+
+
+# ---- install() with a (fake) Transformer Engine present ------------------------------------------------
+def _fake_te(monkeypatch, version: str) -> Any:
+    import importlib.machinery
+    import types
+
+    import torch
+
+    class Linear(torch.nn.Module):  # the API surface te_support_problem / patch_for_split look at
+        def __init__(self, n: int = 2, delay_wgrad_compute: bool = False) -> None:
+            super().__init__()
+            self.delay = delay_wgrad_compute
+
+        def need_backward_dw(self) -> bool:
+            return self.delay
+
+        def backward_dw(self) -> None: ...
+
+        def register_wgrad_accumulation_and_reduce_hooks(self, hook: Any) -> None: ...
+
+    te_root = types.ModuleType("transformer_engine")
+    te_root.__version__ = version
+    te_root.__spec__ = importlib.machinery.ModuleSpec("transformer_engine", None)
+    te_pt = types.ModuleType("transformer_engine.pytorch")
+    te_pt.Linear = Linear
+    te_root.pytorch = te_pt
+    monkeypatch.setitem(sys.modules, "transformer_engine", te_root)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te_pt)
+    monkeypatch.setitem(sys.modules, "megatron.core.extensions.transformer_engine", types.ModuleType("te_ext_stand_in"))
+    return Linear
+
+
+def test_install_with_te_patches_layers_and_ddp_and_uninstall_restores(megatron, monkeypatch):
+    from megatron.core.distributed import DistributedDataParallel
+
+    from megatron_pp_ext.megatron import install as inst
+    from megatron_pp_ext.runtime.te_wgrad import TEDeferral
+    from megatron_pp_ext.runtime.wgrad import get_weight_grad_store
+
+    linear = _fake_te(monkeypatch, "2.12.0")
+    inst.uninstall()
+    ddp_init = DistributedDataParallel.__init__
+    try:
+        assert inst.install(make_args(["--pipeline-schedule", "zb-h1"])) is not None
+        assert linear().need_backward_dw(), "TE layers must defer by default under a split schedule"
+        assert getattr(DistributedDataParallel.__init__, "megatron_pp_ext", False)
+        assert any(isinstance(p, TEDeferral) for p in get_weight_grad_store().providers)
+    finally:
+        inst.uninstall()
+    assert not linear().need_backward_dw()
+    assert DistributedDataParallel.__init__ is ddp_init
+    assert not any(isinstance(p, TEDeferral) for p in get_weight_grad_store().providers)
+
+
+def test_install_refuses_an_old_te(megatron, monkeypatch):
+    from megatron_pp_ext.megatron import install as inst
+    from megatron_pp_ext.runtime.te_wgrad import TEUnsupportedError
+    from megatron_pp_ext.runtime.wgrad import get_weight_grad_store
+
+    _fake_te(monkeypatch, "2.8.1")
+    inst.uninstall()
+    schedules = sys.modules["megatron.core.pipeline_parallel.schedules"]
+    before = schedules.get_forward_backward_func
+    try:
+        with pytest.raises(TEUnsupportedError, match=r"Transformer Engine 2\.8\.1 found.*--transformer-impl local"):
+            inst.install(make_args(["--pipeline-schedule", "zb-h1"]))
+        assert inst.installed() is None
+        assert schedules.get_forward_backward_func is before, "a refused install left megatron patched"
+        assert not get_weight_grad_store().hooks_installed
+    finally:
+        inst.uninstall()
