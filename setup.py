@@ -18,7 +18,7 @@ setup(
     extras_require={
         "plot": ["matplotlib>=3.7"],
         "test": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6", "matplotlib>=3.7", "pytest-timeout>=2.3"],
-        "te": ["transformer_engine[pytorch]>=2.3"],
+        "te": ["transformer_engine[pytorch]>=2.10"],
     },
     entry_points={"console_scripts": ["megatron-pp=megatron_pp_ext.cli:main"]},
 )

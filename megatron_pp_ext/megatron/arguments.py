@@ -24,6 +24,11 @@ Flag semantics (group "pipeline schedules (megatron_pp_ext)"):
     defaults to 0).
 ``--pipeline-trace DIR``
     Write per-rank traces (op timings, live activation bytes) of the executor to DIR.
+``--pipeline-check-grads``
+    Check, in every training iteration, that every trainable parameter of every model chunk received its
+    gradient for every micro-batch that ran through the chunk, and that no weight-gradient work is left
+    (:mod:`megatron_pp_ext.runtime.grad_check`). The first training iteration is always checked; the
+    flag extends it to all (two reductions per parameter per backward op).
 ``--cpu``
     Force CPU / gloo mode even when CUDA is available (it is also used when CUDA is not).
 
@@ -234,6 +239,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Write per-rank executor traces (op timings, live activation bytes) to DIR.",
     )
     group.add_argument(
+        "--pipeline-check-grads",
+        action="store_true",
+        default=False,
+        help="Check every training iteration (not only the first) that each trainable parameter received its "
+        "gradient for every micro-batch and that no deferred weight gradient is left; raises naming them.",
+    )
+    group.add_argument(
         "--cpu",
         action="store_true",
         default=False,
@@ -256,6 +268,7 @@ class PipelineConfig:
     memory_limit: MemoryLimit | float | None = None
     costs: Any = None  # (F, B, W, COMM) or a Costs object
     trace_dir: str | None = None
+    check_grads: bool = False
     profile_iterations: int | None = None
     profile_out: str | None = None
     block_file: str | None = None  # building block (JSON) of v-block
@@ -434,6 +447,7 @@ def config_from_args(args: Any) -> PipelineConfig:
         costs=getattr(args, "pipeline_costs", None),
         block_file=getattr(args, "pipeline_block_file", None),
         trace_dir=getattr(args, "pipeline_trace", None),
+        check_grads=bool(getattr(args, "pipeline_check_grads", False)),
         profile_iterations=getattr(args, "pipeline_profile_iters", None),
         profile_out=getattr(args, "pipeline_profile_out", None),
         num_virtual_stages=int(vp) if vp else None,
@@ -473,6 +487,7 @@ def validate_arguments(args: Any) -> PipelineConfig:
             ("pipeline_profile_iters", "--pipeline-profile-iters"),
             ("pipeline_profile_out", "--pipeline-profile-out"),
             ("pipeline_block_file", "--pipeline-block-file"),
+            ("pipeline_check_grads", "--pipeline-check-grads"),
         ):
             if _given(args, attr):
                 raise PipelineArgumentError(flag, "needs --pipeline-schedule (megatron's own schedule does not use it)")
@@ -511,6 +526,7 @@ def validate_arguments(args: Any) -> PipelineConfig:
             raise _schedule_error(exc, config, args, p, m, dp, virtual_flag) from None
     assert schedule is not None
     _check_layers(args, schedule, virtual_flag)
+    _check_transformer_engine(args, config, schedule)
     config.layer_split = getattr(args, "pipeline_layer_split", None)
     _apply_chunks(args, config, schedule, virtual_flag)
     if config.trace_dir is not None:
@@ -629,6 +645,17 @@ def _apply_chunks(args: Any, config: PipelineConfig, schedule: Schedule, virtual
         if chunks > 1 and getattr(args, "num_layers_per_virtual_pipeline_stage", None) is None:
             args.num_virtual_stages_per_pipeline_rank = chunks
     config.num_virtual_stages = chunks if chunks > 1 else None
+
+
+def _check_transformer_engine(args: Any, config: PipelineConfig, schedule: Schedule) -> None:
+    """A split schedule with the TE layer spec needs a TE whose layers defer their weight gradients."""
+    if not schedule.splits_backward or getattr(args, "transformer_impl", "local") != "transformer_engine":
+        return
+    from ..runtime.te_wgrad import refusal, te_support_problem
+
+    problem = te_support_problem()
+    if problem is not None:
+        raise PipelineArgumentError("--transformer-impl", refusal(problem, config.label))
 
 
 def _check_cpu_flags(args: Any) -> None:

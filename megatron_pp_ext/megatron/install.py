@@ -181,7 +181,7 @@ def install(args_or_config: Any = None, *, layout_hooks: bool | None = None) -> 
     source: Callable[[int], Schedule] = make_schedule_source(config)
     if config.replan_iterations > 0:
         source, tracer_factory = _replanning(config, tracer_factory)
-    executor_func = make_forward_backward_func(source, tracer_factory=tracer_factory)
+    executor_func = make_forward_backward_func(source, tracer_factory=tracer_factory, check_grads=config.check_grads)
 
     def forward_backward_func(**kwargs: Any) -> Any:
         if tracer_factory is not None and not param_storages:
@@ -221,7 +221,12 @@ def install(args_or_config: Any = None, *, layout_hooks: bool | None = None) -> 
             )
         layout.activate(placement, config.num_layers, config.layer_split)
     if _splits_backward(config):
-        _enable_backward_split(patcher)
+        try:
+            _enable_backward_split(patcher, config.label)
+        except BaseException:  # e.g. an unsupported Transformer Engine: leave megatron as it was
+            patcher.restore()
+            layout.deactivate()
+            raise
     _STATE = _Installed(config, forward_backward_func, patcher)
     return forward_backward_func
 
@@ -233,15 +238,20 @@ def _splits_backward(config: PipelineConfig) -> bool:
     return bool(config.schedule) and registry.get(config.schedule).splits_backward
 
 
-def _enable_backward_split(patcher: Patcher) -> None:
+def _enable_backward_split(patcher: Patcher, label: str) -> None:
     """Weight-gradient deferral for megatron's linears, and for Transformer Engine layers when TE is present.
 
-    TE layers get TE's own ``delay_wgrad_compute=True`` through megatron's extra-kwargs helper (not
-    megatron's ``--delay-wgrad-compute``, which is tied to its MoE overlap path); W runs their
-    ``backward_dw()``. Unverified on real TE until tests/gpu has run on a CUDA machine.
+    TE layers (``Linear``, ``LayerNormLinear``, ``LayerNormMLP``, ``GroupedLinear``, which megatron's TE
+    wrappers subclass) are built with TE's own ``delay_wgrad_compute=True`` and megatron DDP with
+    ``ddp_config.delay_wgrad_compute`` (it then hooks those layers' parameters on the layer, for TE's
+    ``backward_dw``); megatron's ``--delay-wgrad-compute`` (tied to its MoE overlap path) stays off. W runs
+    TE's ``backward_dw()`` (see :mod:`megatron_pp_ext.runtime.te_wgrad`). A TE too old or without that
+    API raises :class:`~megatron_pp_ext.runtime.te_wgrad.TEUnsupportedError`
+    (:func:`~megatron_pp_ext.megatron.arguments.validate_arguments` refuses it earlier, from the flags).
     """
     import importlib.util
 
+    from ..runtime.wgrad import get_weight_grad_store
     from ..runtime.wgrad_hooks import install_wgrad_hooks, uninstall_wgrad_hooks
 
     install_wgrad_hooks()
@@ -249,21 +259,16 @@ def _enable_backward_split(patcher: Patcher) -> None:
     if importlib.util.find_spec("transformer_engine") is None:
         return
     try:
-        te_ext = importlib.import_module("megatron.core.extensions.transformer_engine")
+        importlib.import_module("megatron.core.extensions.transformer_engine")
     except Exception:  # TE present but unusable (no CUDA): megatron's local layers are used
         return
-    from ..runtime.te_wgrad import check_te_version, enable_te_wgrad
+    from ..runtime.te_wgrad import check_te_support, enable_te_wgrad, patch_for_split
 
-    check_te_version()
-    original = te_ext._get_extra_te_kwargs
-
-    def extra_te_kwargs(config: Any) -> dict[str, Any]:
-        kwargs = dict(original(config))
-        kwargs["delay_wgrad_compute"] = True
-        return kwargs
-
-    patcher.replace(te_ext.__name__, "_get_extra_te_kwargs", extra_te_kwargs)
-    enable_te_wgrad()
+    check_te_support(label)
+    patch_for_split(patcher)
+    provider = enable_te_wgrad()
+    store = get_weight_grad_store()
+    patcher.on_restore(lambda: store.providers.remove(provider) if provider in store.providers else None)
 
 
 def uninstall() -> None:

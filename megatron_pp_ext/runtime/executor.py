@@ -46,6 +46,7 @@ from ..schedules.schedule import Schedule
 from . import p2p
 from .data import MicrobatchIterator
 from .embedding_sync import add_local_tied_grads, ends_on_same_rank, local_tied_pairs, without_embedding_groups
+from .grad_check import GradCheckPolicy, GradWatch, watching
 from .trace import NullTracer, Tracer
 from .wgrad import WeightGradStore, get_weight_grad_store
 
@@ -175,6 +176,7 @@ def make_forward_backward_func(
     use_tags: bool = True,
     fsdp_max_unsharded: int | None = None,
     replica_sync: Any = None,
+    check_grads: bool = False,
 ) -> Callable[..., list[Any]]:
     """Build megatron's ``forward_backward_func`` for schedules from ``schedule_for(num_microbatches)``.
 
@@ -183,11 +185,13 @@ def make_forward_backward_func(
     limit, if any). ``replica_sync`` (bidirectional placements, :class:`.replica_sync.ReplicaSync`):
     ``launch(chunk)`` starts a chunk's gradient all-reduce with the other replica's copy,
     ``finish()`` waits for them.
+    ``check_grads``: watch every training iteration with :mod:`.grad_check` (the first one always is).
     Megatron's own ``grad_sync_func`` / ``param_sync_func`` (config) are launched where the
     collectives pass places them.
     """
     plans: dict[tuple[int, int, bool, CollectivePolicy], tuple[Schedule, _Plan]] = {}
     tracers: dict[int, Tracer] = {}
+    grad_checks = GradCheckPolicy(every_iteration=check_grads)
 
     def plan(num_microbatches: int, rank: int, forward_only: bool, config: Any, models: list[Any]) -> _Plan:
         schedule = schedule_for(num_microbatches)  # the source caches; it may re-plan between calls
@@ -261,6 +265,7 @@ def make_forward_backward_func(
             timeout_s=p2p.DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s,
             use_tags=use_tags,
             replica_sync=replica_sync,
+            grad_watch=grad_checks.watcher(models, forward_only),
         )
         return run.execute()
 
@@ -312,6 +317,7 @@ class _Run:
         self.timeout_s: float = kw["timeout_s"]
         self.use_tags: bool = kw["use_tags"]
         self.replica_sync: Any = kw["replica_sync"]
+        self.grad_watch: GradWatch | None = kw.get("grad_watch")
         self.config = get_model_config(self.models[0])
         self.param_sync_func = _per_chunk(self.config.param_sync_func, len(self.models))
 
@@ -457,6 +463,8 @@ class _Run:
             raise ExecutorError(f"{self._where()}: tensors left over at the end of the iteration: {leftovers[:8]}")
         if not self.forward_only:
             self.wgrad.check_empty(self._where())
+        if self.grad_watch is not None:
+            self.grad_watch.finish(self._where())
 
     def _collective(self, collective: Collective) -> None:
         """Launch a derived collective (asynchronous where the implementation allows)."""
@@ -483,10 +491,12 @@ class _Run:
         self.tracer.begin_op(op)
         if op.kind == OpKind.F:
             self._forward(op)
-        elif op.kind == OpKind.W:
-            self.wgrad.run(self.placement.chunk_of(op.stage), op.microbatch, self._where(op))
         else:
-            self._backward(op)
+            with watching(self.grad_watch, self.placement.chunk_of(op.stage), op.microbatch):
+                if op.kind == OpKind.W:
+                    self.wgrad.run(self.placement.chunk_of(op.stage), op.microbatch, self._where(op))
+                else:
+                    self._backward(op)
         self.tracer.end_op(op)
 
     def _forward(self, op: Op) -> None:

@@ -148,6 +148,100 @@ def linear_split_check(case: LinearCase, rank: int, init_method: str) -> dict[st
         dist.destroy_process_group()
 
 
+def _deferral_probe(case: LinearCase) -> dict[str, Any]:
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from .wgrad import get_weight_grad_store
+
+    torch.manual_seed(case.seed)
+    model_parallel_cuda_manual_seed(case.seed)
+
+    config = ModelParallelConfig(
+        tensor_model_parallel_size=case.tp,
+        sequence_parallel=case.sequence_parallel,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        params_dtype=torch.float32,
+    )
+    layer = _layer(case, config)
+    tp = ps.get_tensor_model_parallel_world_size()
+    params = dict(layer.named_parameters())
+    external = None
+    if case.layer == "output":
+        external = torch.nn.Parameter(torch.randn(case.ffn // tp, case.hidden))
+        params["external_weight"] = external
+    in_features = case.ffn // tp if case.layer == "row" else case.hidden
+    seq_in = case.seq // tp if (case.sequence_parallel and case.layer != "row") else case.seq
+    outs = []
+    for _ in range(2):
+        x = torch.randn(seq_in, case.batch, in_features, requires_grad=True)
+        out, _ = layer(x, weight=external) if external is not None else layer(x)
+        outs.append(out)
+    store = get_weight_grad_store()  # the store the hooked layers queue into
+    store.check_empty("probe start")
+    try:
+
+        def snapshot() -> dict[str, Any]:
+            return {n: (p.grad.clone() if p.grad is not None else None) for n, p in params.items()}
+
+        def changed(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+            return sorted(
+                n for n in a if (a[n] is None) != (b[n] is None) or (a[n] is not None and not torch.equal(a[n], b[n]))
+            )
+
+        start = snapshot()
+        with store.deferring(0, 0, enabled=True, where="probe"):
+            outs[0].sum().backward()
+        after_b0 = snapshot()
+        queued_b0 = store.queued(0, 0)
+        with store.deferring(0, 1, enabled=True, where="probe"):
+            outs[1].sum().backward()
+        after_b1 = snapshot()
+        store.run(0, 0, "probe")
+        after_w0 = snapshot()
+        store.run(0, 1, "probe")
+        after_w1 = snapshot()
+    finally:
+        store.check_empty("probe")
+    return {
+        "params": sorted(params),
+        "changed_by_b": sorted(set(changed(start, after_b0)) | set(changed(after_b0, after_b1))),
+        "queued_per_b": queued_b0,
+        "changed_by_w0": changed(after_b1, after_w0),
+        "changed_by_w1": changed(after_w0, after_w1),
+    }
+
+
+def linear_deferral_probe(case: LinearCase, rank: int, init_method: str) -> dict[str, Any]:
+    """Which weight gradients a B and a W of a hooked megatron linear changed (B: none; each W: all)."""
+    from megatron_pp_ext.megatron.cpu import enable_cpu_mode
+
+    enable_cpu_mode()
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from .wgrad_hooks import install_wgrad_hooks, uninstall_wgrad_hooks
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=case.tp, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        ps.initialize_model_parallel(tensor_model_parallel_size=case.tp)
+        install_wgrad_hooks()
+        try:
+            return {"rank": rank, **_deferral_probe(case)}
+        finally:
+            uninstall_wgrad_hooks()
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
 @dataclass(frozen=True)
 class LayerMemoryCase:
     tp: int = 1

@@ -33,6 +33,7 @@ class TinyGPTSpec:
     tied_embeddings: bool = True
     seed: int = 1234
     split: LayerSplit | None = None  # uneven stages (megatron's first/last-stage options)
+    transformer_impl: str = "local"  # "transformer_engine": megatron's TE layer spec (CUDA; tests/gpu)
 
 
 def make_config(spec: TinyGPTSpec, tp: int = 1, sequence_parallel: bool = False) -> Any:
@@ -63,7 +64,14 @@ def _gpt(config: Any, spec: TinyGPTSpec, num_layers: int, pre: bool, post: bool,
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 
-    block = TransformerBlockSubmodules(layer_specs=[get_gpt_layer_local_spec()] * num_layers, layer_norm=LayerNormImpl)
+    if spec.transformer_impl == "transformer_engine":
+        from megatron.core.extensions.transformer_engine import TENorm
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        layer_spec, norm = get_gpt_layer_with_transformer_engine_spec(), TENorm
+    else:
+        layer_spec, norm = get_gpt_layer_local_spec(), LayerNormImpl
+    block = TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=norm)
     return GPTModel(
         config=config,
         transformer_layer_spec=block,

@@ -23,9 +23,18 @@ WGradClosure = Callable[[], None]
 
 
 class DeferralProvider(Protocol):
-    """Something besides megatron's linears that defers weight gradients (e.g. Transformer Engine)."""
+    """Something besides megatron's linears that defers weight gradients (e.g. Transformer Engine).
+
+    Its layers defer whatever the op, so the store calls it around every backward of a chunk it applies
+    to: ``before_backward`` first, then ``after_input_grad`` after a B (queue the W work in the store) or
+    ``after_full_backward`` after a BW (do the W work at once).
+    """
 
     def applies_to(self, model_chunk: Any) -> bool: ...
+
+    def before_backward(self, chunk: int, microbatch: int, model_chunk: Any) -> None: ...
+
+    def after_full_backward(self, chunk: int, microbatch: int, model_chunk: Any) -> None: ...
 
     def after_input_grad(self, chunk: int, microbatch: int, model_chunk: Any, store: WeightGradStore) -> None: ...
 
@@ -56,11 +65,19 @@ class WeightGradStore:
     def deferring(
         self, chunk: int, microbatch: int, *, enabled: bool, where: str, model_chunk: Any = None
     ) -> Iterator[None]:
-        """Run a B op: linear layers queue their weight gradients under ``(chunk, microbatch)``."""
+        """Run a B op: linear layers queue their weight gradients under ``(chunk, microbatch)``.
+
+        ``enabled=False`` (a BW op): a plain backward, after which providers whose layers defer anyway
+        compute their weight gradients at once.
+        """
+        providers = [p for p in self.providers if model_chunk is not None and p.applies_to(model_chunk)]
+        for provider in providers:
+            provider.before_backward(chunk, microbatch, model_chunk)
         if not enabled:
             yield
+            for provider in providers:
+                provider.after_full_backward(chunk, microbatch, model_chunk)
             return
-        providers = [p for p in self.providers if model_chunk is not None and p.applies_to(model_chunk)]
         if not self.hooks_installed and not providers:
             raise WeightGradError(
                 f"{where}: this schedule splits the backward into B and W, but the weight-gradient hooks "
@@ -85,6 +102,10 @@ class WeightGradStore:
         held = self._held_bytes.pop(key, 0)
         if self.on_held_bytes is not None and held:
             self.on_held_bytes(-held)
+
+    def queued(self, chunk: int, microbatch: int) -> int:
+        """Closures waiting for the W of ``(chunk, microbatch)``."""
+        return len(self._queues.get((chunk, microbatch), ()))
 
     def pending(self) -> list[tuple[int, int]]:
         return sorted(self._queues)

@@ -24,8 +24,11 @@ tensor (``tp`` times the memory) — deferral exists to fill bubbles without
 growing memory, so memory wins; ``benchmarks/RESULTS.md`` lists the extra volume.
 
 Weight gradients that stay in B (computed by autograd as usual): LayerNorm /
-RMSNorm weights and biases, word and position embeddings, and any parameter not
-owned by a megatron linear (e.g. MoE routers).
+RMSNorm weights and biases, word and position embeddings, ``RowParallelLinear``'s
+bias (megatron adds it after the reduction, outside the linear's autograd
+function), and any parameter not owned by a megatron linear (e.g. MoE routers).
+``tests/runtime/test_wgrad_split.py`` checks per layer kind which gradients B
+leaves untouched and that each W computes all the others.
 """
 
 from __future__ import annotations

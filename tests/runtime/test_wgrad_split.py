@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_pp_ext.runtime.selfcheck import LinearCase, linear_split_check
+from megatron_pp_ext.runtime.selfcheck import LinearCase, linear_deferral_probe, linear_split_check
 from megatron_pp_ext.runtime.tiny_gpt import TinyGPTSpec
 from megatron_pp_ext.runtime.verify import RunSpec, VerifyRunError, _check_errors, verify_schedule
 from megatron_pp_ext.runtime.wgrad import WeightGradError, WeightGradStore
@@ -40,6 +40,34 @@ def test_b_now_w_later_is_bitwise_the_fused_backward(pool, case):
         assert result["mismatched"] == [], result
         assert any(name.startswith("x") for name in result["checked"])
         assert ("weight" in result["checked"]) or ("external_weight" in result["checked"])
+
+
+PROBE_CASES = [
+    LinearCase("column", tp=1, bias=True),
+    LinearCase("row", tp=2, bias=True),
+    LinearCase("column", tp=2, sequence_parallel=True, bias=True),
+    LinearCase("output", tp=2),
+]
+
+
+@pytest.mark.parametrize(
+    "case", PROBE_CASES, ids=lambda c: f"{c.layer}-tp{c.tp}-sp{int(c.sequence_parallel)}-bias{int(c.bias)}"
+)
+def test_b_defers_every_weight_gradient_and_each_w_computes_them(pool, case):
+    """Fails if B falls back to the fused backward (computes a weight gradient) or a W computes nothing."""
+    results = pool.run_fn(linear_deferral_probe, case, case.tp, 180)
+    _check_errors(results)
+    # RowParallelLinear adds its bias after the reduction, outside the linear's autograd function: autograd
+    # computes that bias gradient in B (wgrad_hooks.py lists it among the gradients that stay in B).
+    in_b = ["bias"] if case.layer == "row" and case.bias else []
+    for result in results:
+        deferred = [n for n in result["params"] if n not in in_b]
+        expected = ["external_weight"] if case.layer == "output" else (["bias", "weight"] if case.bias else ["weight"])
+        assert result["params"] == expected, result
+        assert result["changed_by_b"] == in_b, f"B computed deferred weight gradients: {result}"
+        assert result["queued_per_b"] == 1, result  # one closure per linear per B
+        assert result["changed_by_w0"] == deferred, f"W0 missed some: {result}"
+        assert result["changed_by_w1"] == deferred, f"W1 missed some: {result}"
 
 
 @pytest.mark.parametrize("csv", ["1f1b_split_p2_m4.csv", "1f1b_split_p4_m6.csv"])

@@ -1,0 +1,301 @@
+"""A CPU test double of the parts of Transformer Engine the B/W-split adapter relies on.
+
+Mirrors TE main (2.20.0.dev0, commit d0067d0; the same logic since 2.10), ``transformer_engine/pytorch/``.
+Each piece names the TE file and function it reproduces; FP8, userbuffers, sequence parallelism, CPU
+offload and debug mode are left out. Not a copy: the GEMMs are plain matmuls and tensor-parallel
+communication is a plain all-reduce.
+"""
+
+from __future__ import annotations
+
+import queue
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+# module/base.py: get_dummy_wgrad() keeps one cached tensor per (shape, dtype) and hands out detached views.
+_DUMMY_WGRADS: dict[tuple[Any, ...], torch.Tensor] = {}
+
+
+def get_dummy_wgrad(shape: list[int], dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
+    key = (*shape, dtype)
+    if key not in _DUMMY_WGRADS:
+        _DUMMY_WGRADS[key] = torch.empty(shape, dtype=dtype)
+    if zero:
+        _DUMMY_WGRADS[key].fill_(0)
+    return _DUMMY_WGRADS[key].detach()
+
+
+class WeightGradStore:
+    """module/_common.py WeightGradStore: a FIFO (``queue.Queue``) of ``[tensor_list, func]`` entries."""
+
+    def __init__(self, delay_wgrad_compute: bool = False, ub_bulk_wgrad: bool = False) -> None:
+        if delay_wgrad_compute:
+            self.context: queue.Queue | None = queue.Queue()
+            assert ub_bulk_wgrad is False
+            self.enabled = True
+        else:
+            self.context = None
+            self.enabled = False
+
+    def delay_wgrad_compute(self) -> bool:
+        return self.enabled
+
+    def put(self, tensor_list: list[torch.Tensor], func: Any) -> None:
+        assert self.enabled is True, "delay_wgrad_compute is not enabled"
+        assert self.context is not None
+        self.context.put([tensor_list, func])
+
+    def pop(self) -> tuple[Any, list[torch.Tensor]]:
+        # pop() runs the oldest entry's function on its tensors and returns (result, tensors)
+        assert self.enabled is True, "delay_wgrad_compute is not enabled"
+        assert self.context is not None
+        if self.context.qsize() > 0:
+            tensor_list, func = self.context.get()
+            return func(*tensor_list), tensor_list
+        raise RuntimeError("Pop empty queue.")
+
+
+class TransformerEngineBaseModule(torch.nn.Module):
+    """module/base.py TransformerEngineBaseModule: the delayed-wgrad interface."""
+
+    weight_names: ClassVar[list[str]] = ["weight"]
+    bias_names: ClassVar[list[str]] = ["bias"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wgrad_store: WeightGradStore | None = None  # set by the layer's __init__
+        self.wgrad_accumulation_and_reduce_hooks: list[Any] = []
+        self.fuse_wgrad_accumulation = False
+        self.use_bias = False
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook: Any) -> None:
+        # base.py: megatron DDP (ddp_config.delay_wgrad_compute) registers its grad-ready hooks here
+        self.wgrad_accumulation_and_reduce_hooks.append(hook)
+
+    def need_backward_dw(self) -> bool:
+        # base.py need_backward_dw(): the store exists and defers
+        return self.wgrad_store is not None and self.wgrad_store.delay_wgrad_compute()
+
+    def backward_dw(self) -> None:
+        # base.py backward_dw(): pop one entry; weight.grad is ASSIGNED unless fused accumulation wrote
+        # main_grad; bias.grad set only when it is None; then the registered hooks run.
+        if not self.need_backward_dw():
+            return
+        assert self.wgrad_store is not None
+        (wgrad, bgrad), _ = self.wgrad_store.pop()
+        if not self.fuse_wgrad_accumulation:
+            weight = getattr(self, self.weight_names[0])
+            weight.grad = wgrad.to(weight.dtype)
+        if self.use_bias:
+            bias = getattr(self, self.bias_names[0])
+            if bias.grad is None:
+                bias.grad = bgrad.to(bias.dtype)
+        del wgrad, bgrad
+        self._trigger_wgrad_accumulation_and_reduce_hooks()
+
+    def _trigger_wgrad_accumulation_and_reduce_hooks(self) -> None:
+        for hook in self.wgrad_accumulation_and_reduce_hooks:
+            hook()
+
+
+def _wgrad_gemm_for(weight: torch.nn.Parameter, use_bias: bool, fuse: bool) -> Any:
+    """module/linear.py _linear_backward's ``wgrad_gemm`` closure: dw = dy^T x (and db = sum dy).
+
+    Under ``fuse_wgrad_accumulation`` the GEMM's output is ``main_grad`` with ``accumulate=True``
+    (``wgrad_gemm_kwargs["out"]``; ``is_first_microbatch`` is None, as megatron passes it with
+    ``disable_parameter_transpose_cache``); ``main_grad`` is read when the backward runs (B).
+    """
+    main_grad = weight.main_grad if fuse else None
+
+    @torch.no_grad()  # TE's general_gemm is a plain kernel call, outside autograd
+    def wgrad_gemm(x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        dw = dy2.t().matmul(x2)
+        if main_grad is not None:
+            main_grad.add_(dw)
+            dw = main_grad
+        return dw, (dy2.sum(dim=0) if use_bias else None)
+
+    return wgrad_gemm
+
+
+def _finish_wgrad(weight: torch.nn.Parameter, fuse: bool, wgrad: torch.Tensor | None) -> torch.Tensor | None:
+    """module/linear.py _linear_backward, end: what B hands autograd for the weight.
+
+    Fused accumulation with megatron's ``grad_added_to_main_grad`` attribute: a dummy gradient (zeros with
+    ``zero_out_wgrad``) and the attribute set, so that megatron's DDP hook does not add it; fused without
+    it: None; otherwise the computed gradient (None when deferred).
+    """
+    if fuse and hasattr(weight, "grad_added_to_main_grad"):
+        weight.grad_added_to_main_grad = True
+        return get_dummy_wgrad(list(weight.shape), weight.dtype, zero=getattr(weight, "zero_out_wgrad", False))
+    if fuse:
+        return None
+    return wgrad
+
+
+class _LinearFn(torch.autograd.Function):
+    """module/linear.py _Linear: forward GEMM; backward dgrad now, wgrad now or into the module's store."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, module: Linear) -> Any:
+        ctx.save_for_backward(x, weight)
+        ctx.module = module
+        ctx.wgrad_store = module.wgrad_store if module.wgrad_store.delay_wgrad_compute() else None  # forward()
+        out = x.matmul(weight.t())
+        if module.parallel_mode == "row" and module.tp_size > 1:
+            dist.all_reduce(out, group=module.tp_group)
+        if bias is not None:
+            out = out + bias
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> Any:
+        x, weight = ctx.saved_tensors
+        module: Linear = ctx.module
+        weight_param = module.weight  # "origin_weight_python_object"
+        dgrad = dy.matmul(weight)
+        if module.parallel_mode == "column" and module.tp_size > 1:
+            dist.all_reduce(dgrad, group=module.tp_group)
+        wgrad_gemm = _wgrad_gemm_for(weight_param, module.use_bias, module.fuse_wgrad_accumulation)
+        wgrad = grad_bias = None
+        if ctx.wgrad_store is not None and ctx.wgrad_store.delay_wgrad_compute():
+            ctx.wgrad_store.put([x, dy], wgrad_gemm)  # linear.py: wgrad_store.put([inputmat_total, grad_output], ...)
+        else:
+            wgrad, grad_bias = wgrad_gemm(x, dy)
+        wgrad = _finish_wgrad(weight_param, module.fuse_wgrad_accumulation, wgrad)
+        return dgrad, wgrad, (grad_bias if module.use_bias else None), None
+
+
+class Linear(TransformerEngineBaseModule):
+    """module/linear.py Linear, reduced to plain / column- / row-parallel GEMMs."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        tp_group: Any = None,
+        tp_size: int = 1,
+        parallel_mode: str | None = None,
+        fuse_wgrad_accumulation: bool = False,
+        delay_wgrad_compute: bool = False,
+        init: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp_group, self.tp_size, self.parallel_mode = tp_group, tp_size, parallel_mode
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.use_bias = bias
+        rank = dist.get_rank(tp_group) if tp_size > 1 else 0
+        full = init if init is not None else torch.randn(out_features, in_features)
+        if parallel_mode == "column":
+            shard = full.chunk(tp_size, dim=0)[rank]
+        elif parallel_mode == "row":
+            shard = full.chunk(tp_size, dim=1)[rank]
+        else:
+            shard = full
+        self.weight = torch.nn.Parameter(shard.clone())
+        rows = shard.shape[0] if parallel_mode == "column" else out_features
+        self.bias = torch.nn.Parameter(torch.linspace(-0.1, 0.1, rows)) if bias else None
+        self.wgrad_store = WeightGradStore(delay_wgrad_compute)  # linear.py __init__
+        if self.wgrad_store.delay_wgrad_compute():  # linear.py __init__: DDP must hook these on the module
+            for name, param in self.named_parameters():
+                if name in self.weight_names or name in self.bias_names:
+                    param.skip_backward_post_hook = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _LinearFn.apply(x, self.weight, self.bias if self.use_bias else None, self)
+
+
+class _MLPFn(torch.autograd.Function):
+    """module/layernorm_mlp.py _LayerNormMLP (without the norm): fc1, gelu, fc2; B queues fc2 then fc1."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, module: LayerNormMLP) -> Any:
+        h = x.matmul(w1.t())
+        a = torch.nn.functional.gelu(h)
+        ctx.save_for_backward(x, h, a, w1, w2)
+        ctx.module = module
+        return a.matmul(w2.t())
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> Any:
+        x, h, a, w1, w2 = ctx.saved_tensors
+        module: LayerNormMLP = ctx.module
+        fuse = module.fuse_wgrad_accumulation
+        da = dy.matmul(w2)
+        with torch.enable_grad():
+            hh = h.detach().requires_grad_()
+            (dh,) = torch.autograd.grad(torch.nn.functional.gelu(hh), hh, da)
+        dx = dh.matmul(w1)
+        gemm2 = _wgrad_gemm_for(module.fc2_weight, False, fuse)
+        gemm1 = _wgrad_gemm_for(module.fc1_weight, False, fuse)
+        store = module.wgrad_store
+        if store.delay_wgrad_compute():
+            store.put([a, dy], gemm2)  # layernorm_mlp.py: fc2's entry first, then fc1's
+            store.put([x, dh], gemm1)
+            w1g = w2g = None
+        else:
+            w2g, _ = gemm2(a, dy)
+            w1g, _ = gemm1(x, dh)
+        return (
+            dx,
+            _finish_wgrad(module.fc1_weight, fuse, w1g),
+            _finish_wgrad(module.fc2_weight, fuse, w2g),
+            None,
+        )
+
+
+class LayerNormMLP(TransformerEngineBaseModule):
+    """module/layernorm_mlp.py LayerNormMLP: its own backward_dw pops two entries (fc2, then fc1)."""
+
+    weight_names: ClassVar[list[str]] = ["fc1_weight", "fc2_weight"]
+    bias_names: ClassVar[list[str]] = []
+
+    def __init__(
+        self, hidden: int, ffn: int, *, fuse_wgrad_accumulation: bool = False, delay_wgrad_compute: bool = False
+    ) -> None:
+        super().__init__()
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        gen = torch.Generator().manual_seed(hidden * 31 + ffn)
+        self.fc1_weight = torch.nn.Parameter(torch.randn(ffn, hidden, generator=gen) * 0.3)
+        self.fc2_weight = torch.nn.Parameter(torch.randn(hidden, ffn, generator=gen) * 0.3)
+        self.wgrad_store = WeightGradStore(delay_wgrad_compute)
+        if self.wgrad_store.delay_wgrad_compute():
+            for p in (self.fc1_weight, self.fc2_weight):
+                p.skip_backward_post_hook = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _MLPFn.apply(x, self.fc1_weight, self.fc2_weight, self)
+
+    def backward_dw(self) -> None:
+        # layernorm_mlp.py backward_dw(): two pops, weights assigned unless fused, then the hooks
+        if not self.need_backward_dw():
+            return
+        assert self.wgrad_store is not None
+        (fc2_wgrad, _), _ = self.wgrad_store.pop()
+        (fc1_wgrad, _), _ = self.wgrad_store.pop()
+        if not self.fuse_wgrad_accumulation:
+            self.fc2_weight.grad = fc2_wgrad
+            self.fc1_weight.grad = fc1_wgrad
+        self._trigger_wgrad_accumulation_and_reduce_hooks()
+
+
+class MegatronTELinear(Linear):
+    """megatron-core 0.19.2 extensions/transformer_engine.py TELinear: ``backward_dw`` gated on its config."""
+
+    def __init__(self, *args: Any, config: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.config = config
+
+    def backward_dw(self) -> None:
+        if self.config.delay_wgrad_compute:
+            super().backward_dw()
+
+
+# The adapter recognises megatron's wrappers by their defining module, as it would the real ones.
+MegatronTELinear.__module__ = "megatron.core.extensions.transformer_engine"
+STANDIN_LAYER_CLASSES: list[type] = [Linear, LayerNormMLP]
