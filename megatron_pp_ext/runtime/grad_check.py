@@ -49,7 +49,7 @@ class GradWatch:
         rows = []
         for _, p in self.params[chunk]:
             acc = _accumulator(p)
-            if acc is None:
+            if acc is None or acc.untyped_storage().nbytes() == 0:  # none yet (or a freed FSDP buffer)
                 rows.append(torch.zeros(2, dtype=torch.float64, device=p.device))
             else:
                 acc = acc.detach()
