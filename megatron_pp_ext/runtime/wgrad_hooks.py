@@ -98,6 +98,10 @@ def _make_split_function(base: Any) -> Any:
         @staticmethod
         def forward(ctx: Any, input_: Any, weight: Any, bias: Any, *args: Any) -> Any:  # type: ignore[override]
             ctx.bias_param = bias
+            # The parameter object itself: what ctx.saved_tensors gives back can be a plain-tensor alias
+            # without the parameter's Python attributes (main_grad, grad_added_to_main_grad) when a
+            # saved-tensors hook is active (the tracer's), so flags are set on this one.
+            ctx.weight_param = weight
             return base.forward(ctx, input_, weight, bias, *args)
 
         @staticmethod
@@ -126,6 +130,7 @@ def _input_grad_only(ctx: Any, grad_output: torch.Tensor, store: Any) -> tuple[A
     elif ctx.sequence_parallel:
         result = torch.empty(list(input_.size()), dtype=input_.dtype, device=input_.device, requires_grad=False)
         mlayers.dist_reduce_scatter_func(result, grad_input, group=tp_group)
+    weight = ctx.weight_param
     closure, held = _weight_grad_closure(ctx, input_, weight, grad_output)
     store.put(closure, held)
     bias = ctx.bias_param if ctx.use_bias else None
