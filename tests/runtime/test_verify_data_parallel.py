@@ -23,6 +23,10 @@ CASES = [
     ("interleaved-1f1b", 2, 4, 2, False),
     ("interleaved-1f1b", 2, 4, 2, True),
     ("zb-h1", 2, 4, None, True),  # split B/W under DDP overlap: B hands megatron's dummy wgrad
+    ("v-half", 2, 4, None, False),
+    ("bfs", 2, 4, 2, False),
+    ("bfs", 2, 4, 2, True),
+    ("bfs-zb", 2, 4, 2, True),
 ]
 
 
@@ -54,11 +58,14 @@ def test_early_chunk_reduction_overlaps_the_remaining_backward(pool):
         assert last == f"reduce-grads[s{rank}]", launches
 
 
-def test_fsdp_gathers_as_derived_and_matches_reference(pool):
+@pytest.mark.parametrize(("name", "gathers"), [("interleaved-1f1b", [11, 5]), ("bfs", [3, 3])])
+def test_fsdp_gathers_as_derived_and_matches_reference(pool, name, gathers):
+    """Breadth-first gathers a chunk once per sweep (2v-1 per rank: the last chunk stays gathered
+    across the turn); interleaved 1F1B nearly once per micro-batch."""
     model = TinyGPTSpec(num_layers=4, tied_embeddings=False)
-    report = verify_schedule(_schedule("interleaved-1f1b", 2, 4, 2), pool, model=model, dp=2, fsdp=True)
+    report = verify_schedule(_schedule(name, 2, 4, 2), pool, model=model, dp=2, fsdp=True)
     assert report.ok, report.problems
-    assert len(report.fsdp) == 2
+    assert [info["derived_unshards"] for info in report.fsdp] == gathers
     for info in report.fsdp:
         assert info["all_gathers_per_iteration"] == [info["derived_unshards"]] * 3
         # about 1/N of the weights as shards, one chunk gathered at a time

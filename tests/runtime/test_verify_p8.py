@@ -26,3 +26,21 @@ def test_v_schedules_at_p8_match_reference(pool8, name):
     report = verify_schedule(schedule, pool8, model=TinyGPTSpec(num_layers=2 * p), iterations=2)
     assert report.problems == []
     assert report.ok, report
+
+
+@pytest.mark.parametrize(
+    ("dist_opt", "fsdp"), [(False, False), (True, False), (False, True)], ids=["ddp", "distributed-optimizer", "fsdp"]
+)
+def test_bfs_p4_dp2_matches_reference(pool8, dist_opt, fsdp):
+    """Breadth-first at p=4, v=2 on 4 x 2 data-parallel ranks (issue 13's second shape)."""
+    schedule = generate("bfs", 4, 8, v=2)
+    model = TinyGPTSpec(num_layers=8, tied_embeddings=not fsdp)
+    report = verify_schedule(
+        schedule, pool8, model=model, dp=2, distributed_optimizer=dist_opt, fsdp=fsdp, iterations=3
+    )
+    assert report.problems == []
+    assert report.ok, report
+    for launches in report.collectives:  # the later chunk's reduction overlaps the earlier chunk's backwards
+        assert [x for x in launches if x.startswith("reduce-grads")][0].endswith("(overlaps backward)")
+    if fsdp:
+        assert [info["derived_unshards"] for info in report.fsdp] == [3, 3, 3, 3]
