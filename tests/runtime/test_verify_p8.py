@@ -41,6 +41,6 @@ def test_bfs_p4_dp2_matches_reference(pool8, dist_opt, fsdp):
     assert report.problems == []
     assert report.ok, report
     for launches in report.collectives:  # the later chunk's reduction overlaps the earlier chunk's backwards
-        assert [x for x in launches if x.startswith("reduce-grads")][0].endswith("(overlaps backward)")
+        assert next(x for x in launches if x.startswith("reduce-grads")).endswith("(overlaps backward)")
     if fsdp:
         assert [info["derived_unshards"] for info in report.fsdp] == [3, 3, 3, 3]
