@@ -60,6 +60,8 @@ class RunSpec:
     replan_initial_costs: str | None = None  # "F,B,W,COMM" to start from instead of the generator's defaults
     # Testing aid: a different schedule for some pipeline ranks (to provoke a mismatch).
     schedule_csv_overrides: tuple[tuple[int, str], ...] = ()
+    check_messages: bool = False  # --pipeline-check-messages: a header with every message, checked on arrival
+    check_agreement: bool = True  # testing aid: False skips the start-of-run schedule agreement
 
     @property
     def world_size(self) -> int:
@@ -76,6 +78,11 @@ def run_on_rank(spec: RunSpec, rank: int, init_method: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
+
+    from . import agreement, p2p
+
+    p2p.set_check_messages(spec.check_messages)  # pool workers are reused: set it every run
+    agreement.set_enabled(spec.check_agreement)
 
     dist.init_process_group(
         "gloo",
