@@ -29,7 +29,7 @@ from ..schedules.placement import Placement, make_placement
 from ..schedules.schedule import Schedule
 from . import layout
 from ._patching import Patcher
-from .arguments import PipelineArgumentError, PipelineConfig, validate_arguments
+from .arguments import PipelineArgumentError, PipelineConfig, pipeline_config_of, validate_arguments
 
 SCHEDULES_MODULE = "megatron.core.pipeline_parallel.schedules"
 # Modules that import get_forward_backward_func by name in megatron-core 0.19.2 (imported here so
@@ -60,8 +60,8 @@ def _config_of(args_or_config: Any) -> PipelineConfig:
         from megatron.training import get_args
 
         args_or_config = get_args()
-    config = getattr(args_or_config, "pipeline_config", None)
-    if isinstance(config, PipelineConfig):
+    config = pipeline_config_of(args_or_config)
+    if config is not None:
         return config
     return validate_arguments(args_or_config)
 
@@ -182,6 +182,9 @@ def install(args_or_config: Any = None, *, layout_hooks: bool | None = None) -> 
     if config.replan_iterations > 0:
         source, tracer_factory = _replanning(config, tracer_factory)
     executor_func = make_forward_backward_func(source, tracer_factory=tracer_factory)
+    from ..runtime import p2p
+
+    p2p.set_check_messages(config.check_messages)
 
     def forward_backward_func(**kwargs: Any) -> Any:
         if tracer_factory is not None and not param_storages:
@@ -243,7 +246,8 @@ def config_text(config: PipelineConfig) -> str:
         f"schedule={config.schedule or '-'} file={content(config.schedule_file)} "
         f"block={content(config.block_file)} memory_limit={config.memory_limit} costs={config.costs!r} "
         f"v={config.num_virtual_stages} layers={config.num_layers} p={config.pipeline_parallel_size} "
-        f"mb_group={config.microbatch_group_size} profile_iters={config.profile_iterations}"
+        f"mb_group={config.microbatch_group_size} profile_iters={config.profile_iterations} "
+        f"check_messages={config.check_messages}"
     )
 
 
