@@ -15,7 +15,9 @@ named by their file stem) and parses what ``megatron.training`` prints:
 * ``Theoretical memory footprints: weight and optimizer=... MB, activation=... MB, total=... MB``,
 * the timers block ``(min, max) time across ranks (ms):`` (``--timing-log-option minmax``).
 
-A run is ``ok`` when it logged its last iteration and exited 0, ``exit-error`` when it trained
+A run is ``ok`` when it logged its last iteration, megatron's end-of-training line
+(``[after training is done]``) and exited 0 (a log whose last line is cut off is never ``ok``:
+that partial line is ignored and the run counts as ``incomplete``), ``exit-error`` when it trained
 every iteration (megatron printed ``[after training is done]``) but the process then exited
 non-zero (its measurements stand), ``oom`` when the log shows a CUDA / torch out-of-memory error,
 ``timeout`` for a Slurm time limit, ``failed`` for another error or a non-zero exit code,
@@ -85,6 +87,7 @@ class RunLog:
     error: str | None = None
     args: str | None = None
     done: bool = False  # megatron printed "[after training is done]"
+    truncated: bool = False  # the file ends in the middle of a line (that line is ignored)
 
     @property
     def train_iters(self) -> int | None:
@@ -101,8 +104,8 @@ class RunLog:
             return "exit-error"  # trained every iteration, then the process exited abnormally
         if (self.exit_code not in (None, 0)) or (self.error and not finished):
             return "failed"
-        if finished and self.exit_code in (None, 0):
-            return "ok"
+        if finished and self.done and self.exit_code in (None, 0) and not self.truncated:
+            return "ok"  # megatron's end-of-training line too: a log cut short is never "ok"
         return "incomplete"
 
 
@@ -111,7 +114,11 @@ def parse_log(path: str | Path) -> RunLog:
     text = p.read_text(errors="replace")
     run = RunLog(path=p, config_id=p.stem)
     wrapper_error = False
-    for line in text.splitlines():
+    lines = text.splitlines()
+    if text and not text.endswith(("\n", "\r")):
+        run.truncated = True  # cut mid-line: a cut "75.27" would read as "7"
+        lines = lines[:-1]
+    for line in lines:
         header = _HEADER.match(line)
         if header:
             run.config_id = header.group(1)
