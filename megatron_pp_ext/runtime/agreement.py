@@ -136,6 +136,7 @@ def check_agreement(
     what: str = "pipeline schedule",
     part_names: Sequence[str] = PARTS,
     timeout_s: float | None = None,
+    per_rank_rows: bool = True,
 ) -> None:
     """All-gather the digests of ``parts`` (the last ones are per-rank rows) and raise on any difference.
 
@@ -152,12 +153,12 @@ def check_agreement(
         return
     descriptions = [_decode(g[len(head) :]) for g in gathered]
     differing = [name for i, name in enumerate(part_names) if len({h[i] for h in heads}) > 1]
-    if part_names[-1] in differing and len({h[-1] for h in heads}) == 1:
+    if per_rank_rows and part_names[-1] in differing and len({h[-1] for h in heads}) == 1:
         # Same number of rows on every rank: find the rows that differ (a second, same-shaped gather).
         rows = torch.tensor([_digest(p) for p in parts[fixed:]], dtype=torch.int64)
         all_rows = [r.tolist() for r in _gather(rows, group, timeout_s, what)]
         bad_rows = [i for i in range(len(all_rows[0])) if len({r[i] for r in all_rows}) > 1]
-        differing[-1] = f"{part_names[-1]} of {_ranks_text(bad_rows)}"
+        differing[differing.index(part_names[-1])] = f"{part_names[-1]} of {_ranks_text(bad_rows)}"
     # Group the ranks by fingerprint, largest group (or rank 0's) first.
     groups: dict[tuple[int, ...], list[int]] = {}
     for rank, h in enumerate(heads):
@@ -209,4 +210,5 @@ def agree_on_config(config_text: str, *, timeout_s: float | None = None) -> None
         what="pipeline configuration (--pipeline-* flags)",
         part_names=CONFIG_PARTS,
         timeout_s=timeout_s,
+        per_rank_rows=False,
     )
