@@ -217,7 +217,7 @@ def install(args_or_config: Any = None, *, layout_hooks: bool | None = None) -> 
     get_forward_backward_func.megatron_pp_ext = True  # type: ignore[attr-defined]
     patcher = Patcher()
     patcher.replace(SCHEDULES_MODULE, "get_forward_backward_func", get_forward_backward_func)
-    pass  # _agree_before_groups(config, patcher)
+    _agree_before_groups(config, patcher)
     if _wants_layout_hooks(placement, layout_hooks):
         if config.num_layers is None:
             raise PipelineArgumentError(
