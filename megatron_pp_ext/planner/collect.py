@@ -267,6 +267,8 @@ def collect(
             plan = json.loads(plan_file.read_text())
         except (OSError, ValueError) as exc:
             raise ValueError(f"cannot read plan {plan_file}: {exc}") from None
+    if plan is not None:
+        _check_plan(plan, plan_file)
     by_id = {str(r["id"]): r for r in plan.get("rows", [])} if plan else {}
     rows = []
     seen = set()
@@ -281,6 +283,33 @@ def collect(
             row["status"] = "missing"
             rows.append(row)
     return rows, plan
+
+
+_PLAN_NUMBERS = ("iteration_time_s", "tflops_per_gpu", "peak_memory_gib")
+
+
+def _check_plan(plan: Any, plan_file: Path | None) -> None:
+    """The shape ``collect`` reads from a plan: ``{"rows": [{"id": ..., numbers...}, ...], ...}``."""
+
+    def bad(what: str) -> ValueError:
+        return ValueError(f"plan {plan_file}: {what} (expected a plan written by `megatron-pp plan --save`)")
+
+    if not isinstance(plan, dict):
+        raise bad(f"top level is a {type(plan).__name__}, not an object")
+    rows = plan.get("rows", [])
+    if not isinstance(rows, list):
+        raise bad(f"'rows' is a {type(rows).__name__}, not a list")
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict) or "id" not in row:
+            raise bad(f"row {index} is not an object with an 'id'")
+        for key in _PLAN_NUMBERS:
+            value = row.get(key)
+            if value in (None, "") or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+                continue
+            raise bad(f"row {index} ({str(row['id'])[:60]}): {key} is {str(value)[:40]!r}, not a number")
+    gbs = plan.get("global_batch")
+    if gbs not in (None, "") and (isinstance(gbs, bool) or not isinstance(gbs, (int, float))):
+        raise bad(f"global_batch is {str(gbs)[:40]!r}, not a number")
 
 
 MEASURED = ("ok", "exit-error")  # statuses whose iteration times are complete
