@@ -146,7 +146,7 @@ def measure_hop_time(
         if first < phase or first + 1 >= size:
             continue
         peer = first + 1 if rank == first else first
-        transfer = p2p.Transfer(buf, ranks[peer], 0, f"hop-time probe {'to' if rank == first else 'from'} {peer}")
+        transfer = p2p.Transfer(buf, ranks[peer], 0, "hop-time probe")
         order = ("send", "recv") if rank == first else ("recv", "send")
         for _ in range(repeats):
             start = _now()
