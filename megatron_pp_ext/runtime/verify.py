@@ -62,6 +62,8 @@ class RunSpec:
     schedule_csv_overrides: tuple[tuple[int, str], ...] = ()
     check_messages: bool = False  # --pipeline-check-messages: a header with every message, checked on arrival
     check_agreement: bool = True  # testing aid: False skips the start-of-run schedule agreement
+    # Testing aid: a different schedule for some pipeline ranks from the re-plan on (to provoke a mismatch there).
+    replan_overrides: tuple[tuple[int, str], ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -143,7 +145,7 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
         if spec.trace:
             tracer = Tracer(pp_rank, param_storages)
         if spec.profile_iterations > 0:
-            source = _replanning_source(spec, placement.num_ranks)
+            source = _replanning_source(spec, placement.num_ranks, pp_rank)
             profiler = source.make_tracer(tracer)
             forward_backward = make_forward_backward_func(
                 source, tracer_factory=lambda r: profiler, timeout_s=spec.timeout_s
@@ -242,7 +244,7 @@ def _ab_timing(spec: RunSpec, chunks: list[Any], ours: Any, native: Any) -> dict
     return {"step_times": times, "losses": losses}
 
 
-def _replanning_source(spec: RunSpec, p: int) -> Any:
+def _replanning_source(spec: RunSpec, p: int, pp_rank: int = 0) -> Any:
     from ..analysis.validate import validate
     from ..schedules import registry
     from .replan import ReplanningSource
@@ -255,11 +257,12 @@ def _replanning_source(spec: RunSpec, p: int) -> Any:
     initial = Costs.parse(spec.replan_initial_costs) if spec.replan_initial_costs else None
 
     def build(m: int, costs: Any) -> Any:
+        this_name = name if costs is None else dict(spec.replan_overrides).get(pp_rank, name)
         costs = costs if costs is not None else initial
         kwargs: dict[str, Any] = {"memory_limit": spec.replan_memory_limit}
-        if costs is not None:
+        if costs is not None and this_name == name:
             kwargs["costs"] = costs
-        schedule = registry.generate(name, p, m, **kwargs)
+        schedule = registry.generate(this_name, p, m, **kwargs)
         validate(schedule)
         return schedule
 

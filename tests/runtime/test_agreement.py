@@ -147,3 +147,24 @@ def test_bad_p2p_timeout_env_names_the_variable(monkeypatch, value):
     monkeypatch.setenv("MEGATRON_PP_P2P_TIMEOUT", value)
     with pytest.raises(ValueError, match=r"MEGATRON_PP_P2P_TIMEOUT=.*expected a number of seconds > 0"):
         p2p.timeout_from_env()
+
+
+def test_ranks_that_disagree_after_a_replan_stop_there(pool):
+    """The agreement runs again after every re-plan: rank 1 re-plans to zb-h1, the others to zb-auto."""
+    p, m = 2, 4
+    spec = RunSpec(
+        pp=p,
+        num_microbatches=m,
+        model=TinyGPTSpec(num_layers=p),
+        iterations=3,
+        split_backward=True,
+        replan_schedule="zb-auto",
+        replan_initial_costs="1,1,6,0",
+        profile_iterations=1,
+        replan_overrides=((1, "zb-h1"),),
+        timeout_s=10.0,
+    )
+    results = pool.run(spec, wall_timeout_s=90)
+    errors = [r["error"] for r in results if "error" in r]
+    assert len(errors) == p, errors
+    assert all("disagree on the pipeline schedule" in e and "rank 1: 'zb-h1'" in e for e in errors), errors
