@@ -37,6 +37,7 @@ def error_of(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
         (["verify", "1f1b", "-p", "2", "-m", "2", "--timeout", "0"], "--timeout: must be a finite number in (0"),
         (["verify", "1f1b", "-p", "2", "-m", "2", "--tolerance", "-1"], "--tolerance: must be a finite number"),
         (["simulate", "zb-auto", "-p", "4", "-m", "8", "--costs", "1e308,1e308,1e308,1e308"], "must be finite numbers"),
+        (["launch-local", "--out", "unused", "--timeout", "0"], "argument --timeout: must be a finite number in (0"),
         (["simulate", "1f1b", "-p", "4", "-m", "8", "--costs", "1,nan,1"], "must be finite numbers in [0, 1e+12]"),
     ],
 )

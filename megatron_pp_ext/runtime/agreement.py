@@ -99,6 +99,8 @@ def describe(schedule: Schedule) -> str:
 
 def _gather(values: torch.Tensor, group: dist.ProcessGroup | None, timeout_s: float, what: str) -> list[torch.Tensor]:
     size = dist.get_world_size(group)
+    if dist.get_backend(group) == "nccl":  # NCCL gathers device tensors only
+        values = values.to(torch.device("cuda", torch.cuda.current_device()))
     out = [torch.zeros_like(values) for _ in range(size)]
     try:
         work = dist.all_gather(out, values, group=group, async_op=True)
@@ -110,7 +112,7 @@ def _gather(values: torch.Tensor, group: dist.ProcessGroup | None, timeout_s: fl
             f"within {timeout_s:g}s ({AGREE_TIMEOUT_ENV}) — a rank died, hangs, or runs another program: "
             f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
         ) from None
-    return out
+    return [t.cpu() for t in out]
 
 
 def _encode(description: str) -> torch.Tensor:
