@@ -51,3 +51,12 @@ def test_different_schedules_per_rank_stop_before_megatrons_group_setup(tmp_path
         for x in lines
     ), lines
     assert elapsed < 200  # imports (~30 s per rank on a busy machine) and no wait: not megatron's 10-minute timeout
+
+
+@pytest.mark.gloo
+def test_bad_timeout_variable_fails_before_any_process_group(tmp_path: Path) -> None:
+    code, log = run_per_rank(tmp_path, [["--pipeline-schedule", "1f1b"]] * 2, {"MEGATRON_PP_P2P_TIMEOUT": "abc"})
+    assert code != 0
+    lines = [line for line in log.splitlines() if "error:" in line and "MEGATRON_PP_P2P_TIMEOUT" in line]
+    assert lines and all("MEGATRON_PP_P2P_TIMEOUT='abc': expected a number of seconds > 0" in x for x in lines), log
+    assert not any(line.startswith("[rank") and "Traceback" in line for line in log.splitlines()), log[-4000:]
