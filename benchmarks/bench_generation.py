@@ -44,7 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    print("| schedule | p | m | parameters | generate (CPU s, best of %d) |" % args.repeats)
+    print(f"| schedule | p | m | parameters | generate (CPU s, best of {args.repeats}) |")
     print("| --- | --- | --- | --- | --- |")
     for name, p, m, kwargs in CASES:
         label = ", ".join(f"{k}={'unequal' if v is UNEQUAL else v}" for k, v in kwargs.items()) or "-"

@@ -28,7 +28,8 @@ def _first_difference(want: dict[str, Any], got: dict[str, Any]) -> str:
     for rank, (a, b) in enumerate(zip(want["ops"], got["ops"], strict=False)):
         if a != b:
             ops_a, ops_b = a.split(), b.split()
-            k = next((i for i, (x, y) in enumerate(zip(ops_a, ops_b, strict=False)) if x != y), min(len(ops_a), len(ops_b)))
+            same = (i for i, (x, y) in enumerate(zip(ops_a, ops_b, strict=False)) if x != y)
+            k = next(same, min(len(ops_a), len(ops_b)))
             return f"rank {rank}, op {k}: recorded {ops_a[k : k + 6]}, now {ops_b[k : k + 6]}"
     for part in ("ops", "placement", "params", "sim"):
         if want[part] != got[part]:
