@@ -1,24 +1,21 @@
-"""Parameter checks shared by the generators."""
+"""Cost reading shared by the cost-aware generators (parameter checks: :mod:`..capabilities`)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
-from ..ir import ScheduleError
+from ..capabilities import ScheduleParameterError, check_int, reject_unsupported
 
-
-class ScheduleParameterError(ScheduleError):
-    """Parameters a schedule cannot be built for (names the parameter and the valid range)."""
-
-
-def check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ScheduleParameterError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ScheduleParameterError(f"{name} must be >= {minimum}, got {value}")
-    return value
+__all__ = [
+    "ScheduleParameterError",
+    "StageCosts",
+    "check_int",
+    "per_stage_cost",
+    "reject_unsupported",
+    "stage_costs",
+]
 
 
 def per_stage_cost(name: str, value: object, num_stages: int) -> tuple[float, ...]:
@@ -42,16 +39,6 @@ def per_stage_cost(name: str, value: object, num_stages: int) -> tuple[float, ..
         if not (math.isfinite(x) and x >= 0):
             raise ScheduleParameterError(f"costs.{name} must be finite and >= 0, got {x}")
     return values
-
-
-def reject_unsupported(schedule: str, unused: Mapping[str, object]) -> None:
-    """Raise if a keyword the schedule does not take was given a value (not ``None``)."""
-    given = sorted(k for k, value in unused.items() if value is not None)
-    if given:
-        raise ScheduleParameterError(
-            f"{schedule} does not take parameter(s) {', '.join(given)} "
-            f"(got {', '.join(f'{k}={unused[k]!r}' for k in given)})"
-        )
 
 
 class StageCosts(NamedTuple):

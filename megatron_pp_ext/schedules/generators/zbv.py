@@ -33,31 +33,37 @@ from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from ..capabilities import MemoryLimit, check_request
 from ..ir import B, F, Op, OpKind, W
 from ..lowering import lower
 from ..placement import v_placement
 from ..registry import ScheduleInfo, register
 from ..schedule import Schedule, build_schedule
 from ..timing import op_start_times
-from .common import ScheduleParameterError, StageCosts, check_int, reject_unsupported, stage_costs
-from .vshape import V_CONSTRAINTS, check_v_parameters
+from .common import ScheduleParameterError, StageCosts, check_int, stage_costs
+from .vshape import v_capabilities
 
 __all__ = ["POLICIES", "Policy", "VZBTiming", "v_zb", "v_zb_order"]
+
+
+V_ZB = v_capabilities(
+    memory_limit=MemoryLimit(
+        "M_a",
+        "1F1B-stage activations (M_a)",
+        1,
+        why="a rank holds both V-stage activations of a micro-batch, M_a/2 each, from its forwards to its weight "
+        "passes",
+    ),
+    costs=True,
+)
 
 
 def _v_memory_limit(limit: object, p: int) -> int:
     """``memory_limit`` (in M_a = two V-stage activations) as whole V-stage activations (default ``2p``)."""
     if limit is None:
         return 2 * p
-    if isinstance(limit, bool) or not isinstance(limit, int | float) or math.isnan(limit):
-        raise ScheduleParameterError(
-            f"memory_limit must be a number of 1F1B-stage activations (M_a) >= 1, e.g. p = {p}, got {limit!r}"
-        )
-    if limit < 1:
-        raise ScheduleParameterError(
-            f"v-zb needs memory_limit >= 1 M_a (a rank holds both V-stage activations of a micro-batch, "
-            f"M_a/2 each, from its forwards to its weight passes), got {limit!r}"
-        )
+    check_request("v-zb", V_ZB, p, 1, {"memory_limit": limit})
+    assert isinstance(limit, int | float)
     return 1 << 62 if math.isinf(limit) else math.floor(2 * limit + 1e-9)
 
 
@@ -730,13 +736,9 @@ def v_zb(
     m: int,
     *,
     costs: object = None,
-    memory_limit: object = None,
-    v: int | None = None,
-    **unused: object,
+    memory_limit: float | None = None,
 ) -> Schedule:
     """V-ZB (ZB-V): greedy on the V placement within ``memory_limit`` M_a (default ``p``)."""
-    check_v_parameters("v-zb", p, m, v)
-    reject_unsupported("v-zb", unused)
     rows, timing, ideal, policy = v_zb_order(p, m, costs, memory_limit)
     return build_schedule(
         "v-zb",
@@ -757,8 +759,9 @@ register(
         v_zb,
         "v",
         True,
-        V_CONSTRAINTS + ", memory_limit >= 1 M_a (default p), costs",
+        "",
         "ZB-V: zero-bubble V schedule within memory_limit (1F1B-stage units; default p = 1F1B's peak)",
         family="v-shape",
+        capabilities=V_ZB,
     )
 )

@@ -37,11 +37,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from ..capabilities import Capabilities, Chunks, MemoryLimit
 from ..ir import Op, OpKind
 from ..placement import loop_placement
 from ..registry import ScheduleInfo, register
 from ..schedule import Schedule, build_schedule
-from .common import ScheduleParameterError, StageCosts, check_int, reject_unsupported, stage_costs
+from .common import ScheduleParameterError, StageCosts, stage_costs
 
 __all__ = [
     "DEFAULT_VARIANTS",
@@ -65,31 +66,35 @@ Row = list[tuple[int, int]]
 
 
 # ---- parameters ---------------------------------------------------------------------------------
-def _check_pm(schedule: str, p: object, m: object, v: object) -> tuple[int, int]:
-    check_int("p", p, 1)
-    check_int("m", m, 1)
-    if v is not None:
-        check_int("v", v, 1)
-        if v != 1:
-            raise ScheduleParameterError(
-                f"{schedule} runs one chunk per rank (loop placement, v=1): v must be 1 (or not given), got {v!r}"
-            )
-    return p, m  # type: ignore[return-value]
+_CHUNKS = Chunks(refusal="{name} runs one chunk per rank (loop placement, v=1): v must be 1 (or not given), got {v!r}")
 
 
-def _memory_limit(limit: object, p: int, m: int) -> int:
-    """The limit in whole activations (default ``2p``); ``>= m`` (or infinity) means no limit."""
+def _fixed_memory(peak: str) -> Capabilities:
+    return Capabilities(
+        chunks=_CHUNKS,
+        fixed_memory="{name} has a fixed activation memory (" + peak + ") and does not take memory_limit "
+        "(got {limit!r}); use zb-auto for a memory limit",
+    )
+
+
+ZB_AUTO = Capabilities(
+    chunks=_CHUNKS,
+    memory_limit=MemoryLimit(
+        "activation",
+        "activations",
+        2,
+        why="every rank holds at least one micro-batch's activation of its stage from F to W",
+    ),
+    costs=True,
+    keywords=("variants",),
+)
+
+
+def _memory_limit(limit: float | None, p: int, m: int) -> int:
+    """The limit (checked by the registry) in whole activations (default ``2p``); ``>= m`` (or
+    infinity) means no limit."""
     if limit is None:
         return min(2 * p, m)
-    if isinstance(limit, bool) or not isinstance(limit, int | float) or math.isnan(limit):
-        raise ScheduleParameterError(
-            f"memory_limit must be a number of activations >= 1 (e.g. 2*p = {2 * p}), got {limit!r}"
-        )
-    if limit < 1:
-        raise ScheduleParameterError(
-            f"memory_limit must be >= 1 activation: every rank holds at least one micro-batch's activation "
-            f"of its stage from F to W, got {limit!r}"
-        )
     return m if math.isinf(limit) else min(int(limit), m)
 
 
@@ -448,27 +453,13 @@ def _greedy(p: int, m: int, sc: StageCosts, limit: int, variant: GreedyVariant) 
 
 
 # ---- generators ---------------------------------------------------------------------------------------
-def _reject_memory_limit(schedule: str, memory_limit: object, fixed: str) -> None:
-    if memory_limit is not None:
-        raise ScheduleParameterError(
-            f"{schedule} has a fixed activation memory ({fixed}) and does not take memory_limit "
-            f"(got {memory_limit!r}); use zb-auto for a memory limit"
-        )
-
-
-def zb_h1(p: int, m: int, *, v: int | None = None, memory_limit: object = None, **unused: object) -> Schedule:
+def zb_h1(p: int, m: int) -> Schedule:
     """ZB-H1 (see :func:`zb_h1_order`): 1F1B's memory, about a third of its bubble."""
-    p, m = _check_pm("zb-h1", p, m, v)
-    _reject_memory_limit("zb-h1", memory_limit, "p activations, like 1F1B")
-    reject_unsupported("zb-h1", unused)
     return build_schedule("zb-h1", loop_placement(p), m, _to_ops(zb_h1_order(p, m)))
 
 
-def zb_h2(p: int, m: int, *, v: int | None = None, memory_limit: object = None, **unused: object) -> Schedule:
+def zb_h2(p: int, m: int) -> Schedule:
     """ZB-H2 (see :func:`zb_h2_order`): about zero bubble with at most ``2p`` activations."""
-    p, m = _check_pm("zb-h2", p, m, v)
-    _reject_memory_limit("zb-h2", memory_limit, "up to 2p activations")
-    reject_unsupported("zb-h2", unused)
     return build_schedule("zb-h2", loop_placement(p), m, _to_ops(zb_h2_order(p, m)))
 
 
@@ -477,10 +468,8 @@ def zb_auto(
     m: int,
     *,
     costs: object = None,
-    memory_limit: object = None,
-    v: int | None = None,
+    memory_limit: float | None = None,
     variants: Sequence[GreedyVariant] | None = None,
-    **unused: object,
 ) -> Schedule:
     """Cost-aware zero-bubble schedule under an activation memory limit.
 
@@ -492,8 +481,6 @@ def zb_auto(
     The result's ``params`` record the winning candidate (``candidate``) and its predicted
     ``makespan``.
     """
-    p, m = _check_pm("zb-auto", p, m, v)
-    reject_unsupported("zb-auto", unused)
     limit = _memory_limit(memory_limit, p, m)
     sc = stage_costs(costs, p)
     tried = DEFAULT_VARIANTS if variants is None else tuple(variants)
@@ -517,16 +504,16 @@ def zb_auto(
     )
 
 
-_PLACEMENT_NOTE = "loop placement, v = 1"
 register(
     ScheduleInfo(
         "zb-h1",
         zb_h1,
         "loop",
         True,
-        f"p >= 1, m >= 1 ({_PLACEMENT_NOTE})",
+        "",
         "zero bubble H1: 1F1B order, deferred W passes fill the cool-down; 1F1B's memory",
         family="zero-bubble",
+        capabilities=_fixed_memory("p activations, like 1F1B"),
     )
 )
 register(
@@ -535,9 +522,10 @@ register(
         zb_h2,
         "loop",
         True,
-        f"p >= 1, m >= 1 ({_PLACEMENT_NOTE}); zero bubble for m >= 2p-1",
+        "zero bubble for m >= 2p-1",
         "zero bubble H2: 2(p-r)-1 warm-up forwards, deferred W passes fill the tail; up to 2p activations",
         family="zero-bubble",
+        capabilities=_fixed_memory("up to 2p activations"),
     )
 )
 register(
@@ -546,8 +534,9 @@ register(
         zb_auto,
         "loop",
         True,
-        f"p >= 1, m >= 1 ({_PLACEMENT_NOTE}); memory_limit >= 1 activations (default 2p)",
+        "",
         "zero bubble auto: greedy over F/B/W costs and comm under a memory limit (ZB-1p with p, ZB-2p with 2p)",
         family="zero-bubble",
+        capabilities=ZB_AUTO,
     )
 )
