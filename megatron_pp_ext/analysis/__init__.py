@@ -1,6 +1,7 @@
 """Pure-Python analysis of schedules: validation (dependencies, deadlock freedom) and simulation."""
 
-from .simulate import DEFAULT_W_RETAINED_FRACTION, Costs, SimResult, simulate
+from ..schedules.costs import Costs
+from .simulate import DEFAULT_W_RETAINED_FRACTION, SimResult, simulate
 from .validate import (
     ChannelError,
     DeadlockError,
