@@ -75,8 +75,8 @@ class Engine:
     """
 
     __slots__ = (
-        "_table", "b_end", "busy", "clock", "count", "f_end", "first", "last_stage", "live", "m", "next", "p",
-        "peak", "pending_w", "rank_of", "record", "rows", "sc", "stage_of", "total", "v",
+        "_inputs", "_table", "b_end", "busy", "clock", "count", "f_end", "first", "last_stage", "live", "m",
+        "next", "p", "peak", "pending_w", "rank_of", "record", "rows", "sc", "stage_of", "total", "v",
     )  # fmt: skip
 
     def __init__(self, placement: Placement, m: int, costs: StageCosts, record: bool = True) -> None:
@@ -116,6 +116,7 @@ class Engine:
                     ends = self.f_end[st] if src == st else self.b_end[src]  # type: ignore[index]
                     row.append((st, OpKind.B, costs.b[st], self.b_end[st], ends, hop))
             self._table.append(row)
+        self._inputs = [[(ends, hop) for *_, ends, hop in row] for row in self._table]
 
     # ---- structure ---------------------------------------------------------------------------------
     def stage(self, r: int, which: int) -> int:
@@ -151,7 +152,7 @@ class Engine:
         k = self.next[r][which]
         if k >= self.m:
             return None
-        _, _, _, _, ends, hop = self._table[r][which]
+        ends, hop = self._inputs[r][which]
         if ends is None:
             return 0.0  # the data loader's input, on the rank
         end = ends[k]
