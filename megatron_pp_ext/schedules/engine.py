@@ -230,9 +230,10 @@ def replay(placement: Placement, m: int, costs: StageCosts, rows: Sequence[Seque
                 i = op.microbatch
                 if inputs is not None:
                     end = inputs[i]
-                    if end < 0:
-                        src = eng.producer(r, which)
-                        waiting[eng.rank_of[src]].append(r)  # type: ignore[index]
+                    if end < 0:  # wait for the producer's rank (its own rank: the order deadlocks)
+                        q = eng.rank_of[eng.producer(r, which)]  # type: ignore[index]
+                        if q != r:
+                            waiting[q].append(r)
                         break
                     if end + hop > t:
                         t = end + hop
