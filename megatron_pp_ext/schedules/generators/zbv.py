@@ -32,13 +32,11 @@ import math
 from typing import NamedTuple
 
 from ..capabilities import MemoryLimit, check_request
-from ..engine import Engine, Timing, backward, forward
+from ..engine import Engine, Timing, backward, forward, replay
 from ..ir import Op, OpKind
-from ..lowering import lower
 from ..placement import v_placement
 from ..registry import ScheduleInfo, register
 from ..schedule import Schedule, build_schedule
-from ..timing import op_start_times
 from .common import ScheduleParameterError, StageCosts, check_int, stage_costs
 from .vshape import v_capabilities
 
@@ -535,21 +533,10 @@ def _zbv_rounds(p: int, m: int, sc: StageCosts, limit: int, policy: Policy) -> t
 
 
 def _timing_of_lowered(schedule: Schedule, sc: StageCosts) -> VZBTiming:
-    """Time the lowered program the way the runtime runs it (:mod:`..timing`, the simulator's
-    default ``comm="async"`` model: a compute op waits for its own input only)."""
-    table = {OpKind.F: sc.f, OpKind.B: sc.b, OpKind.W: sc.w}
-    durations = [[table[op.kind][op.stage] for op in row] for row in schedule.ops]
-    starts, last_end = op_start_times(lower(schedule), durations, sc.comm)
-    spans = tuple(end - (row[0] if row else 0.0) for row, end in zip(starts, last_end, strict=True))
-    busy = tuple(float(sum(row)) for row in durations)
-    peaks = []
-    for row in schedule.ops:
-        live = peak = 0
-        for op in row:
-            live += 1 if op.kind is OpKind.F else -1 if op.kind is OpKind.W else 0
-            peak = max(peak, live)
-        peaks.append(peak)
-    return VZBTiming(max(last_end), spans, busy, tuple(peaks))
+    """Time the order the way the runtime runs its lowered program: the engine's clock
+    (:func:`..engine.replay`) is the simulator's default ``comm="async"`` model, in which a compute
+    op waits for its own input only, so the lowering's message batches cost nothing extra."""
+    return replay(schedule.placement, schedule.num_microbatches, sc, schedule.ops)
 
 
 def _candidate(p: int, m: int, sc: StageCosts, limit: int, policy: Policy) -> tuple[list[list[Op]], VZBTiming] | None:
