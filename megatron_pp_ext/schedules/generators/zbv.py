@@ -153,13 +153,6 @@ class _Greedy(Engine):
         return (then, other)
 
     # ---- committing passes -------------------------------------------------------------------
-    def _run(self, r: int, op: Op, start: float, duration: float) -> None:
-        if self.first[r] < 0:
-            self.first[r] = start
-        self.clock[r] = start + duration
-        self.busy[r] += duration
-        self.rows[r].append(op)
-
     def _start(self, r: int, which: int, t: float, duties: tuple[int | None, tuple[int, int] | None] | None) -> None:
         k = self.next[r][which]
         source = self.source(r, which)
