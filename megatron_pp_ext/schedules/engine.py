@@ -14,13 +14,14 @@ A generator decides *which* op a rank runs next; the engine keeps everything els
   its rank, the matching ``W`` frees it (``B`` frees nothing).
 
 The decisions are the generator's (its *policy*): which ready op runs next, when a ``W`` goes in,
-when the warm-up stops admitting forwards. :func:`replay` times a fixed order with the same clock.
+when the warm-up stops admitting forwards. :meth:`Engine.earliest_first` is the plain driver (each
+rank proposes its next op, the earliest runs); :func:`replay` times a fixed order with the same clock.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .costs import StageCosts
@@ -195,6 +196,31 @@ class Engine:
         if self.record:
             self.rows[r].append(_op(Op, (_KIND_W, s, k)))
         self.live[r] -= 1
+
+    def earliest_first(self, choose: Callable[[int], tuple[float, int, int | None] | None]) -> bool:
+        """The plain list-scheduling driver: each rank proposes ``choose(r) = (start, priority, pass)``
+        (pass ``None``: its oldest deferred ``W``; ``None``: nothing it can run now); the earliest
+        proposal runs, then its rank and the rank its output feeds propose again (a proposal depends
+        only on its rank's state and its inputs). True if every rank ran all its ops."""
+        p = self.p
+        choice = [choose(r) for r in range(p)]
+        while True:
+            best: tuple[float, int, int | None] | None = None
+            for q, pick in enumerate(choice):
+                if pick is not None and (best is None or pick[0] < best[0]):
+                    best = (pick[0], q, pick[2])
+            if best is None:
+                break
+            t, r, which = best
+            if which is None:
+                self.run_w(r, t)
+            else:
+                self.run(r, which, t)
+                q = self.consumer(r, which)
+                if q is not None:  # the rank its output feeds
+                    choice[q] = choose(q)
+            choice[r] = choose(r)
+        return all(self.done(r) for r in range(p))
 
     def done(self, r: int) -> bool:
         return self.count[r] >= self.total

@@ -326,7 +326,7 @@ def _zbv_handcrafted(p: int, m: int, sc: StageCosts, limit: int, spec: str) -> t
         return eng.arrival(r, which)
 
     def choose(r: int) -> tuple[float, int, int | None] | None:
-        """Rank r's next pass: (start, priority, pass or None for W), the earliest start, then the priority."""
+        """Rank r's next pass: (start, priority, pass or None for W): the earliest start, then the priority."""
         if eng.done(r):
             return None
         cands = []
@@ -343,23 +343,7 @@ def _zbv_handcrafted(p: int, m: int, sc: StageCosts, limit: int, spec: str) -> t
         start = min(x[0] for x in cands)
         return min((x for x in cands if x[0] <= start + 1e-12), key=lambda x: x[1])
 
-    # a pass's input comes from its own or a neighbouring rank: a commit changes only those choices
-    choice = [choose(r) for r in range(p)]
-    while True:
-        best: tuple[float, int, int | None] | None = None
-        for q, pick in enumerate(choice):
-            if pick is not None and (best is None or pick[0] < best[0]):
-                best = (pick[0], q, pick[2])
-        if best is None:
-            break
-        t, r, which = best
-        if which is None:
-            eng.run_w(r, t)
-        else:
-            eng.run(r, which, t)
-        for q in range(max(r - 1, 0), min(r + 2, p)):
-            choice[q] = choose(q)
-    if not all(eng.done(r) for r in range(p)):
+    if not eng.earliest_first(choose):
         return None
     return eng.rows, eng.timing()
 
