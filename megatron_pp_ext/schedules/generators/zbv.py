@@ -5,10 +5,10 @@ on the V placement (see :mod:`.vshape`), within a memory limit.
 default ``p``, 1F1B's peak) on a rank. It times the passes with the given costs (``t_f``,
 ``t_b``, ``t_w``: a number or one per stage; ``t_comm`` per hop; read from any object that has
 them, e.g. ``analysis.simulate.Costs``; unit costs by default) and tries the schedules of
-:data:`POLICIES`, keeping the one whose *lowered* program
-(:func:`~megatron_pp_ext.schedules.lowering.lower`) runs fastest: a V schedule sends messages
-both ways between neighbours, and when two cross, the lowering's batched, rendezvous-style
-exchanges can make a rank receive early and wait. First, ZB-V built round by round as the
+:data:`POLICIES`, keeping the one that runs fastest as the executor runs it (the simulator's
+async model, in which the lowering's batched exchanges make no rank wait beyond its own inputs;
+the ``ordered`` greedy policies also keep messages in one order for the blocking model).
+First, ZB-V built round by round as the
 zero-bubble authors' generator builds it (:class:`_Rounds`): a fixed warm-up of forwards, then
 rounds of one backward and one forward per rank with deferred ``W`` passes where the memory
 needs them or a wait leaves room, rebuilt with each rank's idle time from the previous build as
@@ -21,8 +21,9 @@ fixed-priority list schedules. ``params["ideal_bubble_rate"]`` is the bubble whe
 starts as soon as its input exists, ``params["predicted_bubble_rate"]`` the one the lowered
 program gives (what the simulator and the runtime see).
 
-The generators only know the schedule IR; timing for ``v-zb`` is computed here with the shared
-timing core (:mod:`..timing`), and tests cross-check it against ``analysis.simulate``.
+The constructions run on the list-scheduling engine (:mod:`..engine`: op encoding, the simulator's
+async clock, memory); this module keeps their decisions, and times every candidate with the engine's
+:func:`~..engine.replay` (tests cross-check it against ``analysis.simulate``).
 """
 
 from __future__ import annotations

@@ -19,14 +19,13 @@ channels never move a receive.
   tries a few policy variants (:data:`DEFAULT_VARIANTS`), plus the handcrafted schedules when they
   fit the limit, and keeps the one with the smallest makespan (then the smallest per-rank span).
 
-Timing is the simulator's (:mod:`megatron_pp_ext.analysis.simulate`), which runs the lowered
-program: a gradient receive that the lowering posts early (to keep rendezvous sends free of
-deadlock) makes its rank wait there. :func:`pair_receives` reorders forwards so that this never
-happens, after which plain dataflow timing (:func:`time_order`) equals the simulator's (the
-tests check this against the simulator for every schedule they build).
-
-Memory is counted like the simulator's default (``w_retained_fraction=1.0``): an ``F`` adds one
-activation on its rank and the matching ``W`` frees it; ``B`` frees nothing.
+The greedy passes run on the list-scheduling engine (:mod:`..engine`): its clock is the simulator's
+async model and its memory count the simulator's default (an ``F`` adds one activation on its rank,
+the matching ``W`` frees it; ``B`` frees nothing); this module keeps only the decisions. Under the
+simulator's ``comm="blocking"`` model a gradient receive that the lowering posts early (to keep
+rendezvous sends free of deadlock) would make its rank wait: :func:`pair_receives` reorders forwards
+so that this never happens, so the orders cost the same under both models. :func:`time_order`
+times a fixed order on the engine's clock.
 """
 
 from __future__ import annotations
