@@ -33,7 +33,22 @@ COSTS: dict[str, Costs | None] = {
     "w-light": Costs(1.0, 1.2, 0.3, None, 0.0),
 }
 #: The schedules the record covers (a schedule registered later joins the grid when it is added here).
-RECORDED = ("1f1b", "gpipe", "interleaved-1f1b", "v-block", "v-half", "v-min", "v-zb", "zb-auto", "zb-h1", "zb-h2")
+RECORDED = (
+    "1f1b",
+    "bfs",
+    "bfs-zb",
+    "bitpipe",
+    "bitpipe-zb",
+    "gpipe",
+    "interleaved-1f1b",
+    "v-block",
+    "v-half",
+    "v-min",
+    "v-zb",
+    "zb-auto",
+    "zb-h1",
+    "zb-h2",
+)
 _MS = (1, 2, 3, 5, 8)  # plus p, 2p-1, 2p, 3p+1 per p
 
 
@@ -104,6 +119,20 @@ def cases() -> Iterator[tuple[str, str, int, int, dict[str, Any], str]]:
                     kwargs = {} if limit is None else {"memory_limit": limit}
                     yield f"v-zb/p{p}/m{m}/{costs}/mem{limit}", "v-zb", p, m, kwargs, costs
     yield "v-zb/p8/m24/none/memNone", "v-zb", 8, 24, {}, "none"
+    for name in ("bfs", "bfs-zb"):
+        for p in (1, 2, 3, 4):
+            for v in (1, 2, 3):
+                for m in _microbatches(p):
+                    for group in dict.fromkeys((None, p, 2)):
+                        if group is not None and group > m:
+                            continue
+                        kwargs = {"v": v} if group is None else {"v": v, "microbatch_group_size": group}
+                        costs = "fbw-comm" if name == "bfs-zb" and m == 2 * p else "none"
+                        yield f"{name}/p{p}/m{m}/v{v}/g{group}/{costs}", name, p, m, kwargs, costs
+    for name in ("bitpipe", "bitpipe-zb"):
+        for p in (2, 4, 6, 8):
+            for m in (p, 2 * p, 3 * p):
+                yield f"{name}/p{p}/m{m}", name, p, m, {}, "none"
     yield "v-zb/p8/m16/fbw-comm/memNone", "v-zb", 8, 16, {}, "fbw-comm"
 
 

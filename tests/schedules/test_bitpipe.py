@@ -195,7 +195,7 @@ def test_peak_activations_per_rank(p: int, m: int) -> None:
         (1, 2, r"-p/--pipeline-model-parallel-size\) must be >= 2"),
         (4, 6, r"-m \(number of micro-batches\) to be a multiple of p=4.*m=6; valid: 4, 8, 12"),
         (4, 2, r"multiple of p=4.*m=2"),
-        (4, 0, r"-m, number of micro-batches\) must be >= 1"),
+        (4, 0, r"m must be >= 1, got 0"),  # the declared capabilities check m before the generator
         (4, 4.0, r"must be an integer"),
     ],
 )

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from ..capabilities import Capabilities, Chunks, DataParallel
 from ..ir import BW, B, F, Op, OpKind, W
 from ..placement import loop_placement
 from ..registry import ScheduleInfo, register
@@ -169,6 +170,17 @@ def bfs_zb(
 
 
 _CONSTRAINTS = "p >= 1, m >= 1, v >= 1 (default 2), 1 <= microbatch_group_size <= m (default m)"
+
+
+def _capabilities(costs: bool) -> Capabilities:
+    return Capabilities(
+        chunks=Chunks(low=1, high=None, default=2, refusal="{name} needs v >= 1 chunks per rank, got v={v!r}"),
+        costs=costs,
+        keywords=("microbatch_group_size",),
+        data_parallel=DataParallel(fsdp="optional"),
+    )
+
+
 register(
     ScheduleInfo(
         "bfs",
@@ -179,6 +191,7 @@ register(
         "breadth-first looped: every micro-batch through one chunk, then the next; backwards in reverse; "
         "per-chunk DP reduce overlaps the backward, FSDP gathers once per sweep",
         family="breadth-first",
+        capabilities=_capabilities(costs=False),
     )
 )
 register(
@@ -190,5 +203,6 @@ register(
         _CONSTRAINTS,
         "breadth-first looped with split B/W: deferred W passes fill the idle slots",
         family="breadth-first",
+        capabilities=_capabilities(costs=True),
     )
 )

@@ -39,6 +39,7 @@ holding more activations than ``bitpipe`` does (:func:`_fill_w`).
 
 from __future__ import annotations
 
+from ..capabilities import Capabilities, Chunks
 from ..ir import BW, B, F, Op, W
 from ..placement import bidirectional_placement
 from ..registry import ScheduleInfo, register
@@ -211,6 +212,17 @@ def bitpipe_zb(p: int, m: int, *, v: int | None = None, **unused: object) -> Sch
     return build_schedule("bitpipe-zb", bidirectional_placement(p), m, ops, replicas)
 
 
+BITPIPE = Capabilities(
+    chunks=Chunks(
+        low=4,
+        high=4,
+        default=4,
+        refusal="{name} holds 4 chunks per rank (two V-shaped replicas): v must be 4 (or not given), got v={v!r}",
+    ),
+    min_p=2,
+    too_few_ranks="{name}: p (-p/--pipeline-model-parallel-size) must be >= 2 and even, got p={p}",
+)
+
 register(
     ScheduleInfo(
         "bitpipe",
@@ -220,6 +232,7 @@ register(
         BITPIPE_CONSTRAINTS,
         "BitPipe: two V-shaped interleaved pipelines in opposite directions, 1F1B, unsplit backwards",
         family="bidirectional",
+        capabilities=BITPIPE,
     )
 )
 register(
@@ -231,5 +244,6 @@ register(
         BITPIPE_CONSTRAINTS,
         "BitPipe's order with B/W split: W passes deferred into the cool-down bubbles",
         family="bidirectional",
+        capabilities=BITPIPE,
     )
 )
