@@ -26,6 +26,7 @@ _LAZY = {
     "validate_arguments": "megatron_pp_ext.megatron.arguments",
     "validate_arguments_or_exit": "megatron_pp_ext.megatron.arguments",
     "PipelineConfig": "megatron_pp_ext.megatron.arguments",
+    "pipeline_config_of": "megatron_pp_ext.megatron.arguments",
     "install": "megatron_pp_ext.megatron.install",
     "uninstall": "megatron_pp_ext.megatron.install",
     "chunk_layouts_for_this_rank": "megatron_pp_ext.megatron.layout",

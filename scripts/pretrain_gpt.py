@@ -94,6 +94,10 @@ from megatron.training.utils import get_blend_and_blend_per_split  # noqa: E402
 
 import megatron_pp_ext  # noqa: E402
 from megatron_pp_ext.megatron import layout  # noqa: E402
+from megatron_pp_ext.megatron.checkpoint import fail_loudly_on_bad_checkpoint  # noqa: E402
+from megatron_pp_ext.runtime.agreement import ScheduleMismatchError  # noqa: E402
+from megatron_pp_ext.runtime.executor import ExecutorError  # noqa: E402
+from megatron_pp_ext.runtime.p2p import PipelineCommError  # noqa: E402
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
@@ -218,7 +222,7 @@ def _argv_has(flag: str) -> bool:
 
 def describe(args: Any) -> str:
     """One line saying which schedule runs instead of megatron's."""
-    config = args.pipeline_config
+    config = megatron_pp_ext.pipeline_config_of(args)
     m = microbatch_counts(args)[0][-1]
     schedule = config.build(args.pipeline_model_parallel_size, m)
     placement = schedule.placement
@@ -246,6 +250,19 @@ def _tolerate_bad_help_strings() -> None:
     argparse.HelpFormatter._expand_help = expand_help  # type: ignore[method-assign]
 
 
+def _check_environment_or_exit() -> None:
+    """The plugin's timeout variables (MEGATRON_PP_P2P_TIMEOUT, MEGATRON_PP_AGREE_TIMEOUT), before any work."""
+    from megatron_pp_ext.runtime.agreement import agree_timeout_s
+    from megatron_pp_ext.runtime.p2p import timeout_from_env
+
+    try:
+        timeout_from_env()
+        agree_timeout_s()
+    except ValueError as exc:
+        print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
 def main() -> None:
     _tolerate_bad_help_strings()
     set_startup_timestamps(program_start=_PROGRAM_START, main_entry=time.time())
@@ -268,17 +285,24 @@ def main() -> None:
     if CPU_MODE:
         args.cpu = True
     validate_arguments_or_exit(args)  # before any process group exists
+    _check_environment_or_exit()
+    fail_loudly_on_bad_checkpoint()  # megatron exits with status 0 when a checkpoint cannot be loaded
     if megatron_pp_ext.install(args) is not None:  # megatron untouched without --pipeline-schedule
         print_rank_0(f"> megatron_pp_ext: {describe(args)}")
     model_cfg = gpt_config_from_args(args)
-    pretrain(
-        pretrain_cfg_container_from_args(args, model_cfg),
-        train_valid_test_datasets_provider,
-        ModelType.encoder_or_decoder,
-        forward_step,
-        get_embedding_ranks=layout.get_embedding_ranks,
-        get_position_embedding_ranks=layout.get_position_embedding_ranks,
-    )
+    try:
+        pretrain(
+            pretrain_cfg_container_from_args(args, model_cfg),
+            train_valid_test_datasets_provider,
+            ModelType.encoder_or_decoder,
+            forward_step,
+            get_embedding_ranks=layout.get_embedding_ranks,
+            get_position_embedding_ranks=layout.get_position_embedding_ranks,
+        )
+    except (ScheduleMismatchError, PipelineCommError, ExecutorError) as exc:
+        # One line, and out at once: the peers stop on the same check, or are stuck waiting on this rank.
+        print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr, flush=True)
+        os._exit(1)
     # Shut the process groups down before the interpreter does: a gloo group still alive at exit
     # can abort in its threads' destructors ("terminate called without an active exception").
     if torch.distributed.is_initialized():

@@ -94,6 +94,9 @@ def _cost(name: str, value: object) -> Cost:
     return result
 
 
+MAX_COST = 1e12  # per op or hop: beyond any real time, small enough that a schedule's sums stay finite
+
+
 @dataclass(frozen=True)
 class Costs:
     """Per-op times: ``t_f``, ``t_b``, ``t_w`` (and ``t_bw``, default ``t_b + t_w``) are one
@@ -131,6 +134,8 @@ class Costs:
             numbers = [float(x) for x in parts]
         except ValueError:
             raise ValueError(f"costs must be 3 or 4 comma-separated numbers F,B,W[,COMM], got {text!r}") from None
+        if any(not (0 <= x <= MAX_COST) for x in numbers):  # finite and bounded: 1e308 overflowed sums to inf
+            raise ValueError(f"costs F,B,W[,COMM] must be finite numbers in [0, {MAX_COST:g}], got {text!r}")
         f, b, w = numbers[:3]
         return cls(f, b, w, None, numbers[3] if len(numbers) == 4 else 0.0)
 

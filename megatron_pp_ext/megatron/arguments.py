@@ -178,6 +178,46 @@ def parse_schedule_name(text: str) -> str:
     return name
 
 
+def _checked_text(parse: Any) -> Any:
+    """An argparse type that checks ``text`` with ``parse`` but keeps the text: megatron pickles ``args``
+    into checkpoints, and torch's weights-only loader refuses this project's classes."""
+
+    def check(text: str) -> str:
+        parse(text)
+        return str(text).strip()
+
+    check.__name__ = parse.__name__
+    return check
+
+
+def _parsed(parse: Any, value: Any, flag: str) -> Any:
+    """``value`` parsed if it is still text (args from argparse), as is otherwise (a hand-built config)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return parse(value)
+    except argparse.ArgumentTypeError as exc:
+        raise PipelineArgumentError(flag, str(exc)) from None
+
+
+# Resolved configurations by args object: kept out of ``args`` itself (which megatron pickles).
+_CONFIGS: dict[int, tuple[Any, PipelineConfig]] = {}
+
+
+def pipeline_config_of(args: Any) -> PipelineConfig | None:
+    """The configuration :func:`validate_arguments` resolved for ``args`` (None if it did not run)."""
+    entry = _CONFIGS.get(id(args))
+    return entry[1] if entry is not None and entry[0]() is args else None
+
+
+def _remember(args: Any, config: PipelineConfig) -> None:
+    import weakref
+
+    for key in [k for k, (ref, _) in _CONFIGS.items() if ref() is None]:
+        del _CONFIGS[key]
+    _CONFIGS[id(args)] = (weakref.ref(args), config)
+
+
 # ---- argparse ---------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the plugin's flags (an ``extra_args_provider`` for megatron); returns ``parser``."""
@@ -198,7 +238,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--pipeline-memory-limit",
-        type=parse_memory_limit,
+        type=_checked_text(parse_memory_limit),
         default=None,
         metavar="N|Np",
         help="Activation memory limit of memory-aware schedules, in one stage's activations for one "
@@ -206,7 +246,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--pipeline-costs",
-        type=parse_costs,
+        type=_checked_text(parse_costs),
         default=None,
         metavar="F,B,W[,COMM]|FILE",
         help="Relative forward, input-gradient backward, weight-gradient backward and p2p costs of one "
@@ -247,6 +287,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=False,
         help="Check every training iteration (not only the first) that each trainable parameter received its "
         "gradient for every micro-batch and that no deferred weight gradient is left; raises naming them.",
+    )
+    group.add_argument(
+        "--pipeline-check-messages",
+        action="store_true",
+        default=False,
+        help="Send a small header (kind, stages, micro-batch) with every pipeline message and check it on "
+        "arrival, so a message crossed by mismatched schedules fails where it lands (costs one extra tiny "
+        "message per message).",
     )
     group.add_argument(
         "--pipeline-fsdp",
@@ -299,6 +347,7 @@ class PipelineConfig:
     num_layers: int | None = None
     pipeline_parallel_size: int | None = None
     virtual_flag: str = "--num-virtual-stages-per-pipeline-rank"
+    check_messages: bool = False  # --pipeline-check-messages
     _file_schedule: Schedule | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -464,8 +513,11 @@ def config_from_args(args: Any) -> PipelineConfig:
     return PipelineConfig(
         schedule=name,
         schedule_file=getattr(args, "pipeline_schedule_file", None),
-        memory_limit=getattr(args, "pipeline_memory_limit", None),
-        costs=getattr(args, "pipeline_costs", None),
+        memory_limit=_parsed(
+            parse_memory_limit, getattr(args, "pipeline_memory_limit", None), "--pipeline-memory-limit"
+        ),
+        costs=_parsed(parse_costs, getattr(args, "pipeline_costs", None), "--pipeline-costs"),
+        check_messages=bool(getattr(args, "pipeline_check_messages", False)),
         block_file=getattr(args, "pipeline_block_file", None),
         trace_dir=getattr(args, "pipeline_trace", None),
         check_grads=bool(getattr(args, "pipeline_check_grads", False)),
@@ -487,7 +539,8 @@ def validate_arguments(args: Any) -> PipelineConfig:
     Raises :class:`PipelineArgumentError`. When a schedule needs more chunks per rank than
     megatron's virtual pipeline flags gave, sets ``args.virtual_pipeline_model_parallel_size``
     (and ``args.num_virtual_stages_per_pipeline_rank``) so that megatron builds them. Returns the
-    resolved :class:`PipelineConfig` (also stored as ``args.pipeline_config``).
+    resolved :class:`PipelineConfig` (also returned by :func:`pipeline_config_of`; nothing of ours goes
+    into ``args``, which megatron pickles into checkpoints).
     """
     if getattr(args, "cpu", False):
         _check_cpu_flags(args)
@@ -516,7 +569,7 @@ def validate_arguments(args: Any) -> PipelineConfig:
         ):
             if _given(args, attr):
                 raise PipelineArgumentError(flag, "needs --pipeline-schedule (megatron's own schedule does not use it)")
-        args.pipeline_config = config
+        _remember(args, config)
         return config
     for attr, flag in (("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm"),):
         if _given(args, attr):
@@ -559,7 +612,7 @@ def validate_arguments(args: Any) -> PipelineConfig:
     _apply_chunks(args, config, schedule, virtual_flag)
     if config.trace_dir is not None:
         _check_trace_dir(config.trace_dir)
-    args.pipeline_config = config
+    _remember(args, config)
     return config
 
 

@@ -29,7 +29,7 @@ from ..schedules.placement import Placement, make_placement
 from ..schedules.schedule import Schedule
 from . import layout
 from ._patching import Patcher
-from .arguments import PipelineArgumentError, PipelineConfig, validate_arguments
+from .arguments import PipelineArgumentError, PipelineConfig, pipeline_config_of, validate_arguments
 
 SCHEDULES_MODULE = "megatron.core.pipeline_parallel.schedules"
 # Modules that import get_forward_backward_func by name in megatron-core 0.19.2 (imported here so
@@ -60,8 +60,8 @@ def _config_of(args_or_config: Any) -> PipelineConfig:
         from megatron.training import get_args
 
         args_or_config = get_args()
-    config = getattr(args_or_config, "pipeline_config", None)
-    if isinstance(config, PipelineConfig):
+    config = pipeline_config_of(args_or_config)
+    if config is not None:
         return config
     return validate_arguments(args_or_config)
 
@@ -187,6 +187,9 @@ def install(args_or_config: Any = None, *, layout_hooks: bool | None = None) -> 
         check_grads=config.check_grads,
         fsdp_max_unsharded=config.fsdp_max_unsharded if config.fsdp else None,
     )
+    from ..runtime import p2p
+
+    p2p.set_check_messages(config.check_messages)
 
     def forward_backward_func(**kwargs: Any) -> Any:
         if tracer_factory is not None and not param_storages:
@@ -219,6 +222,7 @@ def install(args_or_config: Any = None, *, layout_hooks: bool | None = None) -> 
     get_forward_backward_func.megatron_pp_ext = True  # type: ignore[attr-defined]
     patcher = Patcher()
     patcher.replace(SCHEDULES_MODULE, "get_forward_backward_func", get_forward_backward_func)
+    _agree_before_groups(config, patcher)
     if _wants_layout_hooks(placement, layout_hooks):
         if config.num_layers is None:
             raise PipelineArgumentError(
@@ -238,6 +242,50 @@ def install(args_or_config: Any = None, *, layout_hooks: bool | None = None) -> 
             raise
     _STATE = _Installed(config, forward_backward_func, patcher)
     return forward_backward_func
+
+
+def config_text(config: PipelineConfig) -> str:
+    """What every rank's plugin configuration must agree on (files by content, not by name)."""
+    import hashlib
+
+    def content(path: str | None) -> str:
+        if path is None:
+            return "-"
+        try:
+            return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+        except OSError as exc:
+            return f"unreadable ({exc.strerror})"
+
+    return (
+        f"schedule={config.schedule or '-'} file={content(config.schedule_file)} "
+        f"block={content(config.block_file)} memory_limit={config.memory_limit} costs={config.costs!r} "
+        f"v={config.num_virtual_stages} layers={config.num_layers} p={config.pipeline_parallel_size} "
+        f"mb_group={config.microbatch_group_size} profile_iters={config.profile_iterations} "
+        f"check_messages={config.check_messages}"
+    )
+
+
+def _agree_before_groups(config: PipelineConfig, patcher: Patcher) -> None:
+    """Before megatron builds its process groups, every rank checks it has the same configuration.
+
+    Ranks with different placements would otherwise block in megatron's group set-up until
+    ``--distributed-timeout-minutes``. Without megatron's parallel state module, nothing to do.
+    """
+    module_name = "megatron.core.parallel_state"
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return
+    original = module.initialize_model_parallel
+    text = config_text(config)
+
+    def initialize_model_parallel(*args: Any, **kwargs: Any) -> Any:
+        from ..runtime.agreement import agree_on_config
+
+        agree_on_config(text)
+        return original(*args, **kwargs)
+
+    patcher.replace(module_name, "initialize_model_parallel", initialize_model_parallel)
 
 
 def _splits_backward(config: PipelineConfig) -> bool:

@@ -15,7 +15,9 @@ named by their file stem) and parses what ``megatron.training`` prints:
 * ``Theoretical memory footprints: weight and optimizer=... MB, activation=... MB, total=... MB``,
 * the timers block ``(min, max) time across ranks (ms):`` (``--timing-log-option minmax``).
 
-A run is ``ok`` when it logged its last iteration and exited 0, ``exit-error`` when it trained
+A run is ``ok`` when it logged its last iteration, megatron's end-of-training line
+(``[after training is done]``) and exited 0 (a log whose last line is cut off is never ``ok``:
+that partial line is ignored and the run counts as ``incomplete``), ``exit-error`` when it trained
 every iteration (megatron printed ``[after training is done]``) but the process then exited
 non-zero (its measurements stand), ``oom`` when the log shows a CUDA / torch out-of-memory error,
 ``timeout`` for a Slurm time limit, ``failed`` for another error or a non-zero exit code,
@@ -85,6 +87,7 @@ class RunLog:
     error: str | None = None
     args: str | None = None
     done: bool = False  # megatron printed "[after training is done]"
+    truncated: bool = False  # the file ends in the middle of a line (that line is ignored)
 
     @property
     def train_iters(self) -> int | None:
@@ -101,8 +104,8 @@ class RunLog:
             return "exit-error"  # trained every iteration, then the process exited abnormally
         if (self.exit_code not in (None, 0)) or (self.error and not finished):
             return "failed"
-        if finished and self.exit_code in (None, 0):
-            return "ok"
+        if finished and self.done and self.exit_code in (None, 0) and not self.truncated:
+            return "ok"  # megatron's end-of-training line too: a log cut short is never "ok"
         return "incomplete"
 
 
@@ -111,7 +114,11 @@ def parse_log(path: str | Path) -> RunLog:
     text = p.read_text(errors="replace")
     run = RunLog(path=p, config_id=p.stem)
     wrapper_error = False
-    for line in text.splitlines():
+    lines = text.splitlines()
+    if text and not text.endswith(("\n", "\r")):
+        run.truncated = True  # cut mid-line: a cut "75.27" would read as "7"
+        lines = lines[:-1]
+    for line in lines:
         header = _HEADER.match(line)
         if header:
             run.config_id = header.group(1)
@@ -260,6 +267,8 @@ def collect(
             plan = json.loads(plan_file.read_text())
         except (OSError, ValueError) as exc:
             raise ValueError(f"cannot read plan {plan_file}: {exc}") from None
+    if plan is not None:
+        _check_plan(plan, plan_file)
     by_id = {str(r["id"]): r for r in plan.get("rows", [])} if plan else {}
     rows = []
     seen = set()
@@ -274,6 +283,33 @@ def collect(
             row["status"] = "missing"
             rows.append(row)
     return rows, plan
+
+
+_PLAN_NUMBERS = ("iteration_time_s", "tflops_per_gpu", "peak_memory_gib")
+
+
+def _check_plan(plan: Any, plan_file: Path | None) -> None:
+    """The shape ``collect`` reads from a plan: ``{"rows": [{"id": ..., numbers...}, ...], ...}``."""
+
+    def bad(what: str) -> ValueError:
+        return ValueError(f"plan {plan_file}: {what} (expected a plan written by `megatron-pp plan --save`)")
+
+    if not isinstance(plan, dict):
+        raise bad(f"top level is a {type(plan).__name__}, not an object")
+    rows = plan.get("rows", [])
+    if not isinstance(rows, list):
+        raise bad(f"'rows' is a {type(rows).__name__}, not a list")
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict) or "id" not in row:
+            raise bad(f"row {index} is not an object with an 'id'")
+        for key in _PLAN_NUMBERS:
+            value = row.get(key)
+            if value in (None, "") or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+                continue
+            raise bad(f"row {index} ({str(row['id'])[:60]}): {key} is {str(value)[:40]!r}, not a number")
+    gbs = plan.get("global_batch")
+    if gbs not in (None, "") and (isinstance(gbs, bool) or not isinstance(gbs, (int, float))):
+        raise bad(f"global_batch is {str(gbs)[:40]!r}, not a number")
 
 
 MEASURED = ("ok", "exit-error")  # statuses whose iteration times are complete

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..argtypes import positive_float, positive_int
 from .slurm import DEFAULT_SCRIPT, common_args
 
 __all__ = ["add_parser", "run_local"]
@@ -111,11 +112,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--plan", metavar="PLAN.json", help="use this plan instead of planning now")
     p.add_argument("--best-per-schedule", action="store_true", help="each schedule's best configuration")
     p.add_argument("--top", type=int, default=2, help="how many configurations to run (default 2)")
-    p.add_argument("--train-iters", type=int, default=4, help="iterations per run (default 4)")
-    p.add_argument("--nproc", type=int, help="processes per run (default: the plan's GPU count)")
+    p.add_argument("--train-iters", type=positive_int, default=4, help="iterations per run (default 4)")
+    p.add_argument("--nproc", type=positive_int, help="processes per run (default: the plan's GPU count)")
     p.add_argument("--script", default=str(DEFAULT_SCRIPT))
     p.add_argument("--master-port", type=int, default=29650)
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per run before it is killed")
+    p.add_argument("--timeout", type=positive_float, default=900.0, help="seconds per run before it is killed")
     p.add_argument("--extra-args", default="", help="more pretrain_gpt.py flags for every run")
     p.add_argument("--collect", action="store_true", help="collect the logs into results.* afterwards")
     p.add_argument("--dry-run", action="store_true", help="only print what would run")

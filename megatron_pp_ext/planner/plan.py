@@ -42,6 +42,7 @@ from typing import Any, TextIO
 
 from ..analysis.simulate import Costs, simulate
 from ..analysis.validate import validate
+from ..argtypes import fraction, nonnegative_float, positive_float, positive_fraction, positive_int
 from ..schedules import registry
 from ..schedules.ir import ScheduleError
 from ..schedules.lowering import LoweredSchedule
@@ -1062,30 +1063,34 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model (a preset, or explicit shapes; explicit flags override a preset)")
     g.add_argument("--model", help="model preset (see --list-models)")
     g.add_argument("--list-models", action="store_true", help="print the model presets and exit")
-    g.add_argument("--num-layers", type=int)
-    g.add_argument("--hidden-size", type=int)
-    g.add_argument("--num-attention-heads", type=int)
-    g.add_argument("--seq-length", type=int)
-    g.add_argument("--vocab-size", type=int)
-    g.add_argument("--ffn-hidden-size", type=int)
-    g.add_argument("--num-query-groups", type=int, help="grouped-query attention groups")
+    g.add_argument("--num-layers", type=positive_int)
+    g.add_argument("--hidden-size", type=positive_int)
+    g.add_argument("--num-attention-heads", type=positive_int)
+    g.add_argument("--seq-length", type=positive_int)
+    g.add_argument("--vocab-size", type=positive_int)
+    g.add_argument("--ffn-hidden-size", type=positive_int)
+    g.add_argument("--num-query-groups", type=positive_int, help="grouped-query attention groups")
     g.add_argument("--swiglu", action="store_true", default=None)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
     c = parser.add_argument_group("cluster and training")
-    c.add_argument("--gpus", type=int, help="number of GPUs (default: the preset's)")
-    c.add_argument("--global-batch", type=int, help="global batch size in sequences (default: the preset's)")
+    c.add_argument("--gpus", type=positive_int, help="number of GPUs (default: the preset's)")
+    c.add_argument("--global-batch", type=positive_int, help="global batch size in sequences (default: the preset's)")
     c.add_argument("--device", default="A100-80GB", help="device preset: A100-80GB, H100-80GB, H200, V100-32GB, CPU")
-    c.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the device preset's, 8)")
-    c.add_argument("--memory-budget", type=float, help="GiB per GPU (default: the device's memory)")
-    c.add_argument("--memory-reserve", type=float, default=2.0, help="GiB kept free (CUDA context, NCCL, ...)")
+    c.add_argument("--gpus-per-node", type=positive_int, help="GPUs per node (default: the device preset's, 8)")
+    c.add_argument("--memory-budget", type=positive_float, help="GiB per GPU (default: the device's memory)")
+    c.add_argument(
+        "--memory-reserve", type=nonnegative_float, default=2.0, help="GiB kept free (CUDA context, NCCL, ...)"
+    )
     c.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None, help="default bf16 (fp32 on CPU)")
     c.add_argument("--distributed-optimizer", action="store_true", help="Megatron's --use-distributed-optimizer")
     c.add_argument("--no-sequence-parallel", action="store_true", help="do not use sequence parallelism with TP")
     c.add_argument("--attention", choices=("flash", "unfused"), default=None, help="default flash (unfused on CPU)")
-    c.add_argument("--efficiency", type=float, help="share of peak FLOP/s large GEMMs reach (default: device's)")
-    c.add_argument("--dp-overlap", type=float, default=0.0, help="share of the DP gradient reduction hidden")
     c.add_argument(
-        "--w-retained", type=float, default=1.0, help="share of an activation a B keeps until its W (1.0 = papers')"
+        "--efficiency", type=positive_fraction, help="share of peak FLOP/s large GEMMs reach (default: device's)"
+    )
+    c.add_argument("--dp-overlap", type=fraction, default=0.0, help="share of the DP gradient reduction hidden")
+    c.add_argument(
+        "--w-retained", type=fraction, default=1.0, help="share of an activation a B keeps until its W (1.0 = papers')"
     )
     s = parser.add_argument_group("search space (comma-separated lists; default: everything valid)")
     s.add_argument("--schedules", type=_str_list, help="schedules to consider (default: every registered one)")

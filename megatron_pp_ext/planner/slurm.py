@@ -446,6 +446,8 @@ def load_or_plan(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[st
 def cmd_grid(args: argparse.Namespace) -> int:
     if not args.slurm:
         raise ValueError("give --slurm (the only launcher backend); for this machine use `megatron-pp launch-local`")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out}: exists and is not a directory (give a directory for job.sbatch & co.)")
     env = {}
     for item in args.env:
         key, sep, value = item.partition("=")

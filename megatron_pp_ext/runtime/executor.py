@@ -43,7 +43,7 @@ from ..schedules.collectives import (
 from ..schedules.ir import Op, OpKind, ScheduleError
 from ..schedules.lowering import ACT, GRAD, Compute, Exchange, LoweredSchedule, lower
 from ..schedules.schedule import Schedule
-from . import p2p
+from . import agreement, p2p
 from .data import MicrobatchIterator
 from .embedding_sync import add_local_tied_grads, ends_on_same_rank, local_tied_pairs, without_embedding_groups
 from .grad_check import GradCheckPolicy, GradWatch, watching
@@ -243,6 +243,7 @@ def make_forward_backward_func(
         from megatron.core.utils import get_model_config
 
         the_plan = plan(num_microbatches, rank, forward_only, get_model_config(models[0]), models)
+        agreement.agree_on_schedule(the_plan.lowered.schedule, pp_group, timeout_s=timeout_s)  # once per schedule
         if rank not in tracers:
             tracers[rank] = tracer_factory(rank) if tracer_factory else NullTracer()
         run = _Run(
@@ -586,14 +587,14 @@ class _Run:
             tensor = self.mailbox.pop(msg.key, None)
             if tensor is None:
                 raise ExecutorError(f"{self._where(next_op)}: nothing to send for {msg}")
-            sends.append(p2p.Transfer(tensor, self.global_ranks[msg.dst_rank], msg.seq, str(msg)))
+            sends.append(p2p.Transfer(tensor, self.global_ranks[msg.dst_rank], msg.seq, str(msg), _header(msg)))
         recvs = []
         for msg in exchange.recvs:
             buffer = torch.empty(
                 self.tensor_shape, dtype=self.config.pipeline_dtype, requires_grad=msg.kind == ACT, device=self.device
             )
             self.mailbox[msg.key] = buffer
-            recvs.append(p2p.Transfer(buffer, self.global_ranks[msg.src_rank], msg.seq, str(msg)))
+            recvs.append(p2p.Transfer(buffer, self.global_ranks[msg.src_rank], msg.seq, str(msg), _header(msg)))
         where = self._where() + (f", exchange before {next_op}" if next_op is not None else ", final exchange")
         self.tracer.begin_comm()
         batch = p2p.post(sends, recvs, self.pp_group, rank_desc=where, timeout_s=self.timeout_s, use_tags=self.use_tags)
@@ -650,6 +651,11 @@ class _Run:
             for out in self.sent_outputs:
                 deallocate_output_tensor(out, self.config.deallocate_pipeline_outputs)
         self.sent_outputs.clear()
+
+
+def _header(msg: Any) -> tuple[int, ...]:
+    """What a message is, as checked on arrival with ``--pipeline-check-messages``."""
+    return (int(msg.kind == GRAD), msg.src_stage, msg.dst_stage, msg.microbatch, msg.seq)
 
 
 def _next_op(program: Sequence[Compute | Exchange], index: int) -> Op | None:

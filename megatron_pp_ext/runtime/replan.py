@@ -20,6 +20,7 @@ profile is logged and can be written to a JSON file and passed back later
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import statistics
@@ -36,6 +37,7 @@ import torch.distributed as dist
 from ..analysis.simulate import Costs
 from ..schedules.ir import Op, OpKind
 from ..schedules.schedule import Schedule
+from . import p2p
 from .trace import NullTracer
 
 logger = logging.getLogger(__name__)
@@ -108,30 +110,52 @@ class ProfilingTracer(NullTracer):
             self.inner.write(directory)
 
 
+def _all_reduce(table: torch.Tensor, group: dist.ProcessGroup | None, op: Any, timeout_s: float, what: str) -> None:
+    """``all_reduce`` with a bounded wait (a rank that never joins fails this one, naming ``what``)."""
+    work = dist.all_reduce(table, op=op, group=group, async_op=True)
+    assert work is not None
+    try:
+        work.wait(datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise p2p.PipelineCommError(
+            f"rank {dist.get_rank()}: re-plan: {what} did not complete within {timeout_s:g}s "
+            f"({p2p.TIMEOUT_ENV}): {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
+        ) from exc
+
+
 def measure_hop_time(
-    group: dist.ProcessGroup, shape: tuple[int, ...], dtype: torch.dtype, device: Any, repeats: int = 5
+    group: dist.ProcessGroup,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: Any,
+    repeats: int = 5,
+    timeout_s: float | None = None,
 ) -> float:
-    """One-way time of one activation between pipeline neighbours (median of ping-pongs, max over pairs)."""
+    """One-way time of one activation between pipeline neighbours (median of ping-pongs, max over pairs).
+
+    Every send and receive is waited on for at most ``timeout_s`` (None: ``MEGATRON_PP_P2P_TIMEOUT``).
+    """
+    timeout_s = p2p.timeout_from_env() if timeout_s is None else timeout_s
     rank, size = group.rank(), group.size()
     ranks = [dist.get_global_rank(group, r) for r in range(size)]
     buf = torch.zeros(shape, dtype=dtype, device=device)
     mine: list[float] = []
+    where = f"pipeline rank {rank} (global {dist.get_rank()}), re-plan hop-time ping-pong"
     for phase in (0, 1):  # pairs (0,1),(2,3),... then (1,2),(3,4),...
         first = rank - ((rank - phase) % 2)
         if first < phase or first + 1 >= size:
             continue
         peer = first + 1 if rank == first else first
+        transfer = p2p.Transfer(buf, ranks[peer], 0, "hop-time probe")
+        order = ("send", "recv") if rank == first else ("recv", "send")
         for _ in range(repeats):
             start = _now()
-            if rank == first:
-                dist.send(buf, ranks[peer], group=group)
-                dist.recv(buf, ranks[peer], group=group)
-            else:
-                dist.recv(buf, ranks[peer], group=group)
-                dist.send(buf, ranks[peer], group=group)
+            for direction in order:
+                sends, recvs = ([transfer], []) if direction == "send" else ([], [transfer])
+                p2p.post(sends, recvs, group, rank_desc=where, timeout_s=timeout_s).wait()
             mine.append((_now() - start) / 2)
     hop = torch.tensor([statistics.median(mine) if mine else 0.0], dtype=torch.float64)
-    dist.all_reduce(hop, op=dist.ReduceOp.MAX, group=group)
+    _all_reduce(hop, group, dist.ReduceOp.MAX, timeout_s, "the hop-time all-reduce")
     return float(hop.item())
 
 
@@ -143,9 +167,10 @@ def agree_on_costs(
     table = torch.zeros(len(kinds), num_stages, dtype=torch.float64)
     for (kind, stage), values in durations.items():
         table[kinds.index(kind), stage] = statistics.median(values)
-    dist.all_reduce(table, group=group)
+    timeout_s = p2p.timeout_from_env()
+    _all_reduce(table, group, dist.ReduceOp.SUM, timeout_s, "the cost-profile all-reduce")
     if dist.get_world_size() > group.size():  # average the pipelines of the world
-        dist.all_reduce(table)
+        _all_reduce(table, None, dist.ReduceOp.SUM, timeout_s, "the cost-profile all-reduce over pipelines")
         table /= dist.get_world_size() // group.size()
     t_f, t_b, t_w, t_bw = (tuple(float(x) for x in row) for row in table)
     if all(x == 0.0 for x in t_b):  # the first schedule never split the backward: split BW evenly

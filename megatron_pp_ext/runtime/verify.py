@@ -70,6 +70,10 @@ class RunSpec:
     # ``fsdp_max_unsharded`` chunks gathered at once.
     fsdp: bool = False
     fsdp_max_unsharded: int = 1
+    check_messages: bool = False  # --pipeline-check-messages: a header with every message, checked on arrival
+    check_agreement: bool = True  # testing aid: False skips the start-of-run schedule agreement
+    # Testing aid: a different schedule for some pipeline ranks from the re-plan on (to provoke a mismatch there).
+    replan_overrides: tuple[tuple[int, str], ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -86,6 +90,11 @@ def run_on_rank(spec: RunSpec, rank: int, init_method: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
+
+    from . import agreement, p2p
+
+    p2p.set_check_messages(spec.check_messages)  # pool workers are reused: set it every run
+    agreement.set_enabled(spec.check_agreement)
 
     dist.init_process_group(
         "gloo",
@@ -187,7 +196,7 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
         if replica_group is not None:
             from .replica_sync import ReplicaSync
         if spec.profile_iterations > 0:
-            source = _replanning_source(spec, placement.num_ranks)
+            source = _replanning_source(spec, placement.num_ranks, pp_rank)
             profiler = source.make_tracer(tracer)
             forward_backward = make_forward_backward_func(
                 source, tracer_factory=lambda r: profiler, timeout_s=spec.timeout_s
@@ -365,7 +374,7 @@ def _ab_timing(spec: RunSpec, chunks: list[Any], ours: Any, native: Any) -> dict
     return {"step_times": times, "losses": losses}
 
 
-def _replanning_source(spec: RunSpec, p: int) -> Any:
+def _replanning_source(spec: RunSpec, p: int, pp_rank: int = 0) -> Any:
     from ..analysis.validate import validate
     from ..schedules import registry
     from .replan import ReplanningSource
@@ -378,11 +387,12 @@ def _replanning_source(spec: RunSpec, p: int) -> Any:
     initial = Costs.parse(spec.replan_initial_costs) if spec.replan_initial_costs else None
 
     def build(m: int, costs: Any) -> Any:
+        this_name = name if costs is None else dict(spec.replan_overrides).get(pp_rank, name)
         costs = costs if costs is not None else initial
         kwargs: dict[str, Any] = {"memory_limit": spec.replan_memory_limit}
-        if costs is not None:
+        if costs is not None and this_name == name:
             kwargs["costs"] = costs
-        schedule = registry.generate(name, p, m, **kwargs)
+        schedule = registry.generate(this_name, p, m, **kwargs)
         validate(schedule)
         return schedule
 

@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any
 
+from ..argtypes import nonnegative_float, positive_float, positive_int
+
 
 def add_verify_parser(subparsers: Any) -> None:
     from ..cli import _add_source_args
@@ -20,9 +22,11 @@ def add_verify_parser(subparsers: Any) -> None:
         "gradient with the same model unpartitioned (same seed, same data).",
     )
     _add_source_args(parser)
-    parser.add_argument("--iterations", type=int, default=3, help="training iterations (default 3)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
-    parser.add_argument("--layers-per-stage", type=int, default=1, help="transformer layers per stage (default 1)")
+    parser.add_argument("--iterations", type=positive_int, default=3, help="training iterations (default 3)")
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (default 1)")
+    parser.add_argument(
+        "--layers-per-stage", type=positive_int, default=1, help="transformer layers per stage (default 1)"
+    )
     parser.add_argument("--untied-embeddings", action="store_true", help="separate input and output embeddings")
     parser.add_argument("--no-ddp", action="store_true", help="plain autograd gradients instead of megatron DDP")
     parser.add_argument("--sequence-parallel", action="store_true", help="megatron sequence parallelism (tp > 1)")
@@ -48,11 +52,11 @@ def add_verify_parser(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--tolerance",
-        type=float,
+        type=nonnegative_float,
         default=None,
         help="max relative gradient difference (default 1e-6, 1e-5 with --dp > 1: see verify.default_tolerance)",
     )
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a stuck send/recv fails")
+    parser.add_argument("--timeout", type=positive_float, default=60.0, help="seconds before a stuck send/recv fails")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(func=run_verify)
 

@@ -56,10 +56,14 @@ class Placement:
                     f"stages {seen[(rank, chunk)]} and {stage} both placed on rank {rank} chunk {chunk}"
                 )
             seen[(rank, chunk)] = stage
+        by_rank: dict[int, list[int]] = {}  # one pass: linear in the number of stages, at any p
+        for rank, chunk in self.locations:
+            by_rank.setdefault(rank, []).append(chunk)
         for rank in range(self.num_ranks):
-            chunks = sorted(c for (r, c) in self.locations if r == rank)
+            chunks = sorted(by_rank.get(rank, []))
             if chunks != list(range(len(chunks))):
-                raise ScheduleError(f"rank {rank} has chunks {chunks}; chunks must be numbered 0..n-1")
+                shown = chunks if len(chunks) <= 16 else [*chunks[:16], "..."]
+                raise ScheduleError(f"rank {rank} has chunks {shown}; chunks must be numbered 0..n-1")
 
     # ---- queries -------------------------------------------------------------------------
     @property

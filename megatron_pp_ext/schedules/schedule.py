@@ -133,8 +133,10 @@ class Schedule:
                 rank = int(cells[0])
             except ValueError:
                 raise ScheduleSyntaxError(
-                    f"{source}:{lineno}: first cell must be the rank number, got {cells[0]!r}"
+                    f"{source}:{lineno}: first cell must be the rank number, got {cells[0][:40]!r}"
                 ) from None
+            if rank < 0:
+                raise ScheduleSyntaxError(f"{source}:{lineno}: rank {rank} out of range: ranks are 0, 1, 2, ...")
             if rank in rows:
                 raise ScheduleSyntaxError(f"{source}:{lineno}: rank {rank} has two rows")
             try:
@@ -144,10 +146,11 @@ class Schedule:
         if not rows:
             raise ScheduleSyntaxError(f"{source}: no rank rows found")
         num_ranks = max(rows) + 1
-        missing = sorted(set(range(num_ranks)) - set(rows))
-        if missing:
-            raise ScheduleSyntaxError(f"{source}: no row for rank(s) {missing}")
-        placement = _placement_from_header(header, num_ranks, source)
+        if num_ranks > len(rows):  # a gap: name the first few missing ranks (linear in the rows, any gap)
+            shown = [r for r in range(min(num_ranks, len(rows) + 10)) if r not in rows][:10]
+            more = f" ... ({num_ranks - len(rows)} in all)" if num_ranks - len(rows) > len(shown) else ""
+            raise ScheduleSyntaxError(f"{source}: no row for rank(s) {shown}{more}")
+        placement = _placement_from_header(header, num_ranks, source, sum(len(ops) for ops in rows.values()))
         if placement.num_ranks != num_ranks:
             raise ScheduleSyntaxError(
                 f"{source}: placement has {placement.num_ranks} ranks but the file has {num_ranks} rows"
@@ -157,7 +160,8 @@ class Schedule:
             num_mb = int(header.get("microbatches", max_mb + 1))
             replicas = tuple(int(x) for x in header["replicas"].split(",")) if "replicas" in header else ()
         except ValueError as exc:
-            raise ScheduleSyntaxError(f"{source}: bad header value: {exc}") from None
+            raise ScheduleSyntaxError(f"{source}: bad header value: {str(exc)[:200]}") from None
+        _check_sizes(source, rows, num_mb, placement)
         return cls(
             placement=placement,
             num_microbatches=num_mb,
@@ -169,20 +173,63 @@ class Schedule:
     @classmethod
     def load(cls, path: str | Path) -> Schedule:
         try:
-            text = Path(path).read_text()
+            size = Path(path).stat().st_size
+            if size > MAX_FILE_BYTES:
+                raise ScheduleSyntaxError(
+                    f"schedule file {path} is {size} bytes; the limit is {MAX_FILE_BYTES} bytes "
+                    f"({MAX_FILE_BYTES >> 20} MiB)"
+                )
+            data = Path(path).read_bytes()
         except OSError as exc:
             raise ScheduleSyntaxError(f"cannot read schedule file {path}: {exc.strerror}") from None
+        try:
+            if b"\0" in data:
+                raise UnicodeDecodeError("utf-8", data, data.index(b"\0"), data.index(b"\0") + 1, "NUL byte")
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ScheduleSyntaxError(
+                f"schedule file {path} is not a text (UTF-8) schedule: binary data at byte {exc.start}"
+            ) from None
         return cls.from_csv(text, source=str(path))
 
 
-def _placement_from_header(header: dict[str, str], num_ranks: int, source: str) -> Placement:
+MAX_FILE_BYTES = 256 << 20  # a schedule of ~10 M ops; anything larger is not a schedule file
+
+
+def _check_sizes(source: str, rows: dict[int, list[Op]], num_mb: int, placement: Placement) -> None:
+    """Cheap bounds before anything is sized by the file's numbers: a valid schedule has at least one
+    op per (stage, micro-batch), so no micro-batch, micro-batch count or stage count can exceed the op
+    count (smaller out-of-range numbers, and ops on unknown stages, are left to ``validate``, which
+    says more about them and sizes nothing by them)."""
+    total = max(sum(len(ops) for ops in rows.values()), 1)
+    if not 1 <= num_mb <= total:
+        raise ScheduleSyntaxError(
+            f"{source}: microbatches={num_mb} out of range: must be 1..{total} (at most the number of ops in the file)"
+        )
+    if placement.num_stages > total:
+        raise ScheduleSyntaxError(
+            f"{source}: the placement has {placement.num_stages} stages but the file has only {total} ops"
+        )
+    for rank, ops in rows.items():
+        for op in ops:
+            if op.microbatch >= total:
+                raise ScheduleSyntaxError(
+                    f"{source} (rank {rank}): op {str(op)[:40]} out of range: the file has {total} ops, so no "
+                    f"valid schedule in it names a micro-batch >= {total}"
+                )
+
+
+def _placement_from_header(header: dict[str, str], num_ranks: int, source: str, num_ops: int) -> Placement:
     spec = header.get("placement", "loop")
     if "|" in spec:
         return Placement.from_spec(spec)
     try:
         chunks = int(header.get("chunks", "1"))
     except ValueError:
-        raise ScheduleSyntaxError(f"{source}: chunks must be an integer, got {header['chunks']!r}") from None
+        raise ScheduleSyntaxError(f"{source}: chunks must be an integer, got {header['chunks'][:40]!r}") from None
+    if not 1 <= chunks <= max(num_ops, 1):
+        limit = max(num_ops, 1)
+        raise ScheduleSyntaxError(f"{source}: chunks={chunks} out of range: must be 1..{limit} (the op count)")
     return make_placement(spec, num_ranks, chunks)
 
 

@@ -14,7 +14,7 @@ from megatron_args_helpers import make_args
 
 from megatron_pp_ext.megatron import install as inst
 from megatron_pp_ext.megatron import layout
-from megatron_pp_ext.megatron.arguments import PipelineConfig
+from megatron_pp_ext.megatron.arguments import PipelineConfig, pipeline_config_of
 
 HOLDERS = ("megatron.core.pipeline_parallel.schedules", "megatron.core.pipeline_parallel", "megatron.training.training")
 
@@ -52,7 +52,7 @@ def test_install_patches_every_holder_and_is_idempotent(clean: Any) -> None:
     assert patched[0](pp_size=2, vp_size=None) is fbf
     # idempotent: same function, same patch
     assert inst.install(args) is fbf
-    assert inst.install(args.pipeline_config) is fbf
+    assert inst.install(pipeline_config_of(args)) is fbf
     assert current(clean) == patched
     # a module importing it by name while installed is restored too
     late = types.ModuleType("megatron._megatron_pp_ext_late_import")

@@ -88,3 +88,27 @@ def test_collect_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     out = capsys.readouterr().out
     assert "1 ok, 5 not ok" in out and (logs / "results.md").exists() and (logs / "results.csv").exists()
     assert main(["collect", str(tmp_path / "nowhere")]) == 2
+
+
+def test_log_cut_mid_line_ignores_the_partial_line_and_is_not_ok(tmp_path: Path) -> None:
+    text = (DATA / f"{OK}.log").read_text()
+    last_iteration = max(i for i, line in enumerate(text.splitlines()) if "elapsed time per iteration" in line)
+    lines = text.splitlines(keepends=True)
+    head = "".join(lines[:last_iteration])
+    marker = "elapsed time per iteration (ms): "
+    cut = lines[last_iteration].index(marker) + len(marker) + 1
+    path = tmp_path / f"{OK}.log"
+    path.write_text(head + lines[last_iteration][:cut])  # "...(ms): 4" of "4012.7"
+    run = parse_log(path)
+    assert run.truncated and run.status == "incomplete"
+    full = parse_log(DATA / f"{OK}.log")
+    assert run.iterations == full.iterations[: len(run.iterations)]  # the partial line was not read
+    assert len(run.iterations) == len(full.iterations) - 1
+
+
+def test_log_without_end_of_training_line_is_not_ok(tmp_path: Path) -> None:
+    text = (DATA / f"{OK}.log").read_text()
+    assert "[after training is done]" in text
+    path = tmp_path / f"{OK}.log"
+    path.write_text("".join(line for line in text.splitlines(keepends=True) if "[after training is done]" not in line))
+    assert parse_log(path).status == "incomplete"

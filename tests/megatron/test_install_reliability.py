@@ -1,0 +1,54 @@
+"""install(): the flags of the reliability checks reach the runtime; the pre-group agreement is patched in."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from megatron_args_helpers import make_args
+
+from megatron_pp_ext.megatron import install as inst
+from megatron_pp_ext.megatron.arguments import validate_arguments
+from megatron_pp_ext.runtime import p2p
+from megatron_pp_ext.schedules import generate
+
+PS = "megatron.core.parallel_state"
+
+
+@pytest.fixture
+def clean(megatron: Any) -> Any:
+    inst.uninstall()
+    p2p.set_check_messages(False)
+    yield megatron
+    inst.uninstall()
+    p2p.set_check_messages(False)
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_check_messages_flag_reaches_p2p(clean: Any, flag: bool) -> None:
+    args = make_args(["--pipeline-schedule", "1f1b", *(["--pipeline-check-messages"] if flag else [])],
+                     pipeline_model_parallel_size=2)  # fmt: skip
+    inst.install(args)
+    assert p2p._check_messages is flag
+
+
+def test_agreement_wraps_megatrons_group_setup_and_is_undone(clean: Any) -> None:
+    original = sys.modules[PS].initialize_model_parallel
+    inst.install(make_args(["--pipeline-schedule", "1f1b"], pipeline_model_parallel_size=2))
+    assert sys.modules[PS].initialize_model_parallel is not original
+    inst.uninstall()
+    assert sys.modules[PS].initialize_model_parallel is original
+
+
+def test_config_text_tells_schedules_and_file_contents_apart(tmp_path: Path) -> None:
+    def text(argv: list[str]) -> str:
+        return inst.config_text(validate_arguments(make_args(argv, pipeline_model_parallel_size=2)))
+
+    a, b = tmp_path / "a.csv", tmp_path / "b.csv"
+    a.write_text(generate("1f1b", 2, 8).to_csv())
+    b.write_text(generate("gpipe", 2, 8).to_csv().replace("gpipe", "1f1b"))
+    assert text(["--pipeline-schedule", "1f1b"]) != text(["--pipeline-schedule", "v-half"])
+    assert text(["--pipeline-schedule-file", str(a)]) != text(["--pipeline-schedule-file", str(b)])
+    assert text(["--pipeline-schedule", "1f1b"]) == text(["--pipeline-schedule", "1F1B"])

@@ -1,0 +1,62 @@
+"""End to end: ranks of one scripts/pretrain_gpt.py job given different schedules stop at once, in one line.
+
+Rank 0 runs ``1f1b`` (one chunk per rank), rank 1 ``v-half`` (two): before the plugin's check,
+megatron's process-group set-up blocked until ``--distributed-timeout-minutes`` (10 min).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_megatron_pretrain import FLAGS, SCRIPT, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+WRAPPER = """
+import os, runpy, sys
+per_rank = {per_rank!r}
+sys.argv = [{script!r}, *sys.argv[1:], *per_rank[int(os.environ["RANK"])]]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def run_per_rank(tmp: Path, per_rank: list[list[str]], env_extra: dict[str, str] | None = None) -> tuple[int, str]:
+    wrapper = tmp / "per_rank.py"
+    wrapper.write_text(WRAPPER.format(per_rank=per_rank, script=str(SCRIPT)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    proc = subprocess.run([*cmd, str(wrapper), *FLAGS], cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.mark.gloo
+def test_different_schedules_per_rank_stop_before_megatrons_group_setup(tmp_path: Path) -> None:
+    start = time.monotonic()
+    code, log = run_per_rank(tmp_path, [["--pipeline-schedule", "1f1b"], ["--pipeline-schedule", "v-half"]])
+    elapsed = time.monotonic() - start
+    assert code != 0, log[-4000:]
+    lines = [line for line in log.splitlines() if "the ranks disagree" in line]
+    assert len(lines) == 2, log[-4000:]  # one line per rank
+    assert all("pipeline configuration" in line and "rank 0: schedule=1f1b" in line for line in lines), lines
+    assert all("rank 1: schedule=v-half" in line for line in lines), lines
+    assert not any(line.startswith("[rank") and "Traceback" in line for line in log.splitlines()), log[-4000:]
+    assert all(
+        "the ranks disagree on the pipeline configuration (--pipeline-* flags): pipeline configuration differ" in x
+        for x in lines
+    ), lines
+    assert elapsed < 200  # imports (~30 s per rank on a busy machine) and no wait: not megatron's 10-minute timeout
+
+
+@pytest.mark.gloo
+def test_bad_timeout_variable_fails_before_any_process_group(tmp_path: Path) -> None:
+    code, log = run_per_rank(tmp_path, [["--pipeline-schedule", "1f1b"]] * 2, {"MEGATRON_PP_P2P_TIMEOUT": "abc"})
+    assert code != 0
+    lines = [line for line in log.splitlines() if "error:" in line and "MEGATRON_PP_P2P_TIMEOUT" in line]
+    assert lines and all("MEGATRON_PP_P2P_TIMEOUT='abc': expected a number of seconds > 0" in x for x in lines), log
+    assert not any(line.startswith("[rank") and "Traceback" in line for line in log.splitlines()), log[-4000:]
