@@ -172,7 +172,7 @@ class ShardedAdamW:
         base.update(max_lr=config.lr, min_lr=config.min_lr, default_config=True, is_expert_parallel=False)
         self.param_groups: list[dict[str, Any]] = [
             {**base, "params": [c.main_shard for c in self.chunks], "wd_mult": 1.0},
-            {**base, "params": [], "wd_mult": 0.0},
+            {**base, "params": [], "wd_mult": 0.0, "weight_decay": 0.0},  # the lr scheduler keeps wd * wd_mult
         ]
         self._no_decay = [c.shard_mask(_no_weight_decay) for c in self.chunks]
         self._state = [(torch.zeros_like(c.main_shard), torch.zeros_like(c.main_shard)) for c in self.chunks]

@@ -141,3 +141,55 @@ def test_bfs_fsdp_pretrain_loss_falls_and_matches_ddp(tmp_path: Path) -> None:
     losses = [loss for _, loss in logged]
     assert losses[-1] < losses[0]
     assert losses == pytest.approx(DDP_LOSSES, rel=1e-5)
+
+
+# ---- the optimizer on shards (one process) -------------------------------------------------------------
+def test_sharded_adamw_steps_like_megatrons_torch_adamw(megatron, monkeypatch):
+    """Two ShardedAdamW steps = torch's AdamW over megatron's two groups (no decay for biases and 1-D
+    parameters) after megatron's clipping, on one gloo rank."""
+    import copy
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_pp_ext.megatron.fsdp_training import ShardedAdamW
+    from megatron_pp_ext.runtime.fsdp import ShardedChunk
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_group", lambda: dist.group.WORLD)
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3), torch.nn.Linear(3, 2))
+        reference = copy.deepcopy(module)
+        chunk = ShardedChunk(module, dist.group.WORLD)
+        config = SimpleNamespace(
+            lr=0.1, min_lr=0.0, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,
+            clip_grad=0.05, log_num_zeros_in_grad=False, decoupled_weight_decay=True,
+        )  # fmt: skip
+        optimizer = ShardedAdamW(config, [chunk])
+        no_decay = [p for n, p in reference.named_parameters() if n.endswith(".bias") or p.dim() == 1]
+        decay = [p for p in reference.parameters() if all(p is not q for q in no_decay)]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+        torch_adamw = torch.optim.AdamW(groups, lr=0.1, betas=(0.9, 0.999), eps=1e-8)
+        for step in range(2):
+            x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+            chunk.start_iteration()
+            chunk.unshard()
+            chunk(x).square().sum().backward()
+            chunk.reshard()
+            chunk.start_grad_reduce()
+            chunk.finish_grad_reduce()
+            _, norm, _ = optimizer.step()
+            torch_adamw.zero_grad()
+            reference(x).square().sum().backward()
+            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), config.clip_grad)
+            torch_adamw.step()
+            assert norm == pytest.approx(float(ref_norm), rel=1e-6), step
+            optimizer.zero_grad()
+        full = chunk.gather_full_params()
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(full[name], p.detach(), rtol=0, atol=1e-6, msg=name)
+    finally:
+        dist.destroy_process_group()
