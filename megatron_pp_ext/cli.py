@@ -8,11 +8,10 @@ only when asked for). Exit codes: 0 success, 1 an invalid schedule file (``valid
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .schedules import registry
@@ -67,15 +66,6 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _takes_keyword(generate: Callable[..., Schedule], name: str) -> bool:
-    try:
-        params = inspect.signature(generate).parameters
-    except (TypeError, ValueError):
-        return False
-    param = params.get(name)
-    return param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
-
-
 def generate_schedule(
     name: str,
     p: int,
@@ -86,18 +76,16 @@ def generate_schedule(
     block_file: str | None = None,
     microbatch_group_size: int | None = None,
 ) -> Schedule:
-    """Generate a registered schedule. ``costs`` goes only to cost-aware generators (those with a
-    ``costs`` parameter); ``v``, ``memory_limit``, ``block_file`` and ``microbatch_group_size`` go
-    to all, which reject what they cannot honour."""
+    """Generate a registered schedule. ``costs`` goes only to cost-aware schedules (those that
+    declare ``costs``; for the others they only time the simulation); ``v``, ``memory_limit`` and
+    ``block_file`` go to all, and the declarations refuse what a schedule cannot honour."""
     info = registry.get(name)
-    kwargs: dict[str, object] = {"v": v, "memory_limit": memory_limit}
-    if block_file is not None:
-        kwargs["block_file"] = block_file
+    kwargs: dict[str, object] = {"v": v, "memory_limit": memory_limit, "block_file": block_file}
     if microbatch_group_size is not None:
         kwargs["microbatch_group_size"] = microbatch_group_size
-    if costs is not None and _takes_keyword(info.generate, "costs"):
+    if costs is not None and info.takes("costs"):
         kwargs["costs"] = costs
-    return info.generate(p, m, **kwargs)
+    return info.build(p, m, **kwargs)
 
 
 def _add_source_args(parser: argparse.ArgumentParser, file_option: bool = True) -> None:
@@ -173,7 +161,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     for name in registry.names():
         info = registry.get(name)
         rows.append(
-            [info.name, info.placement, "yes" if info.splits_backward else "no", info.constraints, info.description]
+            [info.name, info.placement, "yes" if info.splits_backward else "no", info.requirements, info.description]
         )
     print(_fmt_table(["name", "placement", "splits-backward", "constraints", "description"], rows))
     return 0

@@ -1,6 +1,7 @@
 """Pure-Python analysis of schedules: validation (dependencies, deadlock freedom) and simulation."""
 
-from .simulate import DEFAULT_W_RETAINED_FRACTION, Costs, DataParallelResult, SimResult, simulate
+from ..schedules.costs import Costs
+from .simulate import DEFAULT_W_RETAINED_FRACTION, DataParallelResult, SimResult, simulate
 from .validate import (
     ChannelError,
     CollectiveError,

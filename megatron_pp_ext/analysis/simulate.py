@@ -37,7 +37,6 @@ in 1F1B units (divided by how many stages of one replica a rank holds), and in b
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -51,6 +50,7 @@ from ..schedules.collectives import (
     derive_collectives,
     reduces_by_scatter,
 )
+from ..schedules.costs import Costs, PerStage, check_cost, expand_cost
 from ..schedules.gc_pause import cyclic_gc_paused
 from ..schedules.ir import Op, OpKind
 from ..schedules.lowering import LoweredSchedule
@@ -67,104 +67,6 @@ __all__ = ["DEFAULT_W_RETAINED_FRACTION", "Costs", "DataParallelResult", "SimRes
 #: Realistically ``W`` keeps only the linear layers' inputs and output gradients; a user
 #: modelling that sets e.g. 0.9 (so ``B`` frees 10% of the activation).
 DEFAULT_W_RETAINED_FRACTION = 1.0
-
-Cost = float | tuple[float, ...]
-PerStage = float | Sequence[float]
-
-
-def _cost(name: str, value: object) -> Cost:
-    if isinstance(value, bool):
-        raise ValueError(f"cost {name} must be a number or a per-stage sequence of numbers, got {value!r}")
-    if isinstance(value, int | float):
-        values: tuple[float, ...] = (float(value),)
-        result: Cost = float(value)
-    elif isinstance(value, Sequence) and not isinstance(value, str):
-        try:
-            values = tuple(float(x) for x in value)
-        except (TypeError, ValueError):
-            raise ValueError(f"cost {name} must be numbers, got {value!r}") from None
-        if not values:
-            raise ValueError(f"cost {name}: per-stage sequence is empty")
-        result = values
-    else:
-        raise ValueError(f"cost {name} must be a number or a per-stage sequence of numbers, got {value!r}")
-    for x in values:
-        if not math.isfinite(x) or x < 0:
-            raise ValueError(f"cost {name} must be finite and >= 0, got {x}")
-    return result
-
-
-MAX_COST = 1e12  # per op or hop: beyond any real time, small enough that a schedule's sums stay finite
-
-
-@dataclass(frozen=True)
-class Costs:
-    """Per-op times: ``t_f``, ``t_b``, ``t_w`` (and ``t_bw``, default ``t_b + t_w``) are one
-    number for every stage or a tuple indexed by global stage; ``t_comm`` is the time of one
-    cross-rank hop (a local hand-off is free)."""
-
-    t_f: Cost = 1.0
-    t_b: Cost = 1.0
-    t_w: Cost = 1.0
-    t_bw: Cost | None = None
-    t_comm: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("t_f", "t_b", "t_w", "t_bw"):
-            value = getattr(self, name)
-            if value is not None or name != "t_bw":
-                object.__setattr__(self, name, _cost(name, value))
-        comm = _cost("t_comm", self.t_comm)
-        if isinstance(comm, tuple):
-            raise ValueError("cost t_comm must be one number (time of one cross-rank hop)")
-        object.__setattr__(self, "t_comm", comm)
-
-    @classmethod
-    def unit(cls) -> Costs:
-        """``T_F = T_B = T_W = 1``, ``T_BW = 2``, no communication cost."""
-        return cls(1.0, 1.0, 1.0, None, 0.0)
-
-    @classmethod
-    def parse(cls, text: str) -> Costs:
-        """``"F,B,W"`` or ``"F,B,W,COMM"``, e.g. ``"1,1,1,0.05"``."""
-        parts = [x.strip() for x in str(text).split(",")]
-        if len(parts) not in (3, 4):
-            raise ValueError(f"costs must be 3 or 4 comma-separated numbers F,B,W[,COMM], got {text!r}")
-        try:
-            numbers = [float(x) for x in parts]
-        except ValueError:
-            raise ValueError(f"costs must be 3 or 4 comma-separated numbers F,B,W[,COMM], got {text!r}") from None
-        if any(not (0 <= x <= MAX_COST) for x in numbers):  # finite and bounded: 1e308 overflowed sums to inf
-            raise ValueError(f"costs F,B,W[,COMM] must be finite numbers in [0, {MAX_COST:g}], got {text!r}")
-        f, b, w = numbers[:3]
-        return cls(f, b, w, None, numbers[3] if len(numbers) == 4 else 0.0)
-
-    def per_stage(self, num_stages: int) -> tuple[list[float], list[float], list[float], list[float]]:
-        """``(t_f, t_b, t_w, t_bw)`` expanded to one value per global stage."""
-        t_f = _expand("t_f", self.t_f, num_stages)
-        t_b = _expand("t_b", self.t_b, num_stages)
-        t_w = _expand("t_w", self.t_w, num_stages)
-        t_bw = (
-            [b + w for b, w in zip(t_b, t_w, strict=True)]
-            if self.t_bw is None
-            else _expand("t_bw", self.t_bw, num_stages)
-        )
-        return t_f, t_b, t_w, t_bw
-
-    def __str__(self) -> str:
-        def fmt(x: Cost | None) -> str:
-            return "B+W" if x is None else (f"{x:g}" if isinstance(x, float) else "per-stage")
-
-        return f"F={fmt(self.t_f)} B={fmt(self.t_b)} W={fmt(self.t_w)} BW={fmt(self.t_bw)} comm={fmt(self.t_comm)}"
-
-
-def _expand(name: str, value: PerStage, num_stages: int) -> list[float]:
-    if isinstance(value, int | float):
-        return [float(value)] * num_stages
-    values = [float(x) for x in value]
-    if len(values) != num_stages:
-        raise ValueError(f"{name} lists {len(values)} per-stage values, the schedule has {num_stages} stages")
-    return values
 
 
 @dataclass
@@ -373,7 +275,7 @@ def _dp_setup(
         raise ValueError(f"dp_bandwidth must be a finite number > 0 (bytes per time unit), got {bandwidth!r}")
     sizes = [0.0] * schedule.num_stages
     if param_bytes is not None:
-        sizes = _expand("param_bytes", _cost("param_bytes", param_bytes), schedule.num_stages)
+        sizes = expand_cost("param_bytes", check_cost("param_bytes", param_bytes), schedule.num_stages)
     plan = derive_collectives(schedule, policy)
     check_collectives(plan)
     return _DPSetup(plan, dp, 1.0 if bandwidth is None else float(bandwidth), sizes)
@@ -409,7 +311,7 @@ def _simulate(
     per_rank_stages = schedule.placement.stages_per_rank_per_replica
     peak_bytes = None
     if activation_bytes is not None:
-        sizes = _expand("activation_bytes", activation_bytes, num_stages)
+        sizes = expand_cost("activation_bytes", activation_bytes, num_stages)
         peak_bytes = _memory_and_busy(schedule, sizes, w_retained_fraction, None)[0]
     plan = lowered.plan
     if plan is not None:
@@ -420,7 +322,7 @@ def _simulate(
         boundaries = (min(msg.src_stage, msg.dst_stage) for msg in lowered.messages)
     volume: float = float(messages)
     if message_bytes is not None:
-        sizes = _expand("message_bytes", message_bytes, num_stages)
+        sizes = expand_cost("message_bytes", message_bytes, num_stages)
         volume = sum(map(sizes.__getitem__, boundaries))
     return SimResult(
         schedule=schedule.name,

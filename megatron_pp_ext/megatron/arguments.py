@@ -59,7 +59,6 @@ used) or keep megatron's default p2p overlap setting.
 from __future__ import annotations
 
 import argparse
-import inspect
 import math
 import re
 import sys
@@ -361,16 +360,15 @@ class PipelineConfig:
     def generator_kwargs(self, p: int) -> dict[str, object]:
         assert self.schedule is not None
         info = registry.get(self.schedule)
-        params = _named_parameters(info.generate)
         kwargs: dict[str, object] = {}
-        if self.num_virtual_stages is not None and "v" in params:
+        if self.num_virtual_stages is not None:  # every schedule takes v; the declarations refuse a wrong one
             kwargs["v"] = self.num_virtual_stages
-        if self.microbatch_group_size is not None and "microbatch_group_size" in params:
+        if self.microbatch_group_size is not None and info.takes("microbatch_group_size"):
             kwargs["microbatch_group_size"] = self.microbatch_group_size
         if self.memory_limit is not None:
             limit = self.memory_limit
             kwargs["memory_limit"] = limit.resolve(p) if isinstance(limit, MemoryLimit) else limit
-        if self.costs is not None and "costs" in params:
+        if self.costs is not None and info.takes("costs"):
             kwargs["costs"] = as_costs(self.costs)
         if self.block_file is not None:  # a schedule without blocks rejects it, naming block_file
             kwargs["block_file"] = self.block_file
@@ -378,7 +376,7 @@ class PipelineConfig:
 
     @property
     def cost_aware(self) -> bool:
-        return bool(self.schedule) and "costs" in _named_parameters(registry.get(self.schedule).generate)
+        return bool(self.schedule) and registry.get(self.schedule).takes("costs")
 
     @property
     def replan_iterations(self) -> int:
@@ -426,14 +424,6 @@ def as_costs(costs: Any) -> Any:
         return costs
     f, b, w, comm = (*tuple(costs), 0.0)[:4]
     return Costs(t_f=f, t_b=b, t_w=w, t_comm=comm)
-
-
-def _named_parameters(func: Any) -> set[str]:
-    try:
-        params = inspect.signature(func).parameters.values()
-    except (TypeError, ValueError):  # pragma: no cover
-        return set()
-    return {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
 
 
 def check_schedule(schedule: Schedule) -> None:
@@ -648,7 +638,7 @@ def _schedule_error(
         if key != "v":
             shown = f"{value:g}" if isinstance(value, float) else str(value)
             context += f", {key}={shown} ({flags.get(key, key)})"
-    constraints = registry.get(config.schedule).constraints
+    constraints = registry.get(config.schedule).requirements
     return PipelineArgumentError(
         flag,
         f"pipeline schedule '{config.schedule}' cannot run with {context}: {message} "

@@ -26,7 +26,41 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-__all__ = ["PRESETS", "ModelSpec", "get_model", "model_names", "models_table"]
+__all__ = ["PRESETS", "ModelSpec", "ParameterCounts", "get_model", "model_names", "models_table", "parameter_counts"]
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """Parameters of one transformer layer and of the embedding / head pieces, per TP rank
+    where Megatron shards them (``layer_sharded`` / ``word_embedding``) and replicated."""
+
+    layer_sharded: float  # per TP rank
+    layer_replicated: float  # norms (and, with TP, the row-parallel biases)
+    word_embedding: float  # per TP rank (vocabulary padded for this TP size)
+    position_embedding: float  # learned absolute positions, not sharded
+    final_norm: float
+
+    @property
+    def layer(self) -> float:
+        """Parameters of one layer held by one TP rank."""
+        return self.layer_sharded + self.layer_replicated
+
+
+def parameter_counts(model: ModelSpec, tensor_parallel: int = 1) -> ParameterCounts:
+    t = int(tensor_parallel)
+    h, q, kv, f = model.hidden_size, model.q_size, model.kv_size, model.ffn
+    norm = 2 if model.normalization == "LayerNorm" else 1
+    up = 2 * f if model.swiglu else f
+    weights = h * (q + 2 * kv) + q * h + h * up + f * h
+    col_bias = (q + 2 * kv) + up if model.add_bias_linear else 0  # column-parallel: sharded
+    row_bias = 2 * h if model.add_bias_linear else 0  # row-parallel outputs: replicated
+    return ParameterCounts(
+        layer_sharded=(weights + col_bias) / t,
+        layer_replicated=2 * norm * h + row_bias,
+        word_embedding=model.padded_vocab_size(t) * h / t,
+        position_embedding=model.max_positions * h if model.position_embedding_type == "learned_absolute" else 0,
+        final_norm=norm * h,
+    )
 
 
 @dataclass(frozen=True)
@@ -109,8 +143,6 @@ class ModelSpec:
 
     def num_parameters(self, tensor_parallel: int = 1) -> int:
         """Total parameters (one copy of every weight; tied embeddings counted once)."""
-        from .memory import parameter_counts
-
         counts = parameter_counts(self, tensor_parallel)
         total = self.num_layers * counts.layer + counts.word_embedding + counts.position_embedding + counts.final_norm
         if self.untie_embeddings_and_output_weights:

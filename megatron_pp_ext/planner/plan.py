@@ -35,7 +35,7 @@ import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
@@ -248,15 +248,6 @@ class Progress:
             self.stream.flush()
 
 
-def _takes(generate: Callable[..., Schedule], name: str) -> bool:
-    try:
-        params = inspect.signature(generate).parameters
-    except (TypeError, ValueError):
-        return False
-    param = params.get(name)
-    return param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
-
-
 def _round_sig(x: float, digits: int = 3) -> float:
     if x == 0 or not math.isfinite(x):
         return x
@@ -441,7 +432,7 @@ class Planner:
                 kwargs["costs"] = Costs(costs_key[0], costs_key[1], costs_key[2], None, costs_key[3])
             started = time.perf_counter()
             try:
-                schedule = info.generate(p, m, **kwargs)
+                schedule = info.build(p, m, **kwargs)
             except (ScheduleError, ValueError, TypeError) as exc:  # a generator's own argument checks
                 error = _first_line(exc)
             if self.disk_cache is not None and time.perf_counter() - started > DISK_CACHE_MIN_SECONDS:
@@ -568,7 +559,7 @@ class Planner:
                 f"{self.model.num_layers} layers do not split over the stages of a {info.placement} placement "
                 f"on {p} ranks ({stages}{'' if info.placement != 'loop' else ' x chunks'})"
             ]
-        costs_key = self._generator_costs(t, p, d, b) if _takes(info.generate, "costs") else None
+        costs_key = self._generator_costs(t, p, d, b) if info.takes("costs") else None
         anchors = self._anchors(p, m)
 
         def build_all(v: int | None) -> list[tuple[int, _Built, tuple[Any, ...]]] | str:
@@ -588,9 +579,12 @@ class Planner:
         default_chunks = first.chunks_per_rank
         options: list[tuple[int | None, list[tuple[int, _Built, tuple[Any, ...]]]]] = [(None, base)]
         if first.placement.style == "loop":
+            declared = info.capabilities
             for v in self.space.virtual:
                 if v == default_chunks or (feasible is not None and v not in feasible):
                     continue
+                if declared is not None and not declared.chunks.accepts(v):
+                    continue  # the schedule declares it does not run v chunks
                 builds = build_all(v)
                 if not isinstance(builds, str):
                     options.append((v, builds))

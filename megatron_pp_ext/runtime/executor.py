@@ -473,6 +473,8 @@ class _Run:
         self.tracer.collective(collective)
         kind = collective.kind
         if kind == CollectiveKind.REDUCE_GRADS:
+            if self.replica_sync is not None:  # derived after the chunk's replica sync: let that finish
+                self.replica_sync.finish_chunk(chunk)
             self.grad_sync.reduce(chunk)
         elif kind == CollectiveKind.PARAM_SYNC:
             assert self.param_sync_func is not None

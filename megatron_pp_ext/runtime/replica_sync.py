@@ -113,15 +113,19 @@ class ReplicaSync:
     def __init__(self, models: list[Any], group: Any) -> None:
         self.models = models
         self.group = group
-        self.pending: list[Any] = []
+        self.pending: dict[int, list[Any]] = {}
 
     def launch(self, chunk: int) -> None:
-        self.pending += sync_chunk(self.models[chunk], self.group, async_op=True)
+        self.pending[chunk] = sync_chunk(self.models[chunk], self.group, async_op=True)
+
+    def finish_chunk(self, chunk: int) -> None:
+        """Wait for one chunk's sync (before another collective writes the same gradients)."""
+        for work in self.pending.pop(chunk, ()):
+            work.wait()
 
     def finish(self) -> None:
-        for work in self.pending:
-            work.wait()
-        self.pending = []
+        for chunk in list(self.pending):
+            self.finish_chunk(chunk)
 
 
 class ReplicaSyncer:

@@ -302,6 +302,9 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
     if tracer is not None:
         result["trace"] = tracer.summary()
     if replica_group is not None:  # final weights, to check that the two copies stayed identical
+        if spec.distributed_optimizer:  # the last step's gathers are overlapped with a next forward: do them
+            for c in chunks:
+                c.start_param_sync(force_sync=True)
         result["weights"] = {
             f"{tiny_gpt.global_name(name, layout, spec.model.tied_embeddings)}#tp{tp_rank}#stage{layout.stage}": (
                 p.detach().clone()

@@ -1,5 +1,7 @@
 """Pure-Python schedule IR and generators (no torch)."""
 
+from .capabilities import Capabilities, ScheduleParameterError
+from .costs import Costs, StageCosts, stage_costs
 from .ir import BW, B, F, Op, OpKind, ScheduleError, ScheduleSyntaxError, W
 from .lowering import Compute, Exchange, LoweredSchedule, Message, lower
 from .placement import Placement, bidirectional_placement, loop_placement, make_placement, v_placement
@@ -9,7 +11,9 @@ from .schedule import Schedule, build_schedule
 __all__ = [
     "BW",
     "B",
+    "Capabilities",
     "Compute",
+    "Costs",
     "Exchange",
     "F",
     "LoweredSchedule",
@@ -20,7 +24,9 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "ScheduleInfo",
+    "ScheduleParameterError",
     "ScheduleSyntaxError",
+    "StageCosts",
     "UnknownScheduleError",
     "W",
     "bidirectional_placement",
@@ -32,5 +38,6 @@ __all__ = [
     "make_placement",
     "names",
     "register",
+    "stage_costs",
     "v_placement",
 ]

@@ -26,7 +26,9 @@ Kinds:
 * ``replica-sync`` (bidirectional placements): all-reduce a chunk's gradients with the other
   replica's copy of the same model slice, on the rank that holds it. Both ranks of a pair must
   issue their syncs in the same order; the pass orders them by the pair's lower rank and places
-  each no earlier than the chunk's last gradient-producing op on either side of it.
+  each no earlier than the chunk's last gradient-producing op on either side of it. With data
+  parallelism too, a chunk's ``reduce-grads`` follows its ``replica-sync`` (both write the same
+  gradients; sums commute, so the order is free, but they must not overlap).
 
 A collective's ``stage`` names the chunk by its global stage (the rank's chunk is
 ``placement.chunk_of(stage)``).
@@ -136,6 +138,12 @@ def derive_collectives(schedule: Schedule, policy: CollectivePolicy | None = Non
     if policy.replica_sync:
         for rank, items in enumerate(_replica_syncs(schedule)):
             per_rank[rank] += items
+            if policy.reduce_grads:  # both write the same gradients: the replica sum first, then data parallel
+                synced = {c.stage: gap for gap, _, c in items}
+                per_rank[rank] = [
+                    (max(gap, synced[c.stage]), 3, c) if c.kind == CollectiveKind.REDUCE_GRADS else (gap, tie, c)
+                    for gap, tie, c in per_rank[rank]
+                ]
     # Within a gap: reshards and reductions of finished chunks first, then gathers for what comes.
     at = tuple(tuple((gap, c) for gap, _, c in sorted(items, key=lambda x: (x[0], x[1]))) for items in per_rank)
     return CollectivePlan(schedule, policy, at)

@@ -1,10 +1,17 @@
-"""Schedules registered by name; lookup is case-insensitive."""
+"""Schedules registered by name; lookup is case-insensitive.
+
+A schedule registers a :class:`ScheduleInfo`: its generator, placement, whether it splits the
+backward, and its :class:`~.capabilities.Capabilities` (what parameters it takes, as data).
+:func:`generate` checks a request against those declarations (:func:`~.capabilities.check_request`)
+before the generator runs, so generators do not repeat the common checks.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .capabilities import Capabilities, check_request
 from .gc_pause import cyclic_gc_paused
 from .ir import ScheduleError
 from .schedule import Schedule
@@ -18,6 +25,10 @@ class UnknownScheduleError(ScheduleError):
 
 @dataclass(frozen=True)
 class ScheduleInfo:
+    """A registered schedule. ``constraints``: rules beyond the declared parameters, in words.
+    ``capabilities``: the declared parameters (``None``: undeclared, the generator gets every
+    keyword and checks them itself, as before declarations existed)."""
+
     name: str
     generate: Generator
     placement: str  # loop | v | bidirectional
@@ -25,6 +36,34 @@ class ScheduleInfo:
     constraints: str
     description: str
     family: str = "baseline"
+    capabilities: Capabilities | None = None
+
+    def takes(self, keyword: str) -> bool:
+        """Whether the generator reads ``keyword`` (``costs``, ``memory_limit``, ``block_file``, ``v``
+        when it chooses the chunks, or one of its further keywords)."""
+        if self.capabilities is None:
+            return keyword in ("v", "memory_limit", "block_file")
+        return self.capabilities.takes(keyword)
+
+    @property
+    def requirements(self) -> str:
+        """Declared parameters and the further rules, in one line."""
+        if self.capabilities is None:
+            return self.constraints
+        declared = self.capabilities.describe()
+        return f"{declared}; {self.constraints}" if self.constraints else declared
+
+    def check(self, p: object, m: object, **kwargs: object) -> dict[str, object]:
+        """Check a request against the declarations; the keyword arguments the generator takes."""
+        if self.capabilities is None:
+            return dict(kwargs)
+        return check_request(self.name, self.capabilities, p, m, kwargs)
+
+    def build(self, p: int, m: int, **kwargs: object) -> Schedule:
+        """Check the request, then generate."""
+        checked = self.check(p, m, **kwargs)
+        with cyclic_gc_paused():
+            return self.generate(p, m, **checked)
 
 
 _REGISTRY: dict[str, ScheduleInfo] = {}
@@ -54,6 +93,4 @@ def get(name: str) -> ScheduleInfo:
 
 def generate(name: str, p: int, m: int, **kwargs: object) -> Schedule:
     """Build schedule ``name`` for ``p`` ranks and ``m`` micro-batches."""
-    info = get(name)
-    with cyclic_gc_paused():
-        return info.generate(p, m, **kwargs)
+    return get(name).build(p, m, **kwargs)

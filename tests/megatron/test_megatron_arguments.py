@@ -97,7 +97,7 @@ def test_fewer_microbatches_than_ranks() -> None:
     text = str(err)
     assert text.startswith("argument --global-batch-size: pipeline schedule 'interleaved-1f1b'")
     assert "m=2" in text and "p=4" in text and "m must be >= p" in text
-    assert "valid for interleaved-1f1b: " + registry.get("interleaved-1f1b").constraints in text
+    assert "valid for interleaved-1f1b: " + registry.get("interleaved-1f1b").requirements in text
 
 
 def test_microbatch_count_uses_data_parallel_size() -> None:

@@ -27,6 +27,8 @@ CASES = [
     ("bfs", 2, 4, 2, False),
     ("bfs", 2, 4, 2, True),
     ("bfs-zb", 2, 4, 2, True),
+    ("bitpipe", 2, 4, None, False),  # replica sync, then the data-parallel reduction, per chunk
+    ("bitpipe", 2, 4, None, True),
 ]
 
 
@@ -43,6 +45,9 @@ def test_data_parallel_matches_reference(pool, name, p, m, v, dist_opt):
     for rank, launches in enumerate(report.collectives):
         reductions = [x for x in launches if x.startswith("reduce-grads")]
         assert len(reductions) == chunks, (rank, launches)  # each chunk reduced once
+        if schedule.placement.num_replicas == 2:  # each chunk's replica sum precedes its DP reduction
+            syncs = [x.split()[0].replace("replica-sync", "reduce-grads") for x in launches if "replica-sync" in x]
+            assert syncs == [x.split()[0] for x in reductions], launches
         if dist_opt:
             assert sum(x.startswith("param-sync") for x in launches) == chunks, (rank, launches)
 

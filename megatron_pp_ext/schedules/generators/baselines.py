@@ -1,46 +1,36 @@
 """Baselines: GPipe, 1F1B (PipeDream-flush, Megatron's default) and interleaved 1F1B.
 
-Generator convention (every family follows it): ``generate(p, m, **kwargs)``. A generator
-accepts the keyword parameters it understands; any other keyword must be ``None`` (the
-caller's "not given"), otherwise the generator raises :class:`ScheduleParameterError`
-naming the parameter, so that e.g. ``v=3`` for ``1f1b`` or a memory limit for a schedule
-whose memory is fixed is never silently ignored.
+Generator convention (every family follows it): ``generate(p, m, **kwargs)`` receives only the
+parameters its :class:`~..capabilities.Capabilities` declare, already checked by
+:func:`~..registry.generate` (``p``, ``m``, ``v`` in range, memory limit, no unknown keyword);
+it checks only the rules its declaration cannot state (here: megatron-core's group-size rules).
 """
 
 from __future__ import annotations
 
+from ..capabilities import Capabilities, Chunks
 from ..ir import BW, F, Op, OpKind, ops_of
 from ..placement import loop_placement
 from ..registry import ScheduleInfo, register
 from ..schedule import Schedule, build_schedule
-from .common import ScheduleParameterError, check_int, reject_unsupported
+from .common import ScheduleParameterError, check_int
+
+#: One chunk per rank (loop placement): what GPipe and 1F1B take.
+ONE_CHUNK = Capabilities(
+    chunks=Chunks(
+        refusal="{name} runs one chunk per rank: v must be 1 (or not given), got {v!r}; use interleaved-1f1b for v >= 2"
+    )
+)
 
 
-def _check_single_chunk(schedule: str, v: object) -> None:
-    if v is None:
-        return
-    check_int("v", v, 1)
-    if v != 1:
-        hint = "; use interleaved-1f1b for v >= 2"
-        raise ScheduleParameterError(f"{schedule} runs one chunk per rank: v must be 1 (or not given), got {v!r}{hint}")
-
-
-def gpipe(p: int, m: int, *, v: int | None = None, **unused: object) -> Schedule:
+def gpipe(p: int, m: int) -> Schedule:
     """All forwards, then all backwards (GPipe)."""
-    check_int("p", p, 1)
-    check_int("m", m, 1)
-    _check_single_chunk("gpipe", v)
-    reject_unsupported("gpipe", unused)
     ops = [[F(r, i) for i in range(m)] + [BW(r, i) for i in range(m)] for r in range(p)]
     return build_schedule("gpipe", loop_placement(p), m, ops)
 
 
-def one_f_one_b(p: int, m: int, *, v: int | None = None, **unused: object) -> Schedule:
+def one_f_one_b(p: int, m: int) -> Schedule:
     """Rank r: ``p-r-1`` warm-up forwards, then (F, BW) pairs, then the remaining BW."""
-    check_int("p", p, 1)
-    check_int("m", m, 1)
-    _check_single_chunk("1f1b", v)
-    reject_unsupported("1f1b", unused)
     ops = []
     for r in range(p):
         warmup = min(p - r - 1, m)
@@ -54,8 +44,18 @@ def one_f_one_b(p: int, m: int, *, v: int | None = None, **unused: object) -> Sc
 
 # ---- interleaved 1F1B (megatron-core's forward_backward_pipelining_with_interleaving) -------------
 INTERLEAVED_CONSTRAINTS = (
-    "p >= 2, v >= 2, p <= microbatch_group_size (default p) <= m, "
-    "m % microbatch_group_size == 0 or >= p (megatron-core 0.19.2)"
+    "p <= microbatch_group_size (default p) <= m, m % microbatch_group_size == 0 or >= p (megatron-core 0.19.2)"
+)
+INTERLEAVED = Capabilities(
+    chunks=Chunks(
+        low=2,
+        high=None,
+        default=2,
+        refusal="{name} needs v >= 2 virtual stages per rank, got v={v}; for v=1 use '1f1b'",
+    ),
+    keywords=("microbatch_group_size",),
+    min_p=2,
+    too_few_ranks="{name} needs p >= 2 pipeline ranks (megatron-core), got p={p}",
 )
 
 
@@ -79,17 +79,9 @@ def interleaved_warmup(p: int, rank: int, m: int, v: int, group: int) -> int:
     return min((p - rank - 1) * 2 + (v - 1) * group, m * v)
 
 
-def _check_interleaved(p: int, m: int, v: int, group: int) -> None:
-    check_int("p", p, 1)
-    check_int("m", m, 1)
-    check_int("v", v, 1)
+def _check_group(p: int, m: int, group: int) -> None:
+    """megatron-core's rules for the micro-batch group size (p, m and v are checked by the registry)."""
     check_int("microbatch_group_size", group, 1)
-    if p < 2:
-        raise ScheduleParameterError("interleaved-1f1b needs p >= 2 pipeline ranks (megatron-core), got p=1")
-    if v < 2:
-        raise ScheduleParameterError(
-            f"interleaved-1f1b needs v >= 2 virtual stages per rank, got v={v}; for v=1 use '1f1b'"
-        )
     if not p <= group <= m:
         raise ScheduleParameterError(
             f"interleaved-1f1b needs p <= microbatch_group_size <= m (megatron-core), got "
@@ -103,19 +95,15 @@ def _check_interleaved(p: int, m: int, v: int, group: int) -> None:
         )
 
 
-def interleaved_1f1b(
-    p: int, m: int, v: int | None = 2, microbatch_group_size: int | None = None, **unused: object
-) -> Schedule:
+def interleaved_1f1b(p: int, m: int, v: int = 2, microbatch_group_size: int | None = None) -> Schedule:
     """Megatron-core's interleaved 1F1B: loop placement, chunk ``c`` of rank ``r`` is stage ``c*p + r``.
 
     Rank ``r`` runs ``w = min(2(p-r-1) + (v-1)g, m v)`` warm-up forwards (``g`` the
     micro-batch group size, default ``p``), then alternates forward ``w+k`` and backward ``k``,
     then the remaining backwards, with virtual ids mapped by :func:`interleaved_order`.
     """
-    v = 2 if v is None else v
     group = p if microbatch_group_size is None else microbatch_group_size
-    _check_interleaved(p, m, v, group)
-    reject_unsupported("interleaved-1f1b", unused)
+    _check_group(p, m, group)
     order = interleaved_order(m, v, group)
     total = m * v
     microbatches = [mb for mb, _ in order]
@@ -133,9 +121,13 @@ def interleaved_1f1b(
     return build_schedule("interleaved-1f1b", loop_placement(p, v), m, ops, v=v, microbatch_group_size=group)
 
 
-register(ScheduleInfo("gpipe", gpipe, "loop", False, "p >= 1, m >= 1", "all forwards then all backwards (GPipe)"))
 register(
-    ScheduleInfo("1f1b", one_f_one_b, "loop", False, "p >= 1, m >= 1", "one-forward-one-backward (Megatron default)")
+    ScheduleInfo("gpipe", gpipe, "loop", False, "", "all forwards then all backwards (GPipe)", capabilities=ONE_CHUNK)
+)
+register(
+    ScheduleInfo(
+        "1f1b", one_f_one_b, "loop", False, "", "one-forward-one-backward (Megatron default)", capabilities=ONE_CHUNK
+    )
 )
 register(
     ScheduleInfo(
@@ -145,5 +137,6 @@ register(
         False,
         INTERLEAVED_CONSTRAINTS,
         "Megatron's interleaved 1F1B: v chunks per rank, micro-batches in groups of microbatch_group_size",
+        capabilities=INTERLEAVED,
     )
 )

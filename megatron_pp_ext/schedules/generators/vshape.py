@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..capabilities import Capabilities, Chunks
 from ..registry import ScheduleInfo, register
 from ..schedule import Schedule
 from .building_block import (
@@ -35,68 +36,48 @@ from .building_block import (
     v_half_block,
     v_min_block,
 )
-from .common import ScheduleParameterError, check_int, reject_unsupported
+from .common import ScheduleParameterError
 
-__all__ = ["V_CONSTRAINTS", "check_v_parameters", "v_block", "v_half", "v_min"]
+__all__ = ["V_CHUNKS", "V_RANKS", "v_block", "v_capabilities", "v_half", "v_min"]
 
 
-def check_v_parameters(schedule: str, p: object, m: object, v: object) -> None:
-    """p >= 2 ranks, m >= 1 micro-batches, and v (if given) 2: what every V schedule needs."""
-    check_int("p", p, 1)
-    check_int("m", m, 1)
-    if p == 1:  # type: ignore[comparison-overlap]
-        raise ScheduleParameterError(
-            f"{schedule} needs p >= 2 ranks (the V placement puts stages r and 2p-1-r on rank r), got p=1; "
-            "with one rank use 1f1b"
+#: Two chunks per rank on the V placement, at least two ranks: what every V schedule takes.
+V_CHUNKS = Chunks(
+    low=2,
+    high=2,
+    default=2,
+    refusal="{name} runs on the V placement with 2 chunks per rank: v must be 2 (or not given), got v={v}",
+)
+V_RANKS = (
+    "{name} needs p >= 2 ranks (the V placement puts stages r and 2p-1-r on rank r), got p={p}; with one rank use 1f1b"
+)
+
+
+def v_capabilities(peak: str | None = None, **more: object) -> Capabilities:
+    """A V schedule's declaration: ``peak`` names its fixed memory (None: it takes a memory limit)."""
+    fixed = None
+    if peak is not None:
+        fixed = (
+            "{name} has a fixed activation memory (" + peak + " M_a); it does not take memory_limit "
+            "(got {limit!r}); use v-zb for a schedule within a given limit"
         )
-    if v is not None:
-        check_int("v", v, 1)
-        if v != 2:
-            raise ScheduleParameterError(
-                f"{schedule} runs on the V placement with 2 chunks per rank: v must be 2 (or not given), got v={v}"
-            )
-
-
-def _no_memory_limit(schedule: str, memory_limit: object, peak: str) -> None:
-    if memory_limit is not None:
-        raise ScheduleParameterError(
-            f"{schedule} has a fixed activation memory ({peak} M_a); it does not take memory_limit "
-            f"(got {memory_limit!r}); use v-zb for a schedule within a given limit"
-        )
+    return Capabilities(chunks=V_CHUNKS, min_p=2, too_few_ranks=V_RANKS, fixed_memory=fixed, **more)  # type: ignore[arg-type]
 
 
 # ---- building-block schedules ---------------------------------------------------------------
-def v_min(p: int, m: int, *, v: int | None = None, memory_limit: object = None, **unused: object) -> Schedule:
+def v_min(p: int, m: int) -> Schedule:
     """V-Min: the building block with about 1/3 of 1F1B's activation memory."""
-    check_v_parameters("v-min", p, m, v)
-    _no_memory_limit("v-min", memory_limit, "(p+4)//3")
-    reject_unsupported("v-min", unused)
     return generate_from_block(v_min_block(p), p, m, name="v-min")
 
 
-def v_half(p: int, m: int, *, v: int | None = None, memory_limit: object = None, **unused: object) -> Schedule:
+def v_half(p: int, m: int) -> Schedule:
     """V-Half: the building block with about 1/2 of 1F1B's activation memory."""
-    check_v_parameters("v-half", p, m, v)
-    _no_memory_limit("v-half", memory_limit, "(p+2)//2")
-    reject_unsupported("v-half", unused)
     return generate_from_block(v_half_block(p), p, m, name="v-half")
 
 
-def v_block(
-    p: int,
-    m: int,
-    *,
-    block_file: str | Path | None = None,
-    block: object = None,
-    v: int | None = None,
-    memory_limit: object = None,
-    **unused: object,
-) -> Schedule:
+def v_block(p: int, m: int, *, block_file: str | Path | None = None, block: object = None) -> Schedule:
     """A schedule from a user's building block: ``block_file`` (JSON) or ``block`` (a
     :class:`BuildingBlock`, a dict in the JSON format, or ``"v-min"`` / ``"v-half"``)."""
-    check_v_parameters("v-block", p, m, v)
-    _no_memory_limit("v-block", memory_limit, "the block's")
-    reject_unsupported("v-block", unused)
     if block_file is not None and block is not None:
         raise ScheduleParameterError("v-block takes block_file or block, not both")
     if block_file is not None:
@@ -126,17 +107,16 @@ def v_block(
     return schedule
 
 
-# ---- V-ZB: greedy list scheduling on the V placement ----------------------------------------
-V_CONSTRAINTS = "p >= 2, m >= 1, v = 2 (V placement)"
 register(
     ScheduleInfo(
         "v-min",
         v_min,
         "v",
         True,
-        V_CONSTRAINTS,
+        "",
         "V-Min building block: ~1/3 of 1F1B's activation memory ((p+4)//3 M_a), bubble ~2/3 of 1F1B's",
         family="v-shape",
+        capabilities=v_capabilities("(p+4)//3"),
     )
 )
 register(
@@ -145,9 +125,10 @@ register(
         v_half,
         "v",
         True,
-        V_CONSTRAINTS,
+        "",
         "V-Half building block: ~1/2 of 1F1B's activation memory ((p+2)//2 M_a), bubble ~1/2 of 1F1B's",
         family="v-shape",
+        capabilities=v_capabilities("(p+2)//2"),
     )
 )
 register(
@@ -156,8 +137,9 @@ register(
         v_block,
         "v",
         True,
-        V_CONSTRAINTS + ", block_file=<JSON building block> (default: the V-Half block)",
+        "without block_file (a JSON building block) or block: the V-Half block",
         "a user's building block (JSON: per-rank offsets of F f B b [W w] + interval), repeated and squeezed",
         family="v-shape",
+        capabilities=v_capabilities("the block's", block_file=True, keywords=("block",)),
     )
 )

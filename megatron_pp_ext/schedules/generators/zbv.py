@@ -5,10 +5,10 @@ on the V placement (see :mod:`.vshape`), within a memory limit.
 default ``p``, 1F1B's peak) on a rank. It times the passes with the given costs (``t_f``,
 ``t_b``, ``t_w``: a number or one per stage; ``t_comm`` per hop; read from any object that has
 them, e.g. ``analysis.simulate.Costs``; unit costs by default) and tries the schedules of
-:data:`POLICIES`, keeping the one whose *lowered* program
-(:func:`~megatron_pp_ext.schedules.lowering.lower`) runs fastest: a V schedule sends messages
-both ways between neighbours, and when two cross, the lowering's batched, rendezvous-style
-exchanges can make a rank receive early and wait. First, ZB-V built round by round as the
+:data:`POLICIES`, keeping the one that runs fastest as the executor runs it (the simulator's
+async model, in which the lowering's batched exchanges make no rank wait beyond its own inputs;
+the ``ordered`` greedy policies also keep messages in one order for the blocking model).
+First, ZB-V built round by round as the
 zero-bubble authors' generator builds it (:class:`_Rounds`): a fixed warm-up of forwards, then
 rounds of one backward and one forward per rank with deferred ``W`` passes where the memory
 needs them or a wait leaves room, rebuilt with each rank's idle time from the previous build as
@@ -21,66 +21,58 @@ fixed-priority list schedules. ``params["ideal_bubble_rate"]`` is the bubble whe
 starts as soon as its input exists, ``params["predicted_bubble_rate"]`` the one the lowered
 program gives (what the simulator and the runtime see).
 
-The generators only know the schedule IR; timing for ``v-zb`` is computed here with the shared
-timing core (:mod:`..timing`), and tests cross-check it against ``analysis.simulate``.
+The constructions run on the list-scheduling engine (:mod:`..engine`: op encoding, the simulator's
+async clock, memory); this module keeps their decisions, and times every candidate with the engine's
+:func:`~..engine.replay` (tests cross-check it against ``analysis.simulate``).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
-from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..ir import B, F, Op, OpKind, W
-from ..lowering import lower
+from ..capabilities import MemoryLimit, check_request
+from ..engine import Engine, Timing, backward, forward, replay
+from ..ir import Op, OpKind
 from ..placement import v_placement
 from ..registry import ScheduleInfo, register
 from ..schedule import Schedule, build_schedule
-from ..timing import op_start_times
-from .common import ScheduleParameterError, StageCosts, check_int, reject_unsupported, stage_costs
-from .vshape import V_CONSTRAINTS, check_v_parameters
+from .common import ScheduleParameterError, StageCosts, check_int, stage_costs
+from .vshape import v_capabilities
 
 __all__ = ["POLICIES", "Policy", "VZBTiming", "v_zb", "v_zb_order"]
+
+
+V_ZB = v_capabilities(
+    memory_limit=MemoryLimit(
+        "M_a",
+        "1F1B-stage activations (M_a)",
+        1,
+        why="a rank holds both V-stage activations of a micro-batch, M_a/2 each, from its forwards to its weight "
+        "passes",
+    ),
+    costs=True,
+)
 
 
 def _v_memory_limit(limit: object, p: int) -> int:
     """``memory_limit`` (in M_a = two V-stage activations) as whole V-stage activations (default ``2p``)."""
     if limit is None:
         return 2 * p
-    if isinstance(limit, bool) or not isinstance(limit, int | float) or math.isnan(limit):
-        raise ScheduleParameterError(
-            f"memory_limit must be a number of 1F1B-stage activations (M_a) >= 1, e.g. p = {p}, got {limit!r}"
-        )
-    if limit < 1:
-        raise ScheduleParameterError(
-            f"v-zb needs memory_limit >= 1 M_a (a rank holds both V-stage activations of a micro-batch, "
-            f"M_a/2 each, from its forwards to its weight passes), got {limit!r}"
-        )
+    check_request("v-zb", V_ZB, p, 1, {"memory_limit": limit})
+    assert isinstance(limit, int | float)
     return 1 << 62 if math.isinf(limit) else math.floor(2 * limit + 1e-9)
 
 
-@dataclass(frozen=True)
-class VZBTiming:
-    """What the greedy's own timing predicts (the simulator's model without the lowering)."""
+#: Timing of an order (peaks in V-stage activations, M_a / 2): the engine's.
+VZBTiming = Timing
 
-    makespan: float
-    spans: tuple[float, ...]
-    busy: tuple[float, ...]
-    peaks: tuple[int, ...]  # per rank, in V-stage activations (M_a / 2)
-
-    @property
-    def bubble_rate(self) -> float:
-        span = max(self.spans)
-        return max(0.0, (span - max(self.busy)) / span) if span > 0 else 0.0
+# The engine's passes on a V rank: chunk-0 forward, chunk-1 forward, chunk-0 backward, chunk-1 backward.
+_PF, _Pf, _Pb, _PB = forward(0, 2), forward(1, 2), backward(0, 2), backward(1, 2)
 
 
-# Pass indices on a rank: chunk-0 forward, chunk-1 forward, chunk-1 backward, chunk-0 backward.
-_PF, _Pf, _PB, _Pb = range(4)
-
-
-class _Greedy:
+class _Greedy(Engine):
     """One run of the list scheduler under one policy (see :func:`v_zb_order`).
 
     Ranks decide in time order: a free rank runs the best pass whose input has arrived
@@ -99,20 +91,10 @@ class _Greedy:
     """
 
     def __init__(self, p: int, m: int, sc: StageCosts, limit: int, policy: Policy) -> None:
+        super().__init__(v_placement(p), m, sc)
         self.ordered, lazy_w, prefer_chunk0 = policy[:3]
-        self.p, self.m, self.sc, self.limit = p, m, sc, limit
+        self.limit = limit
         self.lazy_w, self.prefer_chunk0 = lazy_w, prefer_chunk0
-        s = 2 * p
-        self.f_end = [[-1.0] * m for _ in range(s)]  # by global stage
-        self.b_end = [[-1.0] * m for _ in range(s)]
-        self.next = [[0, 0, 0, 0] for _ in range(p)]  # next micro-batch of each pass
-        self.pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]  # (stage, mb)
-        self.live = [0] * p
-        self.peak = [0] * p
-        self.clock = [0.0] * p
-        self.first = [-1.0] * p
-        self.busy = [0.0] * p
-        self.rows: list[list[Op]] = [[] for _ in range(p)]
         # channel (src, dst) -> messages in send order, as (receiving pass, micro-batch); a prefix is received
         self.sent: dict[tuple[int, int], list[tuple[int, int]]] = {}
         self.index: dict[tuple[int, int, int], int] = {}  # (dst, pass, mb) -> position on its channel
@@ -121,41 +103,10 @@ class _Greedy:
         self.last_out: list[tuple[int, int] | None] = [None] * p  # (rank, channel index) its last pass sent
         self.violations = 0
 
-    # ---- structure of the V ----------------------------------------------------------------
-    def _stage(self, r: int, which: int) -> int:
-        return r if which in (_PF, _Pb) else 2 * self.p - 1 - r
-
-    def _source(self, r: int, which: int) -> int | None:
-        """Rank that sends this pass's input, or None for a local input."""
-        p = self.p
-        if which == _PF:
-            return r - 1 if r > 0 else None
-        if which == _PB:
-            return r - 1 if r > 0 else None
-        return r + 1 if r < p - 1 else None  # chunk-1 forward, chunk-0 backward
-
     def _target(self, r: int, which: int) -> tuple[int, int] | None:
-        """(rank, pass) receiving this pass's output, if another rank."""
-        p = self.p
-        if which in (_PF, _PB):  # down the ranks
-            return (r + 1, which) if r < p - 1 else None
-        return (r - 1, which) if r > 0 else None
-
-    def _arrival(self, r: int, which: int) -> float | None:
-        """When the input of rank r's next ``which`` pass is available (None = not produced yet)."""
-        k = self.next[r][which]
-        stage = self._stage(r, which)
-        if which in (_PF, _Pf):
-            if stage == 0:
-                return 0.0
-            end = self.f_end[stage - 1][k]
-        elif stage == 2 * self.p - 1:
-            end = self.f_end[stage][k]
-        else:
-            end = self.b_end[stage + 1][k]
-        if end < 0:
-            return None
-        return end + (self.sc.comm if self._source(r, which) is not None else 0.0)
+        """(rank, pass) receiving this pass's output, if another rank (on a V: the same pass)."""
+        q = self.consumer(r, which)
+        return None if q is None else (q, which)
 
     def _allowed(self, r: int, which: int, live: int | None = None, nxt: list[int] | None = None) -> bool:
         nxt = self.next[r] if nxt is None else nxt
@@ -203,31 +154,13 @@ class _Greedy:
         return (then, other)
 
     # ---- committing passes -------------------------------------------------------------------
-    def _run(self, r: int, op: Op, start: float, duration: float) -> None:
-        if self.first[r] < 0:
-            self.first[r] = start
-        self.clock[r] = start + duration
-        self.busy[r] += duration
-        self.rows[r].append(op)
-
     def _start(self, r: int, which: int, t: float, duties: tuple[int | None, tuple[int, int] | None] | None) -> None:
-        stage = self._stage(r, which)
         k = self.next[r][which]
-        sc = self.sc
-        source = self._source(r, which)
+        source = self.source(r, which)
         if source is not None:  # receive (a receive also posts every earlier message of the channel)
             channel = (source, r)
             self.received[channel] = max(self.received.get(channel, 0), self.index[(r, which, k)] + 1)
-        if which in (_PF, _Pf):
-            self._run(r, F(stage, k), t, sc.f[stage])
-            self.f_end[stage][k] = self.clock[r]
-            self.live[r] += 1
-            self.peak[r] = max(self.peak[r], self.live[r])
-        else:
-            self._run(r, B(stage, k), t, sc.b[stage])
-            self.b_end[stage][k] = self.clock[r]
-            self.pending_w[r].append((stage, k))
-        self.next[r][which] += 1
+        self.run(r, which, t)
         target = self._target(r, which)
         self.last_out[r] = None
         if target is not None:
@@ -250,7 +183,7 @@ class _Greedy:
         t = self.clock[r]
         owed = self.obliged[r]
         if owed is not None:
-            arrival = self._arrival(r, owed)
+            arrival = self.arrival(r, owed)
             if arrival is None or arrival > t:
                 return arrival
             self._start(r, owed, t, self._answer(r, owed))
@@ -261,7 +194,7 @@ class _Greedy:
         for which in (_PB, _Pb, _Pf, _PF):
             if not self._allowed(r, which):
                 continue
-            arrival = self._arrival(r, which)
+            arrival = self.arrival(r, which)
             if arrival is None:
                 continue
             if arrival > t:
@@ -279,18 +212,14 @@ class _Greedy:
             which = min(ready)[3]
             self._start(r, which, t, duties[which])
             return t
-        pending = self.pending_w[r]
-        if pending:
-            tw = self.sc.w[pending[0][0]]
-            if not self.lazy_w or soonest is None or t + tw <= soonest + 1e-12:
-                stage, k = pending.popleft()
-                self._run(r, W(stage, k), t, tw)
+        if self.pending_w[r]:
+            if not self.lazy_w or soonest is None or t + self.w_duration(r) <= soonest + 1e-12:
+                self.run_w(r)
                 self.last_out[r] = None
-                self.live[r] -= 1
                 return t
         return soonest
 
-    def run(self) -> VZBTiming:
+    def schedule(self) -> VZBTiming:
         p, m = self.p, self.m
         total = 6 * m
         inf = math.inf
@@ -330,19 +259,16 @@ class _Greedy:
         if any(len(row) < total for row in self.rows):  # pragma: no cover - the memory rule prevents it
             stuck = [r for r in range(p) if len(self.rows[r]) < total]
             raise ScheduleParameterError(f"v-zb: internal error, ranks {stuck} cannot finish under the memory limit")
-        spans = tuple(self.clock[r] - self.first[r] for r in range(p))
-        return VZBTiming(max(self.clock), spans, tuple(self.busy), tuple(self.peak))
+        return self.timing()
 
     def _consumer_rank(self, r: int, op: Op) -> int | None:
         """The rank waiting for ``op``'s output, if another rank."""
         if op.kind is OpKind.W:
             return None
-        p = self.p
         nxt = op.stage + 1 if op.kind is OpKind.F else op.stage - 1
-        if not 0 <= nxt < 2 * p:
+        if not 0 <= nxt <= self.last_stage or self.rank_of[nxt] == r:
             return None
-        q = nxt if nxt < p else 2 * p - 1 - nxt
-        return q if q != r else None
+        return self.rank_of[nxt]
 
 
 class Policy(NamedTuple):
@@ -380,107 +306,47 @@ def _zbv_handcrafted(p: int, m: int, sc: StageCosts, limit: int, spec: str) -> t
     before the first chunk-1 input), which keeps the steady state at the repeating
     F/B/W pattern with every rank busy (zero bubble at ``T_F = T_B = T_W`` once ``m >= 2p``).
     """
-    (*names,) = spec.split()
+    names = spec.split()
     cap = "+cap" in names
-    order = [n for n in names if n != "+cap"]
-    s_count = 2 * p
-    stage_of = {"F0": lambda r: r, "B0": lambda r: r, "F1": lambda r: s_count - 1 - r, "B1": lambda r: s_count - 1 - r}
-    f_end = [[-1.0] * m for _ in range(s_count)]
-    b_end = [[-1.0] * m for _ in range(s_count)]
-    nxt = [dict.fromkeys(("F0", "F1", "B1", "B0"), 0) for _ in range(p)]
-    pending: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]
-    live, peak = [0] * p, [0] * p
-    clock, first, busy = [0.0] * p, [-1.0] * p, [0.0] * p
-    rows: list[list[Op]] = [[] for _ in range(p)]
-    total = 6 * m
+    passes = {"F0": _PF, "F1": _Pf, "B0": _Pb, "B1": _PB, "W": None}
+    order = [passes[n] for n in names if n != "+cap"]
+    eng = Engine(v_placement(p), m, sc)
+    nxt, live, clock, pending = eng.next, eng.live, eng.clock, eng.pending_w
 
-    def arrival(r: int, c: str) -> float | None:
+    def arrival(r: int, which: int) -> float | None:
+        """When rank r's next ``which`` pass could start by its input, if the policy allows it now."""
         n = nxt[r]
-        k = n[c]
-        if k >= m:
+        if which == _PF:  # admit a micro-batch: room for its chunk-1 forward, and the warm-up cap
+            if live[r] + 2 > limit or (cap and n[_PF] - n[_Pf] >= max(1, 2 * p - 1 - 2 * r)):
+                return None
+        elif which == _Pf:
+            if n[_Pf] >= n[_PF] or live[r] + 1 > limit:
+                return None
+        elif n[which] >= n[_Pf if which == _PB else _PB]:  # B1 after F1, B0 after B1
             return None
-        s = stage_of[c](r)
-        if c == "F0":
-            if live[r] + 2 > limit or (cap and n["F0"] - n["F1"] >= max(1, 2 * p - 1 - 2 * r)):
-                return None
-            end = 0.0 if s == 0 else f_end[s - 1][k]
-        elif c == "F1":
-            if n["F1"] >= n["F0"] or live[r] + 1 > limit:
-                return None
-            end = f_end[s - 1][k]
-        elif c == "B1":
-            if n["B1"] >= n["F1"]:
-                return None
-            end = f_end[s][k] if s == s_count - 1 else b_end[s + 1][k]
-        else:
-            if n["B0"] >= n["B1"]:
-                return None
-            end = b_end[s + 1][k]
-        if end < 0:
-            return None
-        if s == 0 and c == "F0":
-            return end  # the data loader's input, on the rank
-        src = s - 1 if c[0] == "F" else min(s + 1, s_count - 1)  # stage that produced the input
-        return end + (sc.comm if min(src, s_count - 1 - src) != r else 0.0)
+        return eng.arrival(r, which)
 
-    def choose(r: int) -> tuple[float, int, str] | None:
-        """Rank r's next pass: (start, priority, name), the earliest start, then the priority."""
-        if len(rows[r]) >= total:
+    def choose(r: int) -> tuple[float, int, int | None] | None:
+        """Rank r's next pass: (start, priority, pass or None for W): the earliest start, then the priority."""
+        if eng.done(r):
             return None
         cands = []
-        for rank_of, c in enumerate(order):
-            if c == "W":
+        for rank_of, which in enumerate(order):
+            if which is None:
                 if pending[r]:
-                    cands.append((clock[r], rank_of, c))
+                    cands.append((clock[r], rank_of, which))
                 continue
-            at = arrival(r, c)
+            at = arrival(r, which)
             if at is not None:
-                cands.append((max(clock[r], at), rank_of, c))
+                cands.append((max(clock[r], at), rank_of, which))
         if not cands:
             return None
         start = min(x[0] for x in cands)
         return min((x for x in cands if x[0] <= start + 1e-12), key=lambda x: x[1])
 
-    # a pass's input comes from its own or a neighbouring rank: a commit changes only those choices
-    choice = [choose(r) for r in range(p)]
-    while True:
-        best: tuple[float, int, str] | None = None
-        for q, pick in enumerate(choice):
-            if pick is not None and (best is None or pick[0] < best[0]):
-                best = (pick[0], q, pick[2])
-        if best is None:
-            break
-        t, r, c = best
-        if first[r] < 0:
-            first[r] = t
-        if c == "W":
-            s, k = pending[r].popleft()
-            rows[r].append(W(s, k))
-            live[r] -= 1
-            d = sc.w[s]
-        else:
-            s = stage_of[c](r)
-            k = nxt[r][c]
-            nxt[r][c] += 1
-            if c[0] == "F":
-                d = sc.f[s]
-                rows[r].append(F(s, k))
-                f_end[s][k] = t + d
-                live[r] += 1
-                peak[r] = max(peak[r], live[r])
-            else:
-                d = sc.b[s]
-                rows[r].append(B(s, k))
-                b_end[s][k] = t + d
-                pending[r].append((s, k))
-        clock[r] = t + d
-        busy[r] += d
-        for q in range(max(r - 1, 0), min(r + 2, p)):
-            choice[q] = choose(q)
-    if any(len(row) < total for row in rows):
+    if not eng.earliest_first(choose):
         return None
-    spans = tuple(clock[r] - max(first[r], 0.0) for r in range(p))
-    return rows, VZBTiming(max(clock), spans, tuple(busy), tuple(peak))
+    return eng.rows, eng.timing()
 
 
 class _Rounds(_Greedy):
@@ -521,38 +387,26 @@ class _Rounds(_Greedy):
         k = self.next[r][which]
         if k >= self.m or (which in (_PF, _Pf) and self.live[r] >= self.limit):
             return False
-        arrival = self._arrival(r, which)
+        arrival = self.arrival(r, which)
         if arrival is None:
             return False
         start = max(self.clock[r], arrival)
         if self.first[r] >= 0:
             self.idle[r] += start - self.clock[r]
-        stage = self._stage(r, which)
-        if which in (_PF, _Pf):
-            self._run(r, F(stage, k), start, self.sc.f[stage])
-            self.f_end[stage][k] = self.clock[r]
-            self.live[r] += 1
-            self.peak[r] = max(self.peak[r], self.live[r])
-        else:
-            self._run(r, B(stage, k), start, self.sc.b[stage])
-            self.b_end[stage][k] = self.clock[r]
-            self.pending_w[r].append((stage, k))
-        self.next[r][which] += 1
+        self.run(r, which, start)
         return True
 
     def _put_w(self, r: int) -> None:
-        stage, k = self.pending_w[r].popleft()
-        self._run(r, W(stage, k), self.clock[r], self.sc.w[stage])
-        self.live[r] -= 1
+        self.run_w(r)
 
     def _fill(self, r: int, which: int, may_delay: bool) -> None:
         """Deferred ``W`` passes before ``which``: those that fit in the wait for its input, and
         one more that delays it if ``may_delay`` and the wait exceeds the rank's allowance."""
         pending = self.pending_w[r]
-        arrival = self._arrival(r, which) if self.next[r][which] < self.m else None
+        arrival = self.arrival(r, which) if self.next[r][which] < self.m else None
         if arrival is None:
             return
-        while pending and self.clock[r] + self.sc.w[pending[0][0]] <= arrival:
+        while pending and self.clock[r] + self.w_duration(r) <= arrival:
             self._put_w(r)
         allowance = max(max(self.idle), self.slack[r]) - self.idle[r]
         if pending and may_delay and arrival - self.clock[r] > allowance:
@@ -561,7 +415,7 @@ class _Rounds(_Greedy):
     def _backward(self, r: int) -> int | None:
         n = self.next[r]
         local = r == self.p - 1 or n[_PB] >= self.m
-        if n[_Pb] < n[_PB] and (local or self._arrival(r, _Pb) is not None):
+        if n[_Pb] < n[_PB] and (local or self.arrival(r, _Pb) is not None):
             return _Pb
         return _PB if n[_PB] < self.m else None
 
@@ -571,16 +425,16 @@ class _Rounds(_Greedy):
             return None
         if n[_Pf] >= n[_PF]:
             return _PF
-        if r == self.p - 1 or self._arrival(r, _Pf) is not None:
+        if r == self.p - 1 or self.arrival(r, _Pf) is not None:
             return _Pf
-        return _PF if n[_PF] < self.m and self._arrival(r, _PF) is not None else None
+        return _PF if n[_PF] < self.m and self.arrival(r, _PF) is not None else None
 
     def _warm_up(self) -> bool:
         p, m, sc = self.p, self.m, self.sc
         if not all(self._put(r, _PF) for r in range(p)):
             return False
         for r in reversed(range(p)):
-            target = self._arrival(r, _Pf) if r < p - 1 else self.clock[r]
+            target = self.arrival(r, _Pf) if r < p - 1 else self.clock[r]
             assert target is not None  # rank r+1 ran micro-batch 0's chunk-1 forward just before
             while (
                 self.live[r] + 2 * (r + 1) <= self.limit
@@ -634,8 +488,7 @@ class _Rounds(_Greedy):
                 self._put_w(r)
         if any(len(row) < total for row in self.rows):
             return None
-        spans = tuple(self.clock[r] - self.first[r] for r in range(p))
-        return VZBTiming(max(self.clock), spans, tuple(self.busy), tuple(self.peak))
+        return self.timing()
 
 
 def _zbv_rounds(p: int, m: int, sc: StageCosts, limit: int, policy: Policy) -> tuple[list[list[Op]], VZBTiming] | None:
@@ -658,21 +511,10 @@ def _zbv_rounds(p: int, m: int, sc: StageCosts, limit: int, policy: Policy) -> t
 
 
 def _timing_of_lowered(schedule: Schedule, sc: StageCosts) -> VZBTiming:
-    """Time the lowered program the way the runtime runs it (:mod:`..timing`, the simulator's
-    default ``comm="async"`` model: a compute op waits for its own input only)."""
-    table = {OpKind.F: sc.f, OpKind.B: sc.b, OpKind.W: sc.w}
-    durations = [[table[op.kind][op.stage] for op in row] for row in schedule.ops]
-    starts, last_end = op_start_times(lower(schedule), durations, sc.comm)
-    spans = tuple(end - (row[0] if row else 0.0) for row, end in zip(starts, last_end, strict=True))
-    busy = tuple(float(sum(row)) for row in durations)
-    peaks = []
-    for row in schedule.ops:
-        live = peak = 0
-        for op in row:
-            live += 1 if op.kind is OpKind.F else -1 if op.kind is OpKind.W else 0
-            peak = max(peak, live)
-        peaks.append(peak)
-    return VZBTiming(max(last_end), spans, busy, tuple(peaks))
+    """Time the order the way the runtime runs its lowered program: the engine's clock
+    (:func:`..engine.replay`) is the simulator's default ``comm="async"`` model, in which a compute
+    op waits for its own input only, so the lowering's message batches cost nothing extra."""
+    return replay(schedule.placement, schedule.num_microbatches, sc, schedule.ops)
 
 
 def _candidate(p: int, m: int, sc: StageCosts, limit: int, policy: Policy) -> tuple[list[list[Op]], VZBTiming] | None:
@@ -682,7 +524,7 @@ def _candidate(p: int, m: int, sc: StageCosts, limit: int, policy: Policy) -> tu
     if policy.handcrafted:
         return _zbv_handcrafted(p, m, sc, limit, policy.handcrafted)
     greedy = _Greedy(p, m, sc, limit, policy)
-    ideal = greedy.run()
+    ideal = greedy.schedule()
     return greedy.rows, ideal
 
 
@@ -730,13 +572,9 @@ def v_zb(
     m: int,
     *,
     costs: object = None,
-    memory_limit: object = None,
-    v: int | None = None,
-    **unused: object,
+    memory_limit: float | None = None,
 ) -> Schedule:
     """V-ZB (ZB-V): greedy on the V placement within ``memory_limit`` M_a (default ``p``)."""
-    check_v_parameters("v-zb", p, m, v)
-    reject_unsupported("v-zb", unused)
     rows, timing, ideal, policy = v_zb_order(p, m, costs, memory_limit)
     return build_schedule(
         "v-zb",
@@ -757,8 +595,9 @@ register(
         v_zb,
         "v",
         True,
-        V_CONSTRAINTS + ", memory_limit >= 1 M_a (default p), costs",
+        "",
         "ZB-V: zero-bubble V schedule within memory_limit (1F1B-stage units; default p = 1F1B's peak)",
         family="v-shape",
+        capabilities=V_ZB,
     )
 )

@@ -19,14 +19,13 @@ channels never move a receive.
   tries a few policy variants (:data:`DEFAULT_VARIANTS`), plus the handcrafted schedules when they
   fit the limit, and keeps the one with the smallest makespan (then the smallest per-rank span).
 
-Timing is the simulator's (:mod:`megatron_pp_ext.analysis.simulate`), which runs the lowered
-program: a gradient receive that the lowering posts early (to keep rendezvous sends free of
-deadlock) makes its rank wait there. :func:`pair_receives` reorders forwards so that this never
-happens, after which plain dataflow timing (:func:`time_order`) equals the simulator's (the
-tests check this against the simulator for every schedule they build).
-
-Memory is counted like the simulator's default (``w_retained_fraction=1.0``): an ``F`` adds one
-activation on its rank and the matching ``W`` frees it; ``B`` frees nothing.
+The greedy passes run on the list-scheduling engine (:mod:`..engine`): its clock is the simulator's
+async model and its memory count the simulator's default (an ``F`` adds one activation on its rank,
+the matching ``W`` frees it; ``B`` frees nothing); this module keeps only the decisions. Under the
+simulator's ``comm="blocking"`` model a gradient receive that the lowering posts early (to keep
+rendezvous sends free of deadlock) would make its rank wait: :func:`pair_receives` reorders forwards
+so that this never happens, so the orders cost the same under both models. :func:`time_order`
+times a fixed order on the engine's clock.
 """
 
 from __future__ import annotations
@@ -35,13 +34,14 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
-from ..ir import Op, OpKind
+from ..capabilities import Capabilities, Chunks, MemoryLimit
+from ..engine import Engine, Timing, replay
+from ..ir import B, F, Op, OpKind, W
 from ..placement import loop_placement
 from ..registry import ScheduleInfo, register
 from ..schedule import Schedule, build_schedule
-from .common import ScheduleParameterError, StageCosts, check_int, reject_unsupported, stage_costs
+from .common import ScheduleParameterError, StageCosts, stage_costs
 
 __all__ = [
     "DEFAULT_VARIANTS",
@@ -58,125 +58,49 @@ __all__ = [
     "zb_h2_order",
 ]
 
-_F, _B, _W = 0, 1, 2  # internal op kinds: rows hold (kind, microbatch) pairs
-_KINDS = (OpKind.F, OpKind.B, OpKind.W)
+_KF, _KB, _KW = OpKind.F, OpKind.B, OpKind.W
+_F, _B, _W = 0, 1, 2  # the engine's passes on a one-chunk rank (forward, backward), and a deferred W
 _INF = math.inf
-Row = list[tuple[int, int]]
+Row = list[Op]
 
 
 # ---- parameters ---------------------------------------------------------------------------------
-def _check_pm(schedule: str, p: object, m: object, v: object) -> tuple[int, int]:
-    check_int("p", p, 1)
-    check_int("m", m, 1)
-    if v is not None:
-        check_int("v", v, 1)
-        if v != 1:
-            raise ScheduleParameterError(
-                f"{schedule} runs one chunk per rank (loop placement, v=1): v must be 1 (or not given), got {v!r}"
-            )
-    return p, m  # type: ignore[return-value]
+_CHUNKS = Chunks(refusal="{name} runs one chunk per rank (loop placement, v=1): v must be 1 (or not given), got {v!r}")
 
 
-def _memory_limit(limit: object, p: int, m: int) -> int:
-    """The limit in whole activations (default ``2p``); ``>= m`` (or infinity) means no limit."""
+def _fixed_memory(peak: str) -> Capabilities:
+    return Capabilities(
+        chunks=_CHUNKS,
+        fixed_memory="{name} has a fixed activation memory (" + peak + ") and does not take memory_limit "
+        "(got {limit!r}); use zb-auto for a memory limit",
+    )
+
+
+ZB_AUTO = Capabilities(
+    chunks=_CHUNKS,
+    memory_limit=MemoryLimit(
+        "activation",
+        "activations",
+        2,
+        why="every rank holds at least one micro-batch's activation of its stage from F to W",
+    ),
+    costs=True,
+    keywords=("variants",),
+)
+
+
+def _memory_limit(limit: float | None, p: int, m: int) -> int:
+    """The limit (checked by the registry) in whole activations (default ``2p``); ``>= m`` (or
+    infinity) means no limit."""
     if limit is None:
         return min(2 * p, m)
-    if isinstance(limit, bool) or not isinstance(limit, int | float) or math.isnan(limit):
-        raise ScheduleParameterError(
-            f"memory_limit must be a number of activations >= 1 (e.g. 2*p = {2 * p}), got {limit!r}"
-        )
-    if limit < 1:
-        raise ScheduleParameterError(
-            f"memory_limit must be >= 1 activation: every rank holds at least one micro-batch's activation "
-            f"of its stage from F to W, got {limit!r}"
-        )
     return m if math.isinf(limit) else min(int(limit), m)
 
 
-def _to_ops(rows: Sequence[Row]) -> list[list[Op]]:
-    kinds = _KINDS
-    return [[Op(kinds[k], r, i) for k, i in row] for r, row in enumerate(rows)]
-
-
-# ---- timing of a fixed order (the simulator's model, without lowering) ---------------------------
-class Timing(NamedTuple):
-    """Makespan, per-rank spans (first op start to last op end) and peak activations of an order."""
-
-    makespan: float
-    spans: tuple[float, ...]
-    peaks: tuple[int, ...]
-
-    @property
-    def key(self) -> tuple[float, float, int]:
-        """What zb-auto minimises: makespan, then the longest span, then the worst peak."""
-        return (round(self.makespan, 9), round(max(self.spans), 9), max(self.peaks))
-
-
+# ---- timing of a fixed order (the engine's clock: the simulator's async model) ------------------------
 def time_order(rows: Sequence[Row], m: int, sc: StageCosts) -> Timing:
-    """Time per-rank ``(kind, microbatch)`` rows (loop placement, v=1): each op starts when its
-    rank is free and its input has arrived (``T_comm`` after the producer ends on a neighbour)."""
-    p = len(rows)
-    f_end = [[-1.0] * m for _ in range(p)]
-    b_end = [[-1.0] * m for _ in range(p)]
-    pos = [0] * p
-    clock = [0.0] * p
-    first = [0.0] * p
-    c = sc.comm
-    pending = list(range(p - 1, -1, -1))
-    waiting: list[set[int]] = [set() for _ in range(p)]  # ranks blocked on data rank r will produce
-    while pending:
-        r = pending.pop()
-        row, k, t = rows[r], pos[r], clock[r]
-        tf, tb, tw = sc.f[r], sc.b[r], sc.w[r]
-        while k < len(row):
-            kind, i = row[k]
-            if kind == _F:
-                if r > 0:
-                    ready = f_end[r - 1][i]
-                    if ready < 0:
-                        waiting[r - 1].add(r)
-                        break
-                    ready += c
-                    t = max(t, ready)
-                if k == 0:
-                    first[r] = t
-                t += tf
-                f_end[r][i] = t
-            elif kind == _B:
-                if r < p - 1:
-                    ready = b_end[r + 1][i]
-                    if ready < 0:
-                        waiting[r + 1].add(r)
-                        break
-                    t = max(t, ready + c)
-                t += tb
-                b_end[r][i] = t
-            else:
-                t += tw
-            k += 1
-        pos[r], clock[r] = k, t
-        if waiting[r]:
-            pending.extend(waiting[r])
-            waiting[r].clear()
-    if any(pos[r] < len(rows[r]) for r in range(p)):  # pragma: no cover - the orders here are valid
-        raise AssertionError("time_order: the order deadlocks")
-    return Timing(max(clock), tuple(clock[r] - first[r] for r in range(p)), _peaks(rows))
-
-
-def _peaks(rows: Sequence[Row]) -> tuple[int, ...]:
-    """Peak live activations per rank (an F adds one, its W frees it)."""
-    peaks = []
-    for row in rows:
-        live = peak = 0
-        for kind, _ in row:
-            if kind == _F:
-                live += 1
-                if live > peak:
-                    peak = live
-            elif kind == _W:
-                live -= 1
-        peaks.append(peak)
-    return tuple(peaks)
+    """Time per-rank rows (loop placement, v=1) on the engine's clock (:func:`..engine.replay`)."""
+    return replay(loop_placement(len(rows)), m, sc, rows)
 
 
 def pair_receives(rows: Sequence[Row]) -> list[Row]:
@@ -195,7 +119,7 @@ def pair_receives(rows: Sequence[Row]) -> list[Row]:
     move later, so dependencies and the peak memory of every rank still hold.
     """
     out = [list(row) for row in rows]
-    m = sum(1 for kind, _ in out[0] if kind == _B)
+    m = sum(1 for op in out[0] if op.kind is _KB)
     for r in range(len(rows) - 2, -1, -1):
         out[r] = _delay_forwards(out[r], _forward_limits(out[r + 1], m))
     return out
@@ -208,11 +132,11 @@ def _forward_limits(down: Row, m: int) -> tuple[list[int], list[int]]:
     limit = [0] * m
     count = 0
     last = len(down) - 1
-    for k, (kind, i) in enumerate(down):
-        if kind == _F:
+    for k, op in enumerate(down):
+        if op.kind is _KF:
             count += 1
-        elif kind == _B:
-            limit[i] = count + 1 if k < last and down[k + 1][0] == _F else count
+        elif op.kind is _KB:
+            limit[op.microbatch] = count + 1 if k < last and down[k + 1].kind is _KF else count
     later = limit[:]
     for j in range(m - 2, -1, -1):
         if later[j + 1] < later[j]:
@@ -233,26 +157,27 @@ def _delay_forwards(row: Row, limits: tuple[list[int], list[int]]) -> Row:
     postponed: list[int] = []
     j = 0  # the rank's next backward
     last = len(row) - 1
+    stage = row[0].stage if row else 0
     for k, op in enumerate(row):
-        kind, i = op
-        if kind == _F:
+        kind, i = op.kind, op.microbatch
+        if kind is _KF:
             if postponed or not (
-                i < later[j + 1] and (i < limit[j] or (i == limit[j] and k < last and row[k + 1][0] == _B))
+                i < later[j + 1] and (i < limit[j] or (i == limit[j] and k < last and row[k + 1].kind is _KB))
             ):
                 postponed.append(i)
             else:
                 new.append(op)
-        elif kind == _B:
+        elif kind is _KB:
             if postponed:
                 while postponed and allowed(postponed[0], len(postponed) == 1, j):
-                    new.append((_F, postponed.pop(0)))
+                    new.append(F(stage, postponed.pop(0)))
             new.append(op)
             j = i + 1
             while postponed and allowed(postponed[0], False, j):
-                new.append((_F, postponed.pop(0)))
+                new.append(F(stage, postponed.pop(0)))
         else:
             new.append(op)
-    new += [(_F, i) for i in postponed]
+    new += [F(stage, i) for i in postponed]
     return new
 
 
@@ -265,14 +190,14 @@ def zb_h1_order(p: int, m: int) -> list[Row]:
         warmup = min(p - 1 - r, m)
         steady = m - warmup
         deferred = min(r, steady)
-        row: Row = [(_F, i) for i in range(warmup)]
+        row: Row = [F(r, i) for i in range(warmup)]
         for i in range(steady):
-            row += [(_F, warmup + i), (_B, i)]
+            row += [F(r, warmup + i), B(r, i)]
             if i >= deferred:
-                row.append((_W, i))
+                row.append(W(r, i))
         for i in range(steady, m):
-            row += [(_B, i), (_W, i)]
-        row += [(_W, i) for i in range(deferred)]
+            row += [B(r, i), W(r, i)]
+        row += [W(r, i) for i in range(deferred)]
         rows.append(row)
     return rows
 
@@ -323,22 +248,17 @@ DEFAULT_VARIANTS: tuple[GreedyVariant, ...] = (
 
 
 def _greedy(p: int, m: int, sc: StageCosts, limit: int, variant: GreedyVariant) -> tuple[list[Row], Timing]:
-    """One list-scheduling pass over dataflow timing: ranks decide in order of their clocks; an op
-    starts when its rank is free and its input is there; B before F before W, with the variant's
-    slack rules, never more than ``limit`` activations held.
+    """One list-scheduling pass on the engine (:class:`..engine.Engine`): ranks decide in order of
+    their clocks; an op starts when its rank is free and its input is there; B before F before W,
+    with the variant's slack rules, never more than ``limit`` activations held.
 
     A rank whose choice depends on an arrival not known yet (its producer is not scheduled)
     waits until a neighbour schedules something, then decides at its own clock: timings stay
     exact because an op's start only depends on ops scheduled before it.
     """
+    eng = Engine(loop_placement(p), m, sc)
     tf, tb, tw, c = sc.f, sc.b, sc.w, sc.comm
-    last = p - 1
-    nf, nb, nw = [0] * p, [0] * p, [0] * p
-    f_end = [[0.0] * m for _ in range(p)]
-    b_end = [[0.0] * m for _ in range(p)]
-    clock = [0.0] * p
-    first = [0.0] * p
-    rows: list[Row] = [[] for _ in range(p)]
+    clock, nxt, pending, count, total = eng.clock, eng.next, eng.pending_w, eng.count, eng.total
     w_slack = [variant.w_slack * x for x in tw]
     f_slack = [variant.f_slack * x for x in tf]
     if variant.warmup is None:
@@ -351,31 +271,29 @@ def _greedy(p: int, m: int, sc: StageCosts, limit: int, variant: GreedyVariant) 
     remaining = 3 * p * m
 
     def decide(r: int, force: bool) -> tuple[int, float] | None:
-        """``(kind, start)`` of rank ``r``'s next op, or ``None`` to wait for a neighbour."""
+        """``(pass or _W, start)`` of rank ``r``'s next op, or ``None`` to wait for a neighbour."""
         t = clock[r]
-        i_f, i_b, i_w = nf[r], nb[r], nw[r]
+        i_f, i_b = nxt[r]
         # Next B: known arrival rb, or unknown with lower bound lb_b; inf when not possible yet.
         rb = lb_b = _INF
         if i_b < i_f:
-            if r == last:
-                rb = f_end[r][i_b]
-            elif nb[r + 1] > i_b:
-                rb = b_end[r + 1][i_b] + c
+            at = eng.arrival(r, _B)
+            if at is not None:
+                rb = at
             else:
                 lb_b = clock[r + 1] + tb[r + 1] + c
             if rb <= t:
                 return _B, t
         # Next F, if allowed: micro-batches left, warm-up cap before the first B, memory.
         rf = lb_f = _INF
-        mem_ok = i_f - i_w < limit
+        mem_ok = eng.live[r] < limit
         if i_f < m and (i_b > 0 or i_f < cap[r]):
-            if r == 0:
-                rf = 0.0
-            elif nf[r - 1] > i_f:
-                rf = f_end[r - 1][i_f] + c
+            at = eng.arrival(r, _F)
+            if at is not None:
+                rf = at
             else:
                 lb_f = clock[r - 1] + tf[r - 1] + c
-        has_w = i_w < i_b
+        has_w = bool(pending[r])
         if rf <= t:
             if mem_ok:
                 if t + tf[r] <= min(rb, lb_b) + f_slack[r] or force:
@@ -412,64 +330,36 @@ def _greedy(p: int, m: int, sc: StageCosts, limit: int, variant: GreedyVariant) 
         else:  # every rank waits for another: the earliest known op goes first
             best: tuple[float, int, tuple[int, float]] | None = None
             for q in range(p):
-                if nw[q] < m:
+                if count[q] < total:
                     option = decide(q, True)
                     if option is not None and (best is None or option[1] < best[0]):
                         best = (option[1], q, option)
             if best is None:  # pragma: no cover - impossible for limit >= 1 (see tests)
                 raise AssertionError("zb-auto greedy: no rank can proceed")
             _, r, choice = best
-        kind, start = choice
+        which, start = choice
         start = max(start, clock[r])
-        if kind == _F:
-            i = nf[r]
-            if i == 0:
-                first[r] = start
-            end = start + tf[r]
-            f_end[r][i] = end
-            nf[r] = i + 1
-        elif kind == _B:
-            i = nb[r]
-            end = start + tb[r]
-            b_end[r][i] = end
-            nb[r] = i + 1
+        if which == _W:
+            eng.run_w(r, start)
         else:
-            i = nw[r]
-            end = start + tw[r]
-            nw[r] = i + 1
-        clock[r] = end
-        rows[r].append((kind, i))
+            eng.run(r, which, start)
         remaining -= 1
         for q in (r - 1, r, r + 1):
-            if 0 <= q < p and not queued[q] and nw[q] < m:
+            if 0 <= q < p and not queued[q] and count[q] < total:
                 queued[q] = True
                 heapq.heappush(heap, (clock[q], q))
-    return rows, Timing(max(clock), tuple(clock[r] - first[r] for r in range(p)), _peaks(rows))
+    return eng.rows, eng.timing()
 
 
 # ---- generators ---------------------------------------------------------------------------------------
-def _reject_memory_limit(schedule: str, memory_limit: object, fixed: str) -> None:
-    if memory_limit is not None:
-        raise ScheduleParameterError(
-            f"{schedule} has a fixed activation memory ({fixed}) and does not take memory_limit "
-            f"(got {memory_limit!r}); use zb-auto for a memory limit"
-        )
-
-
-def zb_h1(p: int, m: int, *, v: int | None = None, memory_limit: object = None, **unused: object) -> Schedule:
+def zb_h1(p: int, m: int) -> Schedule:
     """ZB-H1 (see :func:`zb_h1_order`): 1F1B's memory, about a third of its bubble."""
-    p, m = _check_pm("zb-h1", p, m, v)
-    _reject_memory_limit("zb-h1", memory_limit, "p activations, like 1F1B")
-    reject_unsupported("zb-h1", unused)
-    return build_schedule("zb-h1", loop_placement(p), m, _to_ops(zb_h1_order(p, m)))
+    return build_schedule("zb-h1", loop_placement(p), m, zb_h1_order(p, m))
 
 
-def zb_h2(p: int, m: int, *, v: int | None = None, memory_limit: object = None, **unused: object) -> Schedule:
+def zb_h2(p: int, m: int) -> Schedule:
     """ZB-H2 (see :func:`zb_h2_order`): about zero bubble with at most ``2p`` activations."""
-    p, m = _check_pm("zb-h2", p, m, v)
-    _reject_memory_limit("zb-h2", memory_limit, "up to 2p activations")
-    reject_unsupported("zb-h2", unused)
-    return build_schedule("zb-h2", loop_placement(p), m, _to_ops(zb_h2_order(p, m)))
+    return build_schedule("zb-h2", loop_placement(p), m, zb_h2_order(p, m))
 
 
 def zb_auto(
@@ -477,10 +367,8 @@ def zb_auto(
     m: int,
     *,
     costs: object = None,
-    memory_limit: object = None,
-    v: int | None = None,
+    memory_limit: float | None = None,
     variants: Sequence[GreedyVariant] | None = None,
-    **unused: object,
 ) -> Schedule:
     """Cost-aware zero-bubble schedule under an activation memory limit.
 
@@ -492,8 +380,6 @@ def zb_auto(
     The result's ``params`` record the winning candidate (``candidate``) and its predicted
     ``makespan``.
     """
-    p, m = _check_pm("zb-auto", p, m, v)
-    reject_unsupported("zb-auto", unused)
     limit = _memory_limit(memory_limit, p, m)
     sc = stage_costs(costs, p)
     tried = DEFAULT_VARIANTS if variants is None else tuple(variants)
@@ -512,21 +398,19 @@ def zb_auto(
             rows, timing = paired, time_order(paired, m, sc)
         candidates.append((timing.key, len(candidates), variant.name, rows))
     key, _, name, rows = min(candidates)
-    return build_schedule(
-        "zb-auto", loop_placement(p), m, _to_ops(rows), memory_limit=limit, candidate=name, makespan=key[0]
-    )
+    return build_schedule("zb-auto", loop_placement(p), m, rows, memory_limit=limit, candidate=name, makespan=key[0])
 
 
-_PLACEMENT_NOTE = "loop placement, v = 1"
 register(
     ScheduleInfo(
         "zb-h1",
         zb_h1,
         "loop",
         True,
-        f"p >= 1, m >= 1 ({_PLACEMENT_NOTE})",
+        "",
         "zero bubble H1: 1F1B order, deferred W passes fill the cool-down; 1F1B's memory",
         family="zero-bubble",
+        capabilities=_fixed_memory("p activations, like 1F1B"),
     )
 )
 register(
@@ -535,9 +419,10 @@ register(
         zb_h2,
         "loop",
         True,
-        f"p >= 1, m >= 1 ({_PLACEMENT_NOTE}); zero bubble for m >= 2p-1",
+        "zero bubble for m >= 2p-1",
         "zero bubble H2: 2(p-r)-1 warm-up forwards, deferred W passes fill the tail; up to 2p activations",
         family="zero-bubble",
+        capabilities=_fixed_memory("up to 2p activations"),
     )
 )
 register(
@@ -546,8 +431,9 @@ register(
         zb_auto,
         "loop",
         True,
-        f"p >= 1, m >= 1 ({_PLACEMENT_NOTE}); memory_limit >= 1 activations (default 2p)",
+        "",
         "zero bubble auto: greedy over F/B/W costs and comm under a memory limit (ZB-1p with p, ZB-2p with 2p)",
         family="zero-bubble",
+        capabilities=ZB_AUTO,
     )
 )
