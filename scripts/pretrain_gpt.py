@@ -44,7 +44,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megatron_pp_ext.megatron import cpu  # noqa: E402  (must come before any megatron import)
-from megatron_pp_ext.megatron.arguments import cpu_argv, microbatch_counts, validate_arguments_or_exit  # noqa: E402
+from megatron_pp_ext.megatron.arguments import (  # noqa: E402
+    PipelineArgumentError,
+    cpu_argv,
+    microbatch_counts,
+    validate_arguments_or_exit,
+)
+from megatron_pp_ext.megatron.fsdp_training import check_argv as check_fsdp_argv  # noqa: E402
 
 
 def _cpu_requested(argv: list[str]) -> bool:
@@ -267,6 +273,12 @@ def main() -> None:
         defaults.update(tokenizer_type="NullTokenizer", vocab_size=256)
     elif not _argv_has("--tokenizer-type"):
         defaults.update(tokenizer_type="GPT2BPETokenizer")
+    try:  # megatron's own validation would reject these with a traceback
+        check_fsdp_argv(sys.argv[1:])
+    except PipelineArgumentError as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     args = parse_and_validate_args(extra_args_provider=megatron_pp_ext.add_arguments, args_defaults=defaults)
     if mock:
         args.mock_data = True

@@ -29,6 +29,9 @@ Flag semantics (group "pipeline schedules (megatron_pp_ext)"):
     gradient for every micro-batch that ran through the chunk, and that no weight-gradient work is left
     (:mod:`megatron_pp_ext.runtime.grad_check`). The first training iteration is always checked; the
     flag extends it to all (two reductions per parameter per backward op).
+``--pipeline-fsdp`` [``--pipeline-fsdp-max-unsharded N``]
+    Per-chunk FSDP instead of megatron DDP, gathered / resharded where the schedule places it (at most N
+    chunks gathered at once); :mod:`megatron_pp_ext.megatron.fsdp_training`, which also lists what it refuses.
 ``--cpu``
     Force CPU / gloo mode even when CUDA is available (it is also used when CUDA is not).
 
@@ -293,6 +296,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "message per message).",
     )
     group.add_argument(
+        "--pipeline-fsdp",
+        action="store_true",
+        default=False,
+        help="Shard each model chunk's parameters, gradients and optimizer state over its data-parallel group "
+        "(FSDP / ZeRO-3), gathered and resharded where the schedule places it, instead of megatron DDP "
+        "(megatron_pp_ext.megatron.fsdp_training).",
+    )
+    group.add_argument(
+        "--pipeline-fsdp-max-unsharded",
+        type=int,
+        default=None,
+        metavar="N",
+        help="With --pipeline-fsdp: model chunks a rank may hold gathered at once (default: the schedule's "
+        "declared limit, else 1).",
+    )
+    group.add_argument(
         "--cpu",
         action="store_true",
         default=False,
@@ -321,6 +340,8 @@ class PipelineConfig:
     block_file: str | None = None  # building block (JSON) of v-block
     layer_split: Any = None  # runtime.placement.LayerSplit for uneven splits under non-loop placements
     num_virtual_stages: int | None = None
+    fsdp: bool = False  # --pipeline-fsdp
+    fsdp_max_unsharded: int | None = None  # None: the schedule's declared limit, else 1
     microbatch_group_size: int | None = None
     num_layers: int | None = None
     pipeline_parallel_size: int | None = None
@@ -493,6 +514,8 @@ def config_from_args(args: Any) -> PipelineConfig:
         profile_iterations=getattr(args, "pipeline_profile_iters", None),
         profile_out=getattr(args, "pipeline_profile_out", None),
         num_virtual_stages=int(vp) if vp else None,
+        fsdp=bool(getattr(args, "pipeline_fsdp", False)),
+        fsdp_max_unsharded=getattr(args, "pipeline_fsdp_max_unsharded", None),
         microbatch_group_size=getattr(args, "microbatch_group_size_per_vp_stage", None),
         num_layers=getattr(args, "num_layers", None),
         pipeline_parallel_size=int(getattr(args, "pipeline_model_parallel_size", 1) or 1),
@@ -531,6 +554,8 @@ def validate_arguments(args: Any) -> PipelineConfig:
             ("pipeline_profile_out", "--pipeline-profile-out"),
             ("pipeline_block_file", "--pipeline-block-file"),
             ("pipeline_check_grads", "--pipeline-check-grads"),
+            ("pipeline_fsdp", "--pipeline-fsdp"),
+            ("pipeline_fsdp_max_unsharded", "--pipeline-fsdp-max-unsharded"),
         ):
             if _given(args, attr):
                 raise PipelineArgumentError(flag, "needs --pipeline-schedule (megatron's own schedule does not use it)")
@@ -540,6 +565,9 @@ def validate_arguments(args: Any) -> PipelineConfig:
         if _given(args, attr):
             raise PipelineArgumentError(flag, "megatron's combined 1F1B schedule cannot run with --pipeline-schedule")
 
+    from .fsdp_training import check_arguments as check_fsdp_arguments
+
+    check_fsdp_arguments(args)
     p = config.pipeline_parallel_size or 1
     virtual_flag = _virtual_flag(args)
     train_ms, eval_ms = microbatch_counts(args)

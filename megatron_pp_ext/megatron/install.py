@@ -181,7 +181,12 @@ def install(args_or_config: Any = None, *, layout_hooks: bool | None = None) -> 
     source: Callable[[int], Schedule] = make_schedule_source(config)
     if config.replan_iterations > 0:
         source, tracer_factory = _replanning(config, tracer_factory)
-    executor_func = make_forward_backward_func(source, tracer_factory=tracer_factory, check_grads=config.check_grads)
+    executor_func = make_forward_backward_func(
+        source,
+        tracer_factory=tracer_factory,
+        check_grads=config.check_grads,
+        fsdp_max_unsharded=config.fsdp_max_unsharded if config.fsdp else None,
+    )
     from ..runtime import p2p
 
     p2p.set_check_messages(config.check_messages)
@@ -224,6 +229,10 @@ def install(args_or_config: Any = None, *, layout_hooks: bool | None = None) -> 
                 "--num-layers", f"{config.label} uses a {placement.style} placement: the layer count must be known"
             )
         layout.activate(placement, config.num_layers, config.layer_split)
+    if config.fsdp:  # per-chunk FSDP instead of megatron DDP (fsdp_training.py)
+        from .fsdp_training import patch_megatron
+
+        patch_megatron(patcher)
     if _splits_backward(config):
         try:
             _enable_backward_split(patcher, config.label)

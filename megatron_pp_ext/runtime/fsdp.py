@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import datetime
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -442,6 +442,16 @@ class ShardedChunk(torch.nn.Module):
 
     def sharded_names(self) -> Iterator[str]:
         return iter(self._names)
+
+    def shard_mask(self, select: Callable[[str, torch.Tensor], bool]) -> torch.Tensor:
+        """Boolean mask over this rank's shard: True where the element belongs to a parameter ``select(name, param)``
+        accepts (per-parameter optimizer settings such as weight decay on a flat shard; padding is False)."""
+        flat = torch.zeros(self.padded_numel, dtype=torch.bool, device=self.main_shard.device)
+        for n, p, off in zip(self._names, self._params, self._offsets, strict=True):
+            if select(n, p):
+                flat[off : off + p.numel()] = True
+        lo = self.rank * self.shard_numel
+        return flat[lo : lo + self.shard_numel].clone()
 
     def main_grad_of(self, name: str) -> torch.Tensor:
         """The full-gradient view of one parameter (allocating the buffer if needed)."""
