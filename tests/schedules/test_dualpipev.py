@@ -119,3 +119,21 @@ def test_a_pair_of_two_forwards_is_rejected() -> None:
     with pytest.raises(ScheduleSyntaxError, match="not share an op"):
         schedule.with_overlap_pairs([[0, 1], []])
     assert F(0, 0) != BW(0, 0)
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (3, 7), (4, 8), (4, 13), (8, 16), (8, 24)])
+def test_torch_dualpipev_order_is_ours(p: int, m: int) -> None:
+    """torch 2.13's ScheduleDualPipeV compute order, imported (its I = our B, its B = our BW, OVERLAP_F_B =
+    our pair), is exactly ours, pairs included."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    from types import SimpleNamespace
+
+    from megatron_pp_ext.schedules import v_placement
+    from megatron_pp_ext.schedules.torch_order import from_torch_order
+
+    fake = SimpleNamespace(pp_group_size=p, _n_microbatches=m)
+    order = {r: schedules.ScheduleDualPipeV._calculate_single_rank_operations(fake, r) for r in range(p)}
+    theirs = from_torch_order(order, v_placement(p), m, name="dualpipev")
+    ours = generate("dualpipev", p, m)
+    assert theirs.ops == ours.ops
+    assert theirs.overlap_pairs == ours.overlap_pairs
