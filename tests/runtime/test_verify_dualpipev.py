@@ -18,10 +18,10 @@ def test_dualpipev_matches_reference(pool, p: int, m: int) -> None:
     assert report.ok, report
 
 
-def test_overlap_hook_runs_every_pair_and_matches_reference(pool) -> None:
+@pytest.mark.parametrize(("p", "m"), [(2, 5), (4, 8)])
+def test_overlap_hook_runs_every_pair_and_matches_reference(pool, p: int, m: int) -> None:
     """Each chunk gets a hook that records its calls and runs the backward first: the executor hands it
     exactly the schedule's pairs (forward's chunk owns the hook), and losses and gradients still match."""
-    p, m = 2, 5
     schedule = generate("dualpipev", p, m)
     model = TinyGPTSpec(num_layers=2 * p)
     common = {"model": model, "iterations": 2}
