@@ -315,10 +315,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     schedule = _schedule_from_args(args)
     dp_options = _dp_options(args, schedule)
+    if not 0.0 <= args.overlap <= 1.0:
+        raise CliError(f"--overlap must be in [0, 1], got {args.overlap}")
     if dp_options:
         result = simulate(schedule, parse_costs(args.costs), lowered=validate(schedule), **dp_options)
     else:
-        result = _simulate(schedule, parse_costs(args.costs))
+        result = simulate(schedule, parse_costs(args.costs), lowered=validate(schedule), overlap=args.overlap)
     if args.json:
         data = result.to_json_dict()
         block = building_block_of(schedule)
@@ -514,6 +516,14 @@ def build_parser(load_verify: bool = False) -> argparse.ArgumentParser:
     _add_source_args(sim)
     sim.add_argument("--json", action="store_true", help="print the result as JSON")
     sim.add_argument("--show", action="store_true", help="also print every rank's op list")
+    sim.add_argument(
+        "--overlap",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="overlap factor of the schedule's forward-and-backward pairs (dualpipev): a pair takes "
+        "max + (1-F) x min; 0 (default) = one after the other",
+    )
     dp = sim.add_argument_group("data parallelism (a collective stream per rank; --costs then read as ms)")
     dp.add_argument("--dp", type=int, default=None, metavar="N", help="data-parallel size (ranks per stage), >= 2")
     dp.add_argument("--dp-bandwidth", metavar="GBPS", help="data-parallel bus bandwidth per rank, GB/s")

@@ -214,6 +214,7 @@ def simulate(
     dp: int = 1,
     dp_bandwidth: float | None = None,
     param_bytes: PerStage | None = None,
+    overlap: float = 0.0,
 ) -> SimResult:
     """Simulate ``schedule`` (validated and lowered unless ``lowered`` is given).
 
@@ -226,6 +227,11 @@ def simulate(
     gradients). Raises :class:`~megatron_pp_ext.analysis.validate.ScheduleValidationError`
     subclasses for an invalid schedule, ``ValueError`` for bad costs or sizes.
 
+    ``overlap`` (0..1): how much of the shorter op of each overlap pair (``Schedule.overlap_pairs``,
+    DualPipe's forward-and-backward steps) hides under the longer one: a pair takes
+    ``max + (1 - overlap) * min`` and sends both outputs at its end; busy time counts it so. 0 (default):
+    the two ops run one after the other, as the executor runs them without an overlap hook.
+
     Data parallelism (module doc): ``dp`` ranks per data-parallel group, ``collectives`` the policy
     (default: gradient reduction only), ``dp_bandwidth`` in bytes per time unit of ``costs`` and
     ``param_bytes`` the bytes of one stage's parameters (one number or one per global stage; its
@@ -236,6 +242,10 @@ def simulate(
         raise ValueError(f"comm must be one of {', '.join(COMM_MODELS)}, got {comm!r}")
     if not 0.0 <= w_retained_fraction <= 1.0:
         raise ValueError(f"w_retained_fraction must be in [0, 1], got {w_retained_fraction}")
+    if isinstance(overlap, bool) or not isinstance(overlap, int | float) or not 0.0 <= overlap <= 1.0:
+        raise ValueError(f"overlap must be a number in [0, 1], got {overlap!r}")
+    if overlap and schedule.overlap_pairs and (comm != "async" or collectives is not None or dp != 1):
+        raise ValueError("overlap pairs are timed with comm='async' and without data-parallel collectives only")
     if lowered is None:
         lowered = validate(schedule)
     elif lowered.schedule is not schedule and lowered.schedule != schedule:
@@ -246,7 +256,9 @@ def simulate(
     elif dp_bandwidth is not None or param_bytes is not None:
         raise ValueError("dp_bandwidth and param_bytes describe data parallelism: give dp (> 1) or collectives too")
     with cyclic_gc_paused():
-        return _simulate(schedule, costs, lowered, activation_bytes, w_retained_fraction, message_bytes, comm, dp_setup)
+        return _simulate(
+            schedule, costs, lowered, activation_bytes, w_retained_fraction, message_bytes, comm, dp_setup, overlap
+        )
 
 
 class _DPSetup:
@@ -290,6 +302,7 @@ def _simulate(
     message_bytes: PerStage | None,
     comm: str,
     dp_setup: _DPSetup | None = None,
+    overlap: float = 0.0,
 ) -> SimResult:
     num_stages = schedule.num_stages
     durations = _Durations(costs, num_stages)
@@ -297,7 +310,9 @@ def _simulate(
     data_parallel = None
     try:
         if dp_setup is None:
-            starts, last_end = op_start_times(lowered, per_op, float(costs.t_comm), blocking=comm == "blocking")
+            starts, last_end = op_start_times(
+                lowered, per_op, float(costs.t_comm), blocking=comm == "blocking", overlap=overlap
+            )
         else:
             starts, last_end, data_parallel = _simulate_dp(schedule, lowered, per_op, float(costs.t_comm), dp_setup)
     except RuntimeError as exc:  # validate() rules this out
@@ -306,6 +321,9 @@ def _simulate(
     span = [end - row[0] if row else 0.0 for row, end in zip(starts, last_end, strict=True)]
     makespan = max(last_end, default=0.0) if data_parallel is None else data_parallel.iteration_time
     peak, busy = _memory_and_busy(schedule, [1.0] * num_stages, w_retained_fraction, per_op)
+    if overlap:  # a pair's shorter op hides overlap x its time under the longer one
+        for rank, pair_starts in enumerate(schedule.overlap_pairs):
+            busy[rank] -= overlap * sum(min(per_op[rank][i], per_op[rank][i + 1]) for i in pair_starts)
     c_max = max(span, default=0.0)
     w_max = max(busy, default=0.0)
     per_rank_stages = schedule.placement.stages_per_rank_per_replica

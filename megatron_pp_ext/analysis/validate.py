@@ -559,6 +559,20 @@ def excerpt(schedule: Schedule, rank: int, index: int, width: int = EXCERPT_OPS)
     return f"rank {rank}: {head}{' '.join(cells)}{tail}"
 
 
+def check_overlap_pairs(schedule: Schedule) -> None:
+    """Each overlap pair is one forward and one backward (``B``/``BW``) of different (stage, micro-batch):
+    neither needs the other's output, so the executor may run them together."""
+    for rank, starts in enumerate(schedule.overlap_pairs):
+        for i in starts:
+            first, second = schedule.ops[rank][i : i + 2]
+            kinds = {first.kind, second.kind}
+            if OpKind.F not in kinds or not (kinds & {OpKind.B, OpKind.BW}) or first[1:] == second[1:]:
+                raise DependencyError(
+                    f"rank {rank}: overlap pair {first}+{second} at op {i} must be one forward and one backward "
+                    f"(B or BW) of different stages or micro-batches\n{excerpt(schedule, rank, i)}"
+                )
+
+
 # ---- all together ---------------------------------------------------------------------------
 def check_collective_plan(schedule: Schedule, policy: CollectivePolicy) -> CollectivePlan:
     """Derive the collectives ``policy`` asks for and check them; :class:`CollectiveError` if not."""
@@ -577,6 +591,7 @@ def validate(schedule: Schedule, collectives: CollectivePolicy | None = None) ->
     With ``collectives``, the collectives derived for that policy are checked too."""
     pos = check_ops(schedule)
     check_dependencies(schedule, pos)
+    check_overlap_pairs(schedule)
     lowered = lower(schedule)
     check_lowered(lowered)
     if collectives is not None:

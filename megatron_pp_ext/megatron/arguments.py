@@ -9,6 +9,16 @@ Flag semantics (group "pipeline schedules (megatron_pp_ext)"):
 ``--pipeline-schedule NAME``
     A registered schedule (case-insensitive). Not given: megatron's own schedule runs and
     megatron is left untouched.
+``--pipeline-schedule auto``
+    Every registered schedule and parameter (chunks per rank, memory limits ``p`` and ``2p``, costs) is
+    evaluated with the simulator and the memory model at the run's TP / PP / DP / micro-batch size
+    (:mod:`megatron_pp_ext.planner.auto`, as ``megatron-pp plan --schedules auto``); the fastest that fits
+    ``--pipeline-memory-budget`` GiB (CPU; on a GPU the default is its memory) runs, and rank 0 prints the
+    decision table. ``--pipeline-costs F,B,W`` then means milliseconds of one 1F1B stage (L/p layers) for
+    one micro-batch (its COMM is not used: the device model's hop time is); without it the device's cost
+    model is used. The chosen schedule is built with the costs it was evaluated with.
+``--pipeline-memory-budget GIB``
+    Memory per rank for ``auto`` (weights, gradients, optimizer state and activations).
 ``--pipeline-schedule-file CSV``
     A user schedule (see :mod:`megatron_pp_ext.schedules.schedule` for the format), checked
     with :func:`megatron_pp_ext.analysis.validate.validate`. Its rank count must equal
@@ -171,7 +181,7 @@ def parse_costs(text: str) -> Any:
 
 def parse_schedule_name(text: str) -> str:
     name = str(text).strip().lower()
-    valid = registry.names()
+    valid = [*registry.names(), AUTO]
     if name not in valid:
         raise argparse.ArgumentTypeError(f"unknown pipeline schedule {text!r}; valid schedules: {', '.join(valid)}")
     return name
@@ -217,6 +227,9 @@ def _remember(args: Any, config: PipelineConfig) -> None:
     _CONFIGS[id(args)] = (weakref.ref(args), config)
 
 
+AUTO = "auto"  # --pipeline-schedule auto (planner/auto.py)
+
+
 # ---- argparse ---------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the plugin's flags (an ``extra_args_provider`` for megatron); returns ``parser``."""
@@ -227,7 +240,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=parse_schedule_name,
         default=None,
         metavar="NAME",
-        help=f"Pipeline schedule to run (case-insensitive): {names}. Default: megatron's own schedule.",
+        help=f"Pipeline schedule to run (case-insensitive): {names}, or auto (the fastest that fits the memory "
+        "budget). Default: megatron's own schedule.",
+    )
+    group.add_argument(
+        "--pipeline-memory-budget",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="Memory per rank (GiB) that --pipeline-schedule auto must fit (default: the GPU's memory).",
     )
     group.add_argument(
         "--pipeline-schedule-file",
@@ -347,6 +368,7 @@ class PipelineConfig:
     pipeline_parallel_size: int | None = None
     virtual_flag: str = "--num-virtual-stages-per-pipeline-rank"
     check_messages: bool = False  # --pipeline-check-messages
+    auto_table: str | None = None  # --pipeline-schedule auto: the decision table
     _file_schedule: Schedule | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -564,6 +586,10 @@ def validate_arguments(args: Any) -> PipelineConfig:
     for attr, flag in (("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm"),):
         if _given(args, attr):
             raise PipelineArgumentError(flag, "megatron's combined 1F1B schedule cannot run with --pipeline-schedule")
+    if config.schedule == AUTO:
+        _resolve_auto(args, config)
+    elif _given(args, "pipeline_memory_budget"):
+        raise PipelineArgumentError("--pipeline-memory-budget", "needs --pipeline-schedule auto")
 
     from .fsdp_training import check_arguments as check_fsdp_arguments
 
@@ -604,6 +630,46 @@ def validate_arguments(args: Any) -> PipelineConfig:
         _check_trace_dir(config.trace_dir)
     _remember(args, config)
     return config
+
+
+def _resolve_auto(args: Any, config: PipelineConfig) -> None:
+    """``--pipeline-schedule auto``: put the planner's choice into ``config`` and print its table on rank 0."""
+    import os
+
+    from ..planner.auto import decide, planner_for_run
+
+    budget = getattr(args, "pipeline_memory_budget", None)
+    cpu = bool(getattr(args, "cpu", False)) or not _cuda_available()
+    if budget is not None and not (math.isfinite(budget) and budget > 0):
+        raise PipelineArgumentError("--pipeline-memory-budget", f"must be a number of GiB > 0, got {budget}")
+    if budget is None and cpu:
+        raise PipelineArgumentError("--pipeline-memory-budget", "--pipeline-schedule auto on CPU needs a budget")
+    stage_ms = None
+    if config.costs is not None:
+        if not isinstance(config.costs, tuple):
+            raise PipelineArgumentError("--pipeline-costs", "auto takes F,B,W[,COMM] in ms, not a profile file yet")
+        stage_ms = (float(config.costs[0]), float(config.costs[1]), float(config.costs[2]))
+    decision = decide(planner_for_run(args, budget_gib=budget, stage_costs_ms=stage_ms, cpu=cpu))
+    config.auto_table = decision.table()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(config.auto_table, flush=True)
+    chosen = decision.chosen
+    if chosen is None:
+        raise PipelineArgumentError("--pipeline-memory-budget", f"no schedule fits:\n{config.auto_table}")
+    config.schedule = chosen.config.schedule
+    config.memory_limit = parse_memory_limit(chosen.config.memory_limit) if chosen.config.memory_limit else None
+    if chosen.config.v_flag is not None:
+        config.num_virtual_stages = chosen.config.v_flag
+    if chosen.config.costs_flag is not None and config.costs is None:
+        config.costs = parse_costs(chosen.config.costs_flag)  # build what was evaluated
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return False
+    return bool(torch.cuda.is_available())
 
 
 def _schedule_error(

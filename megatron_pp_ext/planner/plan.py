@@ -1087,7 +1087,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--w-retained", type=fraction, default=1.0, help="share of an activation a B keeps until its W (1.0 = papers')"
     )
     s = parser.add_argument_group("search space (comma-separated lists; default: everything valid)")
-    s.add_argument("--schedules", type=_str_list, help="schedules to consider (default: every registered one)")
+    s.add_argument(
+        "--schedules",
+        type=_str_list,
+        help="schedules to consider (default: every registered one); 'auto': every one with the memory limits "
+        "p and 2p too, and print the auto decision table (what --pipeline-schedule auto picks)",
+    )
     s.add_argument("--tp", type=_int_list)
     s.add_argument("--pp", type=_int_list)
     s.add_argument("--micro-batch", type=_int_list, help="default 1,2,4,8,16 (and the preset's)")
@@ -1150,16 +1155,21 @@ def planner_from_args(args: argparse.Namespace) -> Planner:
     for r in args.recompute:
         if r not in ("none", "selective", "full"):
             raise ValueError(f"--recompute values must be none, selective or full, got {r!r}")
+    auto = tuple(args.schedules or ()) == ("auto",)
     space = SearchSpace(
         tp=args.tp,
         pp=args.pp,
         micro_batch=args.micro_batch,
         virtual=tuple(args.virtual),
         recompute=tuple(args.recompute),
-        schedules=args.schedules,
+        schedules=None if auto else args.schedules,
         memory_limits=tuple(args.schedule_memory_limits),
         layer_split=args.layer_split,
     )
+    if auto:  # every schedule and parameter (planner/auto.py)
+        from .auto import auto_space
+
+        space = auto_space(space)
     return Planner(
         model,
         gpus,
@@ -1230,6 +1240,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             writer.writerow([d[k] if not isinstance(d[k], list) else "/".join(map(str, d[k])) for k in keys])
         print(out.getvalue(), end="")
         return 0
+    if tuple(args.schedules or ()) == ("auto",):
+        from .auto import AutoDecision
+
+        print(AutoDecision(result).table())
+        print()
     if rows:
         print(format_table(TABLE_HEADER, table_rows(rows)))
     else:

@@ -12,7 +12,9 @@ returns. It interprets this rank's lowered program instruction by instruction:
   (data-parallel gradient reduction of a chunk after its last backward, the
   distributed optimizer's parameter gather before its first forward, FSDP
   unshard/reshard, the replica gradient sync of bidirectional placements) are
-  launched when the program reaches that gap.
+  launched when the program reaches that gap;
+* an overlap pair of the schedule (DualPipe's forward-and-backward step) goes to the overlap hook of
+  the chunk running its forward, if it has one (:mod:`.overlap`); otherwise its ops run one by one.
 
 Tensors move through a mailbox keyed like the lowering's messages
 ``(kind, consumer stage, micro-batch)``: a producer deposits its output, a send
@@ -47,6 +49,7 @@ from . import agreement, p2p
 from .data import MicrobatchIterator
 from .embedding_sync import add_local_tied_grads, ends_on_same_rank, local_tied_pairs, without_embedding_groups
 from .grad_check import GradCheckPolicy, GradWatch, watching
+from .overlap import OverlapStep, find_overlap_hook
 from .trace import NullTracer, Tracer
 from .wgrad import WeightGradStore, get_weight_grad_store
 
@@ -423,10 +426,17 @@ class _Run:
         program = self.plan.program
         collectives = self.plan.collectives
         gap = 0
+        resume = 0  # after an overlap pair run by a hook: the index of the instruction that follows it
         for index, instruction in enumerate(program):
+            if index < resume:
+                continue
             if isinstance(instruction, Compute):
                 for collective in collectives.get(gap, ()):
                     self._collective(collective)
+                resume = self._overlap_pair(index, gap)
+                if resume:
+                    gap += 2
+                    continue
                 self._compute(instruction.op)
                 gap += 1
             else:
@@ -501,6 +511,44 @@ class _Run:
                 else:
                     self._backward(op)
         self.tracer.end_op(op)
+
+    def _overlap_pair(self, index: int, gap: int) -> int:
+        """Run the overlap pair whose first op is ``program[index]`` (op ``gap`` of the rank) through the
+        overlap hook of its forward's chunk (:mod:`.overlap`) and return the index of the instruction after
+        it; 0 if no pair starts there or that chunk has no hook (its ops then run one by one)."""
+        pairs = self.schedule.overlap_pairs
+        if not pairs or gap not in pairs[self.rank]:
+            return 0
+        program = self.plan.program
+        end = next(k for k in range(index + 1, len(program)) if isinstance(program[k], Compute))
+        first, second = program[index].op, program[end].op  # type: ignore[union-attr]
+        # (the lowering receives both inputs before the pair; in between the program may only post)
+        forward = first if first.kind == OpKind.F else second
+        hook = find_overlap_hook(self.models[self.placement.chunk_of(forward.stage)])
+        if hook is None:
+            return 0
+        done: list[Op] = []
+
+        def run_first() -> None:  # the first op, then what the program does before the second
+            self._compute(first)
+            for ins in program[index + 1 : end]:
+                self._exchange(ins, second)  # type: ignore[arg-type]
+            for collective in self.plan.collectives.get(gap + 1, ()):
+                self._collective(collective)
+            done.append(first)
+
+        def run_second() -> None:
+            self._compute(second)
+            done.append(second)
+
+        steps = {first: run_first, second: run_second}
+        backward = second if forward is first else first
+        hook(
+            *(OverlapStep(op, self.models[self.placement.chunk_of(op.stage)], steps[op]) for op in (forward, backward))
+        )
+        if sorted(done) != sorted(steps):
+            raise ExecutorError(f"{self._where(first)}: the overlap hook must run each op of the pair once, ran {done}")
+        return end + 1
 
     def _forward(self, op: Op) -> None:
         from megatron.core.pipeline_parallel.schedules import check_first_val_step, forward_step

@@ -325,6 +325,8 @@ def _plan(schedule: Schedule) -> CommPlan:
     cross = ~local
     producer, consumer, grad, src, dst = producer[cross], consumer[cross], grad[cross], src[cross], dst[cross]
     send_gap, recv_gap = index[producer] + 1, index[consumer]
+    if schedule.overlap_pairs:  # both inputs of an overlap pair arrive before the pair
+        recv_gap = recv_gap - _second_of_pair(schedule, arrays)[consumer]
     order = np.lexsort((send_gap, dst, src))  # channel order: sender, receiver, send position
     producer, consumer, grad, src, dst = producer[order], consumer[order], grad[order], src[order], dst[order]
     send_gap, recv_gap = send_gap[order], recv_gap[order]
@@ -383,6 +385,14 @@ def _inputs(schedule: Schedule, arrays: OpArrays) -> tuple[np.ndarray, np.ndarra
     if (producer < 0).any():
         _raise_missing_producer(schedule, rank, index, consumer[producer < 0])
     return consumer, producer, grad
+
+
+def _second_of_pair(schedule: Schedule, arrays: OpArrays) -> np.ndarray:
+    """Per op (global id): 1 for the second op of an overlap pair, else 0."""
+    second = np.zeros(arrays.total, dtype=np.int64)
+    for rank, starts in enumerate(schedule.overlap_pairs):
+        second[[arrays.offsets[rank] + i + 1 for i in starts]] = 1
+    return second
 
 
 def _fifo_channels(channel: np.ndarray, recv_gap: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -12,10 +12,12 @@ CSV format (one row per rank, header lines start with ``#``)::
     # microbatches=8            (default: largest micro-batch index + 1)
     # replicas=0,0,1,1,...      (bidirectional only: replica of each micro-batch)
     0,F0.0,F0.1,F0.2,BW0.0,...
-    1,F1.0,...
+    1,F1.0,...,F1.4+BW6.1,...
 
 The first cell of a row is the rank; the others are ops in ``<KIND><stage>.<mb>``
-syntax (see :mod:`megatron_pp_ext.schedules.ir`). Empty cells are ignored.
+syntax (see :mod:`megatron_pp_ext.schedules.ir`). Empty cells are ignored. A cell
+``<op>+<op>`` is an *overlap pair* (:attr:`Schedule.overlap_pairs`): two consecutive ops,
+one forward and one backward, that the executor may run together (DualPipe).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import csv
 import io
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .ir import Op, OpKind, ScheduleSyntaxError
@@ -40,9 +42,14 @@ class Schedule:
     name: str = "custom"
     microbatch_replicas: tuple[int, ...] = ()  # empty = every micro-batch on replica 0
     params: dict[str, object] = field(default_factory=dict, compare=False)
+    # overlap_pairs[rank]: index i of every overlap pair (ops i and i+1 of the rank, which the executor
+    # may run together and the simulator times with its overlap factor); empty = no pairs anywhere
+    overlap_pairs: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", tuple(tuple(row) for row in self.ops))
+        if self.overlap_pairs:
+            self._check_overlap_pairs()
         if len(self.ops) != self.placement.num_ranks:
             raise ScheduleSyntaxError(
                 f"schedule has {len(self.ops)} rank rows but the placement has {self.placement.num_ranks} ranks"
@@ -51,6 +58,35 @@ class Schedule:
             raise ScheduleSyntaxError(
                 f"replicas lists {len(self.microbatch_replicas)} micro-batches, expected {self.num_microbatches}"
             )
+
+    def _check_overlap_pairs(self) -> None:
+        pairs = tuple(tuple(sorted(row)) for row in self.overlap_pairs)
+        object.__setattr__(self, "overlap_pairs", pairs)
+        if len(pairs) != len(self.ops):
+            raise ScheduleSyntaxError(f"overlap_pairs has {len(pairs)} rank rows, the schedule {len(self.ops)}")
+        for rank, (row, starts) in enumerate(zip(self.ops, pairs, strict=True)):
+            for k, i in enumerate(starts):
+                if not 0 <= i < len(row) - 1 or (k and starts[k - 1] + 1 >= i):
+                    raise ScheduleSyntaxError(
+                        f"rank {rank}: overlap pair at op {i} must start at 0..{len(row) - 2} and not share an op "
+                        "with another pair"
+                    )
+
+    def with_overlap_pairs(self, pairs: Sequence[Iterable[int]]) -> Schedule:
+        """This schedule with ``pairs[rank]`` (first op index of each pair) as its overlap pairs."""
+        return replace(self, overlap_pairs=tuple(tuple(row) for row in pairs), params=dict(self.params))
+
+    def pair_cells(self, rank: int) -> list[str]:
+        """Rank ``rank``'s ops as text cells, an overlap pair as one ``<op>+<op>`` cell."""
+        row = self.ops[rank]
+        starts = set(self.overlap_pairs[rank]) if self.overlap_pairs else set()
+        cells: list[str] = []
+        for i, op in enumerate(row):
+            if i - 1 in starts:
+                cells[-1] += f"+{op}"
+            else:
+                cells.append(str(op))
+        return cells
 
     # ---- shape ---------------------------------------------------------------------------
     @property
@@ -105,8 +141,8 @@ class Schedule:
         if self.microbatch_replicas:
             out.write("# replicas=" + ",".join(map(str, self.microbatch_replicas)) + "\n")
         writer = csv.writer(out, lineterminator="\n")
-        for rank, row in enumerate(self.ops):
-            writer.writerow([rank, *map(str, row)])
+        for rank in range(self.num_ranks):
+            writer.writerow([rank, *self.pair_cells(rank)])
         return out.getvalue()
 
     def save(self, path: str | Path) -> None:
@@ -116,6 +152,7 @@ class Schedule:
     def from_csv(cls, text: str, source: str = "<csv>") -> Schedule:
         header: dict[str, str] = {}
         rows: dict[int, list[Op]] = {}
+        pairs: dict[int, list[int]] = {}
         body = []
         for lineno, line in enumerate(text.splitlines(), 1):
             stripped = line.strip()
@@ -140,7 +177,14 @@ class Schedule:
             if rank in rows:
                 raise ScheduleSyntaxError(f"{source}:{lineno}: rank {rank} has two rows")
             try:
-                rows[rank] = [Op.parse(c) for c in cells[1:] if c.strip()]
+                rows[rank], pairs[rank] = [], []
+                for cell in filter(str.strip, cells[1:]):
+                    parts = cell.split("+")
+                    if len(parts) > 2:
+                        raise ScheduleSyntaxError(f"an overlap pair has two ops, got {cell!r}")
+                    if len(parts) == 2:
+                        pairs[rank].append(len(rows[rank]))
+                    rows[rank] += [Op.parse(part) for part in parts]
             except ScheduleSyntaxError as exc:
                 raise ScheduleSyntaxError(f"{source}:{lineno} (rank {rank}): {exc}") from None
         if not rows:
@@ -168,6 +212,7 @@ class Schedule:
             ops=tuple(tuple(rows[r]) for r in range(num_ranks)),
             name=header.get("name", Path(source).stem if source != "<csv>" else "custom"),
             microbatch_replicas=replicas,
+            overlap_pairs=tuple(tuple(pairs[r]) for r in range(num_ranks)) if any(pairs.values()) else (),
         )
 
     @classmethod

@@ -22,10 +22,19 @@ _NOT_SENT, _AWAITED = -1.0, -2.0
 
 
 def op_start_times(
-    lowered: LoweredSchedule, durations: Sequence[list[float]], t_comm: float, *, blocking: bool = False
+    lowered: LoweredSchedule,
+    durations: Sequence[list[float]],
+    t_comm: float,
+    *,
+    blocking: bool = False,
+    overlap: float = 0.0,
 ) -> tuple[list[list[float]], list[float]]:
     """``(starts, last_end)``: per rank the start of each op in rank order, and the end of its
     last op (0 for an empty rank). ``durations[r][i]`` is the duration of op ``i`` of rank ``r``.
+
+    ``overlap`` (0..1, non-blocking receives only): the schedule's overlap pairs run as one step
+    that starts once both inputs are there, takes ``max + (1 - overlap) * min`` of the two
+    durations and sends both outputs at its end. With 0 (default) a pair runs as two plain ops.
 
     Raises ``RuntimeError`` if some rank waits for a message that never comes (a lowering that
     :func:`~megatron_pp_ext.analysis.validate.validate` would reject).
@@ -36,12 +45,26 @@ def op_start_times(
     starts: list[list[float]] = [[] for _ in range(p)]
     clock = [0.0] * p
     pc = [0] * p
-    run, waits = (_run_blocking, plan.receive_groups) if blocking else (_run_async, plan.inputs_of_ops)
-    run(durations, waits, plan.sends_after_ops, plan.dst_rank, t_comm, arrival, starts, clock, pc)  # type: ignore[operator]
+    pairs = lowered.schedule.overlap_pairs if overlap else ()
+    if pairs and blocking:
+        raise ValueError("overlap pairs are timed with non-blocking receives only")
+    if pairs:
+        first = [bytearray(len(row)) for row in durations]
+        for rank, row in enumerate(pairs):
+            for i in row:
+                first[rank][i] = 1
+        inputs, sends, dst = plan.inputs_of_ops, plan.sends_after_ops, plan.dst_rank
+        _run_paired(durations, first, overlap, inputs, sends, dst, t_comm, arrival, starts, clock, pc)
+    else:
+        run, waits = (_run_blocking, plan.receive_groups) if blocking else (_run_async, plan.inputs_of_ops)
+        run(durations, waits, plan.sends_after_ops, plan.dst_rank, t_comm, arrival, starts, clock, pc)  # type: ignore[operator]
     stuck = [r for r in range(p) if pc[r] < len(durations[r])]
     if stuck:
         raise RuntimeError(f"simulation stuck: ranks {stuck} wait for messages that are never sent")
-    last_end = [row[-1] + dur[-1] if row else 0.0 for row, dur in zip(starts, durations, strict=True)]
+    if pairs:  # a rank's clock is the end of its last step
+        last_end = [clock[r] if starts[r] else 0.0 for r in range(p)]
+    else:
+        last_end = [row[-1] + dur[-1] if row else 0.0 for row, dur in zip(starts, durations, strict=True)]
     return starts, last_end
 
 
@@ -82,6 +105,57 @@ def _run_async(
                 if arrival[mid] < 0:
                     arrival[mid] = t + t_comm
             k += 1
+        pc[rank], clock[rank] = k, t
+
+
+def _run_paired(
+    durations: Sequence[list[float]],
+    first: list[bytearray],
+    overlap: float,
+    inputs: list[list[int]],
+    sent_after: list[list[int]],
+    dst: list[int],
+    t_comm: float,
+    arrival: list[float],
+    starts: list[list[float]],
+    clock: list[float],
+    pc: list[int],
+) -> None:
+    """:func:`_run_async` where ``first[r][k]`` marks an overlap pair (ops ``k``, ``k+1``) run as one step."""
+    stack = list(range(len(durations) - 1, -1, -1))
+    while stack:
+        rank = stack.pop()
+        dur, wait, sends, pair = durations[rank], inputs[rank], sent_after[rank], first[rank]
+        n = len(dur)
+        k, t = pc[rank], clock[rank]
+        while k < n:
+            width = 2 if pair[k] else 1
+            ready, blocked = t, False
+            for need in wait[k : k + width]:
+                if need >= 0:
+                    at = arrival[need]
+                    if at < 0:  # not sent yet: its sender resumes this rank
+                        arrival[need] = _AWAITED
+                        blocked = True
+                    elif at > ready:
+                        ready = at
+            if blocked:
+                break
+            t = ready
+            if width == 2:
+                a, b = dur[k], dur[k + 1]
+                starts[rank] += [t, t]
+                t += max(a, b) + (1.0 - overlap) * min(a, b)
+            else:
+                starts[rank].append(t)
+                t += dur[k]
+            for mid in sends[k : k + width]:
+                if mid >= 0:
+                    if arrival[mid] == _AWAITED:
+                        stack.append(dst[mid])
+                    if arrival[mid] < 0:
+                        arrival[mid] = t + t_comm
+            k += width
         pc[rank], clock[rank] = k, t
 
 

@@ -2,7 +2,8 @@
 
 1. Every op whose input another stage makes receives it: a local hand-off when producer and
    consumer share a rank, else a message sent right after the producer (gap ``index + 1``) and
-   received right before the consumer (gap ``index``).
+   received right before the consumer (gap ``index``), or before its overlap pair when the consumer
+   is the second op of one (gap ``index - 1``).
 2. FIFO per channel: sorted by send gap, a receive is moved up to the next message's receive.
 3. Rendezvous run (a batch completes once every peer has posted its side); whenever no rank can
    move, each blocked sender whose receiver has not reached the receive gets the receive moved into
@@ -27,6 +28,7 @@ def reference_programs(schedule: Schedule) -> tuple[tuple[Program, ...], list[Me
             if op.kind != "W":
                 where[(op.kind == "F", op.stage, op.microbatch)] = (rank, i)
     found: list[tuple[str, int, int, int, int, int, int, int]] = []  # kind, src/dst stage, mb, ranks, gaps
+    second_of_pair = {(rank, i + 1) for rank, starts in enumerate(schedule.overlap_pairs) for i in starts}
     handoffs = []
     for rank, row in enumerate(rows):
         for i, op in enumerate(row):
@@ -39,7 +41,8 @@ def reference_programs(schedule: Schedule) -> tuple[tuple[Program, ...], list[Me
             if src_rank == rank:
                 handoffs.append(op)
                 continue
-            found.append((kind, src_stage, op.stage, op.microbatch, src_rank, rank, src_index + 1, i))
+            at = i - 1 if (rank, i) in second_of_pair else i
+            found.append((kind, src_stage, op.stage, op.microbatch, src_rank, rank, src_index + 1, at))
     channels: dict[tuple[int, int], list[int]] = {}
     for mid, f in enumerate(found):
         channels.setdefault((f[4], f[5]), []).append(mid)

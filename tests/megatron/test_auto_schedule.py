@@ -1,0 +1,61 @@
+"""``--pipeline-schedule auto`` in the argument validation: the planner's choice, its table, the budget."""
+
+from __future__ import annotations
+
+import pytest
+from megatron_args_helpers import make_args
+
+from megatron_pp_ext.megatron.arguments import PipelineArgumentError, validate_arguments
+
+TINY = {  # scripts/run_tiny_cpu.sh's shapes at 4 ranks
+    "num_layers": 8,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "seq_length": 64,
+    "vocab_size": 256,
+    "micro_batch_size": 2,
+    "global_batch_size": 16,
+    "hidden_dropout": 0.0,
+    "attention_dropout": 0.0,
+}
+
+
+def test_auto_resolves_to_a_schedule_and_prints_its_table(capsys: pytest.CaptureFixture[str]) -> None:
+    args = make_args(["--pipeline-schedule", "auto", "--cpu", "--pipeline-memory-budget", "4"], **TINY)
+    config = validate_arguments(args)
+    assert config.schedule not in (None, "auto") and config.auto_table is not None
+    out = capsys.readouterr().out
+    assert out.startswith(f"pipeline schedule auto: {config.schedule}")
+    assert config.build(4, 8).name == config.schedule
+
+
+def test_a_budget_below_the_2p_schedules_picks_a_p_schedule(capsys: pytest.CaptureFixture[str]) -> None:
+    """Budgets from the auto table of a generous run: just above the least memory of a p schedule (zb-h1) and
+    below zb-h2's, auto picks something that fits and never a 2p schedule."""
+    from megatron_pp_ext.planner.auto import decide, planner_for_run
+
+    generous = make_args(["--pipeline-schedule", "auto", "--cpu", "--pipeline-memory-budget", "4"], **TINY)
+
+    rows = decide(planner_for_run(generous, budget_gib=4.0, stage_costs_ms=None, cpu=True)).result.rows
+    peak = {
+        r.config.schedule + (f"@{r.config.memory_limit}" if r.config.memory_limit else ""): r.peak_memory for r in rows
+    }
+    low, high = peak["zb-h1"], peak["zb-h2"]
+    assert low < high
+    budget = (low + high) / 2 / 2**30
+    args = make_args(["--pipeline-schedule", "auto", "--cpu", "--pipeline-memory-budget", f"{budget}"], **TINY)
+    config = validate_arguments(args)
+    chosen = config.schedule + (f"@{config.memory_limit}" if config.memory_limit is not None else "")
+    assert config.schedule not in ("zb-h2",) and not chosen.endswith("@2p")
+    assert "dropped zb-h2: over budget" in (config.auto_table or "")
+
+
+def test_budget_needs_auto_and_cpu_auto_needs_a_budget() -> None:
+    with pytest.raises(PipelineArgumentError, match="needs --pipeline-schedule auto"):
+        validate_arguments(make_args(["--pipeline-schedule", "1f1b", "--pipeline-memory-budget", "4"], **TINY))
+    with pytest.raises(PipelineArgumentError, match="needs a budget"):
+        validate_arguments(make_args(["--pipeline-schedule", "auto", "--cpu"], **TINY))
+    with pytest.raises(PipelineArgumentError, match="no schedule fits"):
+        validate_arguments(
+            make_args(["--pipeline-schedule", "auto", "--cpu", "--pipeline-memory-budget", "1e-6"], **TINY)
+        )

@@ -1,0 +1,66 @@
+"""``auto``: the fastest schedule that fits, the same as an exhaustive plan's first row."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_pp_ext.planner.auto import AUTO_MEMORY_LIMITS, auto_space, decide
+from megatron_pp_ext.planner.costs import CostModel, get_device
+from megatron_pp_ext.planner.memory import GIB, TrainingSetup
+from megatron_pp_ext.planner.models import get_model
+from megatron_pp_ext.planner.plan import Planner, SearchSpace
+from megatron_pp_ext.schedules import names
+
+PRESETS = [  # model, GPUs, global batch, pp, micro-batch, device
+    ("zb-1.5b", 8, 48, 8, 2, "A100-80GB"),
+    ("zb-6.2b", 8, 48, 4, 2, "A100-80GB"),
+    ("cm-9.6b", 16, 64, 8, 1, "H100-80GB"),
+    ("tiny", 4, 16, 4, 1, "CPU"),
+]
+
+
+def _planner(model: str, gpus: int, batch: int, pp: int, mb: int, device: str, **space: object) -> Planner:
+    spec = get_model(model)
+    setup = TrainingSetup(precision="fp32", attention="unfused") if device == "CPU" else TrainingSetup()
+    cost = CostModel(spec, get_device(device), setup)
+    shape = {"tp": (1,), "pp": (pp,), "micro_batch": (mb,), "recompute": ("none",), "virtual": (1, 2)}
+    return Planner(spec, gpus, batch, cost, space=SearchSpace(**shape, **space))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda c: f"{c[0]}-p{c[3]}")
+def test_auto_picks_the_first_row_of_an_exhaustive_plan(preset: tuple) -> None:
+    exhaustive = _planner(*preset, schedules=tuple(names()), memory_limits=AUTO_MEMORY_LIMITS).run(progress=False)
+    decision = decide(_planner(*preset))
+    assert decision.chosen is not None and exhaustive.rows
+    assert decision.chosen.config.id == exhaustive.rows[0].config.id
+    assert decision.chosen.iteration_time == exhaustive.rows[0].iteration_time
+    table = decision.table()
+    assert table.startswith("pipeline schedule auto: ") and decision.chosen.config.schedule in table
+
+
+def test_a_budget_below_the_2p_schedules_never_picks_one() -> None:
+    """Budget between the p-memory schedules (zb-h1) and the 2p ones (zb-h2, zb-auto@2p): the choice fits, no
+    2p schedule is chosen, and the table says why they were dropped."""
+    preset = ("zb-6.2b", 8, 48, 8, 2, "A100-80GB")
+    rows = {
+        f"{r.config.schedule}@{r.config.memory_limit}": r
+        for r in _planner(*preset, schedules=tuple(names()), memory_limits=AUTO_MEMORY_LIMITS).run(progress=False).rows
+    }
+    low, high = rows["zb-h1@None"].peak_memory, rows["zb-h2@None"].peak_memory
+    assert low < high
+    planner = _planner(*preset)
+    planner.budget_bytes = (low + high) / 2
+    decision = decide(planner)
+    chosen = decision.chosen
+    assert chosen is not None and chosen.peak_memory <= planner.budget_bytes
+    two_p = {"zb-h2", "zb-auto@2p", "v-zb@2p"}
+    label = chosen.config.schedule + (f"@{chosen.config.memory_limit}" if chosen.config.memory_limit else "")
+    assert label not in two_p
+    assert all(r.peak_memory <= planner.budget_bytes for r in decision.result.rows)
+    assert "dropped zb-h2: over budget" in decision.table()
+    assert planner.budget_bytes < 1000 * GIB
+
+
+def test_auto_space_adds_every_schedule_and_the_limits() -> None:
+    space = auto_space(SearchSpace(schedules=("1f1b",), memory_limits=("12",)))
+    assert space.schedules is None and space.memory_limits == ("12", *AUTO_MEMORY_LIMITS)

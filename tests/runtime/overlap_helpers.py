@@ -1,0 +1,39 @@
+"""Rank function that gives every model chunk a recording overlap hook, for the overlap-hook tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def run_with_recording_hook(spec: Any, rank: int, init_method: str) -> dict[str, Any]:
+    """:func:`~megatron_pp_ext.runtime.verify.run_on_rank` where each chunk's overlap hook records its
+    calls and runs the pair backward first (a hook may order the two ops as it likes)."""
+    from megatron_pp_ext.runtime import tiny_gpt
+    from megatron_pp_ext.runtime.overlap import HOOK_ATTRIBUTE, OverlapStep
+    from megatron_pp_ext.runtime.verify import run_on_rank
+
+    calls: list[tuple[str, str, int, int]] = []
+    original = tiny_gpt.build_chunks
+
+    def build_chunks(*args: Any, **kwargs: Any) -> Any:
+        chunks, layouts = original(*args, **kwargs)
+        for index, chunk in enumerate(chunks):
+
+            def hook(forward: OverlapStep, backward: OverlapStep, index: int = index, chunk: Any = chunk) -> None:
+                owner = next(
+                    i for i, c in enumerate(chunks) if c is forward.model or getattr(forward.model, "module", None) is c
+                )
+                calls.append((str(forward.op), str(backward.op), index, owner))
+                backward.run()
+                forward.run()
+
+            setattr(chunk, HOOK_ATTRIBUTE, hook)
+        return chunks, layouts
+
+    tiny_gpt.build_chunks = build_chunks
+    try:
+        result = run_on_rank(spec, rank, init_method)
+    finally:
+        tiny_gpt.build_chunks = original
+    result["overlap_calls"] = calls
+    return result
