@@ -39,6 +39,7 @@ RECORDED = (
     "bfs-zb",
     "bitpipe",
     "bitpipe-zb",
+    "dualpipev",
     "gpipe",
     "interleaved-1f1b",
     "v-block",
@@ -129,6 +130,9 @@ def cases() -> Iterator[tuple[str, str, int, int, dict[str, Any], str]]:
                         kwargs = {"v": v} if group is None else {"v": v, "microbatch_group_size": group}
                         costs = "fbw-comm" if name == "bfs-zb" and m == 2 * p else "none"
                         yield f"{name}/p{p}/m{m}/v{v}/g{group}/{costs}", name, p, m, kwargs, costs
+    for p in (2, 3, 4, 6):
+        for m in (2 * p, 2 * p + 1, 3 * p, 4 * p):
+            yield f"dualpipev/p{p}/m{m}", "dualpipev", p, m, {}, "none"
     for name in ("bitpipe", "bitpipe-zb"):
         for p in (2, 4, 6, 8):
             for m in (p, 2 * p, 3 * p):

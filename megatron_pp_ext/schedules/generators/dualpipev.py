@@ -30,7 +30,7 @@ from ..placement import v_placement
 from ..registry import ScheduleInfo, register
 from ..schedule import Schedule, build_schedule
 from .common import ScheduleParameterError, reject_unsupported
-from .vshape import check_v_parameters
+from .vshape import v_capabilities
 
 __all__ = ["dualpipev", "dualpipev_rank"]
 
@@ -102,9 +102,9 @@ def dualpipev_rank(p: int, m: int, r: int) -> tuple[list[Op], list[int]]:
     return rank.ops, rank.pairs
 
 
-def dualpipev(p: int, m: int, *, v: int | None = None, **unused: object) -> Schedule:
-    """DualPipeV for ``p`` ranks and ``m >= 2p`` micro-batches (module doc)."""
-    check_v_parameters("dualpipev", p, m, v)
+def dualpipev(p: int, m: int, **unused: object) -> Schedule:
+    """DualPipeV for ``p`` ranks and ``m >= 2p`` micro-batches (module doc); ``p``, ``m`` and ``v``
+    are checked against the declared capabilities before this runs (``registry.generate``)."""
     reject_unsupported("dualpipev", unused)
     if m < 2 * p:
         raise ScheduleParameterError(f"dualpipev needs m >= 2p micro-batches (m >= {2 * p} for p={p}), got m={m}")
@@ -122,5 +122,6 @@ register(
         "p >= 2, m >= 2p, v = 2 (V placement)",
         "DeepSeek's DualPipeV: ZB-V-like V schedule whose (F, BW) pairs of the two chunks may run overlapped",
         family="v-shape",
+        capabilities=v_capabilities("p+1"),
     )
 )
