@@ -551,7 +551,8 @@ def _check_errors(results: list[dict[str, Any]]) -> None:
 def _losses(results: list[dict[str, Any]]) -> list[list[float]]:
     """Per iteration, the micro-batch losses of the whole global batch: data-parallel replica by
     replica (tensor-parallel rank 0), and within one the losses of every rank that computed some
-    (a bidirectional schedule computes them on two ranks) merged in micro-batch order."""
+    (a bidirectional schedule computes them on two ranks) in micro-batch order (a schedule may run
+    the last stage's forwards out of micro-batch order)."""
     holders = [r for r in results if r["losses"] and r["losses"][0] and r.get("tp_rank", 0) == 0]
     if not holders:
         raise VerifyRunError("no rank reported a loss")
@@ -563,7 +564,7 @@ def _losses(results: list[dict[str, Any]]) -> list[list[float]]:
         row: list[float] = []
         for d in sorted(by_dp):
             ranks = by_dp[d]
-            if len(ranks) == 1 or any(r.get("loss_microbatches") is None for r in ranks):
+            if any(r.get("loss_microbatches") is None for r in ranks):  # megatron's own order: by micro-batch
                 row += ranks[0]["losses"][it]
                 continue
             by_mb: dict[int, float] = {}
