@@ -1,0 +1,206 @@
+"""ZeroPP: blockwise task-interleaved pipeline with scheduling units (Tang et al., "Adaptive Blockwise
+Task-interleaved Pipeline Parallelism", 2024). No public implementation exists; this design is ours
+(docs/zeropp.md).
+
+Loop placement: ``v`` chunks per rank, chunk ``c`` of rank ``r`` is stage ``c*p + r``. The ``m``
+micro-batches are cut into **scheduling units** of ``U`` (``unit_size``); when ``U`` does not divide
+``m`` the last unit holds the remainder ``m % U``. Rank ``r`` works through three queues:
+
+1. *blockwise forwards*: unit by unit, the unit's micro-batches through chunk 0, then chunk 1, ...,
+   chunk ``v-1`` (breadth-first over the rank's stages inside the unit);
+2. *blockwise input-gradient backwards* ``B``: unit by unit, chunk ``v-1`` down to chunk 0;
+3. *staggered weight-gradient backwards* ``W``: every ``B`` queues its ``W``.
+
+Task interleaving, decided on a timed model of the run (``costs``, default unit costs, like the
+simulator): whenever the rank is free it runs its next ``B`` if its input is there, else its next
+``F`` if its input is there, else a queued ``W`` if one fits whole before the next ``F``/``B`` can
+start; ``W`` passes also run when nothing else is left. So consecutive units overlap: unit ``k+1``'s
+forwards fill the gaps of unit ``k``'s backwards, and ``W`` of other micro-batches fill what is left.
+Two bounds keep memory at about two units: the forwards of unit ``k+2`` wait until the rank has run
+every ``B`` of unit ``k``, and the ``W`` passes of unit ``k`` run before the first ``B`` of unit ``k+2``.
+
+FSDP (``fsdp_max_unsharded`` = :data:`FSDP_MAX_UNSHARDED`, declared in ``Schedule.params``): one chunk
+gathered for the forward sweep and one for the backward sweep, so each chunk is gathered about once per
+unit for its forwards and once for its backwards: at most ``2 v`` gathers per unit (fewer where both
+sweeps use the same chunk); with ``v <= 2`` every chunk stays gathered (one gather per chunk per
+iteration). ``U`` trades: a larger unit means fewer gathers (``2 v ceil(m/U)``) and a shorter fill per
+iteration, at about ``2 U`` 1F1B activations of memory; ``U = 1`` is a depth-first order with the most
+gathers, ``U = m`` the breadth-first order of ``bfs-zb``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from ..ir import B, F, Op, OpKind, W
+from ..placement import loop_placement
+from ..registry import ScheduleInfo, register
+from ..schedule import Schedule, build_schedule
+from .common import ScheduleParameterError, check_int, reject_unsupported, stage_costs
+
+__all__ = ["FSDP_MAX_UNSHARDED", "unit_ranges", "zeropp", "zeropp_order"]
+
+#: Gathered chunks a rank may hold under FSDP: the forward sweep's and the backward sweep's.
+FSDP_MAX_UNSHARDED = 2
+
+
+def unit_ranges(m: int, unit: int) -> list[range]:
+    """The scheduling units: ``[0, U), [U, 2U), ...``; the last holds the remainder."""
+    return [range(start, min(start + unit, m)) for start in range(0, m, unit)]
+
+
+def zeropp_order(p: int, m: int, v: int, unit: int, costs: object = None) -> list[list[Op]]:
+    """Per rank, the interleaved order of the module doc (a list scheduler over the three queues)."""
+    units = unit_ranges(m, unit)
+    unit_of = [k for k, mbs in enumerate(units) for _ in mbs]
+    last = v * p - 1
+    sc = stage_costs(costs, v * p)
+    # per rank and unit: the unit's forwards blockwise (chunk 0 first), its backwards (chunk v-1 first)
+    forwards = [[deque(F(c * p + r, i) for c in range(v) for i in mbs) for mbs in units] for r in range(p)]
+    backwards = [[deque(B(c * p + r, i) for c in reversed(range(v)) for i in mbs) for mbs in units] for r in range(p)]
+    waiting: list[deque[Op]] = [deque() for _ in range(p)]  # W passes queued by each B
+    end: dict[Op, float] = {}
+    clock = [0.0] * p
+    out: list[list[Op]] = [[] for _ in range(p)]
+    window = -(-p // unit)  # units whose forwards may run ahead of the backwards' unit: >= p micro-batches
+    idle_steps = 0
+
+    def producer(op: Op) -> Op | None:
+        if op.kind == OpKind.F:
+            return F(op.stage - 1, op.microbatch) if op.stage > 0 else None
+        return F(op.stage, op.microbatch) if op.stage == last else B(op.stage + 1, op.microbatch)
+
+    def ready(op: Op, rank: int) -> float:
+        """When ``op``'s input arrives; for a producer not yet run, a lower bound."""
+        prev = producer(op)
+        if prev is None:
+            return 0.0
+        hop = 0.0 if prev.stage % p == rank else sc.comm
+        if prev in end:
+            return end[prev] + hop
+        cost = (sc.f if prev.kind == OpKind.F else sc.b)[prev.stage]
+        return clock[prev.stage % p] + cost + hop + 1e-9  # it cannot start before its rank is free
+
+    def b_unit(r: int) -> int:  # the earliest unit with backwards left on rank r
+        return next((k for k, q in enumerate(backwards[r]) if q), len(units))
+
+    def candidates(r: int) -> list[deque[Op]]:
+        """The queues whose front may run next, in priority order: backwards, then forwards, each of the
+        open units earliest first (a later unit's task fills a gap of an earlier one)."""
+        k = b_unit(r)
+        return [q for q in backwards[r][k : k + window + 1] if q] + [q for q in forwards[r][: k + window + 1] if q]
+
+    def w_overdue(r: int) -> bool:  # W of unit k run before the first B of unit k + window + 1
+        return bool(waiting[r] and unit_of[waiting[r][0].microbatch] + window < b_unit(r))
+
+    def run(r: int, op: Op, start: float) -> None:
+        nonlocal idle_steps
+        idle_steps = 0
+        duration = {OpKind.F: sc.f, OpKind.B: sc.b, OpKind.W: sc.w}[op.kind][op.stage]
+        clock[r] = end[op] = start + duration
+        out[r].append(op)
+
+    def busy(q: int) -> bool:
+        return bool(waiting[q] or any(forwards[q]) or any(backwards[q]))
+
+    while any(busy(q) for q in range(p)):
+        # the rank that is free first decides: everything that can be ready by then is known
+        r = min((q for q in range(p) if busy(q)), key=lambda q: (clock[q], q))
+        now = clock[r]
+        fronts = candidates(r)
+        if w_overdue(r) or not fronts:
+            run(r, waiting[r].popleft(), now)
+            continue
+        times = [ready(q[0], r) for q in fronts]
+        first = next((q for q, t in zip(fronts, times, strict=True) if t <= now), None)
+        if first is not None:  # a B before an F, an earlier unit's F before a later one's
+            op = first.popleft()
+            run(r, op, now)
+            if op.kind == OpKind.B:
+                waiting[r].append(W(op.stage, op.microbatch))
+            continue
+        soonest = min(times)
+        if waiting[r] and now + sc.w[waiting[r][0].stage] <= soonest:  # a W fits in the gap
+            run(r, waiting[r].popleft(), now)
+            continue
+        idle_steps += 1
+        if idle_steps > 100 * p + 1000:  # pragma: no cover - the queues' orders are deadlock-free
+            raise ScheduleParameterError(f"zeropp: rank {r} waits forever for {[q[0] for q in fronts]}")
+        later = [clock[q] for q in range(p) if clock[q] > now]
+        clock[r] = min([soonest, *later])  # idle until an input may have arrived
+    return out
+
+
+def _check(p: int, m: int, v: int | None, unit_size: object) -> tuple[int, int]:
+    check_int("p", p, 1)
+    check_int("m", m, 1)
+    if v is None:
+        v = 2
+    elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ScheduleParameterError(f"zeropp: v (chunks per rank, -v) must be an integer >= 1, got {v!r}")
+    unit = m if unit_size is None else unit_size
+    if isinstance(unit, bool) or not isinstance(unit, int) or not 1 <= unit <= m:
+        raise ScheduleParameterError(
+            f"zeropp: unit_size (--pipeline-unit-size, micro-batches per scheduling unit) must be an integer in "
+            f"1..m = 1..{m} or 'auto', got {unit!r}"
+        )
+    return v, unit
+
+
+def zeropp(
+    p: int,
+    m: int,
+    *,
+    v: int | None = None,
+    unit_size: int | str | None = None,
+    costs: object = None,
+    memory_limit: float | None = None,
+    **unused: object,
+) -> Schedule:
+    """ZeroPP with ``v`` chunks per rank (default 2) and scheduling units of ``unit_size`` micro-batches
+    (default ``m``; ``"auto"``: :func:`megatron_pp_ext.analysis.zeropp_auto.choose_unit_size` picks it
+    with the simulator for ``costs`` under ``memory_limit`` activations). ``memory_limit`` is only read by
+    ``auto``."""
+    reject_unsupported("zeropp", unused)
+    if isinstance(unit_size, str) and unit_size.strip().lower() == "auto":
+        from ...analysis.zeropp_auto import choose_unit_size  # the one upward import: auto needs the simulator
+
+        check_int("m", m, 1)
+        return choose_unit_size(p, m, v=v, costs=costs, memory_limit=memory_limit).schedule
+    if isinstance(unit_size, str) and unit_size.strip().isdigit():
+        unit_size = int(unit_size)
+    if memory_limit is not None:
+        raise ScheduleParameterError(
+            "zeropp takes memory_limit (--pipeline-memory-limit) only with unit_size='auto' (it picks the unit size "
+            "that fits); with a fixed unit size the memory is about 2 x unit_size 1F1B activations"
+        )
+    v, unit = _check(p, m, v, unit_size)
+    return build_schedule(
+        "zeropp",
+        loop_placement(p, v),
+        m,
+        zeropp_order(p, m, v, unit, costs),
+        v=v,
+        unit_size=unit,
+        fsdp_max_unsharded=min(FSDP_MAX_UNSHARDED, v),
+    )
+
+
+def unit_sizes(m: int) -> Sequence[int]:
+    """Candidate unit sizes for ``auto``: every U in 1..m."""
+    return range(1, m + 1)
+
+
+register(
+    ScheduleInfo(
+        "zeropp",
+        zeropp,
+        "loop",
+        True,
+        "p >= 1, m >= 1, v >= 1 (default 2), 1 <= unit_size <= m or 'auto' (default m; a last unit of m % U)",
+        "ZeroPP blockwise: units of U micro-batches breadth-first over the rank's chunks, consecutive units "
+        "overlapped, staggered W; FSDP gathers about twice per chunk per unit",
+        family="blockwise",
+    )
+)
