@@ -29,6 +29,9 @@ Flag semantics (group "pipeline schedules (megatron_pp_ext)"):
     gradient for every micro-batch that ran through the chunk, and that no weight-gradient work is left
     (:mod:`megatron_pp_ext.runtime.grad_check`). The first training iteration is always checked; the
     flag extends it to all (two reductions per parameter per backward op).
+``--pipeline-unit-size N|auto``
+    ``zeropp``'s scheduling unit (micro-batches, default m); ``auto`` picks it with the simulator for
+    ``--pipeline-costs`` under ``--pipeline-memory-limit``. Other schedules reject it.
 ``--cpu``
     Force CPU / gloo mode even when CUDA is available (it is also used when CUDA is not).
 
@@ -167,6 +170,19 @@ def parse_costs(text: str) -> Any:
     return values[0], values[1], values[2], values[3]
 
 
+def parse_unit_size(text: str) -> int | str:
+    """``--pipeline-unit-size``: a number of micro-batches >= 1, or ``auto``."""
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of micro-batches >= 1 or 'auto', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 or 'auto', got {value}")
+    return value
+
+
 def parse_schedule_name(text: str) -> str:
     name = str(text).strip().lower()
     valid = registry.names()
@@ -246,6 +262,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "gradient for every micro-batch and that no deferred weight gradient is left; raises naming them.",
     )
     group.add_argument(
+        "--pipeline-unit-size",
+        type=parse_unit_size,
+        default=None,
+        metavar="N|auto",
+        help="zeropp: micro-batches per scheduling unit (default: all); 'auto' picks it with the simulator "
+        "for --pipeline-costs under --pipeline-memory-limit.",
+    )
+    group.add_argument(
         "--cpu",
         action="store_true",
         default=False,
@@ -275,6 +299,7 @@ class PipelineConfig:
     layer_split: Any = None  # runtime.placement.LayerSplit for uneven splits under non-loop placements
     num_virtual_stages: int | None = None
     microbatch_group_size: int | None = None
+    unit_size: int | str | None = None  # zeropp's scheduling unit (--pipeline-unit-size)
     num_layers: int | None = None
     pipeline_parallel_size: int | None = None
     virtual_flag: str = "--num-virtual-stages-per-pipeline-rank"
@@ -297,6 +322,8 @@ class PipelineConfig:
             kwargs["v"] = self.num_virtual_stages
         if self.microbatch_group_size is not None and "microbatch_group_size" in params:
             kwargs["microbatch_group_size"] = self.microbatch_group_size
+        if self.unit_size is not None:  # a schedule without units rejects it, naming unit_size
+            kwargs["unit_size"] = self.unit_size
         if self.memory_limit is not None:
             limit = self.memory_limit
             kwargs["memory_limit"] = limit.resolve(p) if isinstance(limit, MemoryLimit) else limit
@@ -410,6 +437,7 @@ _PARAMETER_FLAGS = (
     ("memory_limit", "--pipeline-memory-limit"),
     ("costs", "--pipeline-costs"),
     ("microbatch_group_size", "--microbatch-group-size-per-virtual-pipeline-stage"),
+    ("unit_size", "--pipeline-unit-size"),
     ("v", None),  # the virtual pipeline flag the user gave
     ("m", "--global-batch-size"),
     ("p", "--pipeline-model-parallel-size"),
@@ -452,6 +480,7 @@ def config_from_args(args: Any) -> PipelineConfig:
         profile_out=getattr(args, "pipeline_profile_out", None),
         num_virtual_stages=int(vp) if vp else None,
         microbatch_group_size=getattr(args, "microbatch_group_size_per_vp_stage", None),
+        unit_size=getattr(args, "pipeline_unit_size", None),
         num_layers=getattr(args, "num_layers", None),
         pipeline_parallel_size=int(getattr(args, "pipeline_model_parallel_size", 1) or 1),
         virtual_flag=_virtual_flag(args) or "--num-virtual-stages-per-pipeline-rank",
@@ -488,6 +517,7 @@ def validate_arguments(args: Any) -> PipelineConfig:
             ("pipeline_profile_out", "--pipeline-profile-out"),
             ("pipeline_block_file", "--pipeline-block-file"),
             ("pipeline_check_grads", "--pipeline-check-grads"),
+            ("pipeline_unit_size", "--pipeline-unit-size"),
         ):
             if _given(args, attr):
                 raise PipelineArgumentError(flag, "needs --pipeline-schedule (megatron's own schedule does not use it)")
@@ -562,6 +592,7 @@ def _schedule_error(
         "costs": "--pipeline-costs",
         "microbatch_group_size": "--microbatch-group-size-per-virtual-pipeline-stage",
         "block_file": "--pipeline-block-file",
+        "unit_size": "--pipeline-unit-size",
     }
     for key, value in kwargs.items():
         if key != "v":
