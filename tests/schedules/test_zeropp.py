@@ -189,3 +189,37 @@ def test_auto_picks_the_fastest_that_fits_and_lists_the_alternatives() -> None:
         choose_unit_size(4, 8, v=4, costs=costs, memory_limit=0.5)
     # through the registry
     assert generate("zeropp", 4, 8, unit_size="auto").params["unit_size_auto"] is True
+
+
+@pytest.mark.parametrize("t_w", [0.5, 1.0, 3.0])
+def test_w_never_delays_a_forward_or_backward(t_w: float) -> None:
+    # with two units (never more than window + 1 open) no W is forced: every W sits in a gap it fits whole,
+    # so an F or B right after a W starts exactly when its input arrives
+    p, m, v, u = 4, 8, 2, 4
+    costs = Costs(1.0, 1.0, t_w, None, 0.25)
+    schedule = generate("zeropp", p, m, v=v, unit_size=u, costs=costs)
+    result = simulate(schedule, costs)
+    end = {
+        op: start + {OpKind.F: 1.0, OpKind.B: 1.0, OpKind.W: t_w}[op.kind]
+        for ops, starts in zip(result.ops, result.starts, strict=True)
+        for op, start in zip(ops, starts, strict=True)
+    }
+    last = v * p - 1
+    for r, (ops, starts) in enumerate(zip(result.ops, result.starts, strict=True)):
+        for i in range(1, len(ops)):
+            op = ops[i]
+            if ops[i - 1].kind != OpKind.W or op.kind == OpKind.W:
+                continue
+            s, mb = op.stage, op.microbatch
+            if op.kind == OpKind.F:
+                producer = (
+                    None
+                    if s == 0
+                    else next(o for o in end if o.kind == OpKind.F and o.stage == s - 1 and o.microbatch == mb)
+                )
+            else:
+                kind, stage = (OpKind.F, s) if s == last else (OpKind.B, s + 1)
+                producer = next(o for o in end if o.kind == kind and o.stage == stage and o.microbatch == mb)
+            arrival = 0.0 if producer is None else end[producer] + (0.0 if producer.stage % p == r else 0.25)
+            assert starts[i] == pytest.approx(max(arrival, starts[i - 1] + t_w)), (r, str(op))
+            assert starts[i - 1] + t_w <= arrival + 1e-9, f"rank {r}: {ops[i - 1]} delayed {op}"
