@@ -6,7 +6,9 @@ reduce-scatters timed from ``param_bytes`` and ``dp_bandwidth``). Each candidate
 live activations (simulator, worst rank) in ``M_a`` (one 1F1B stage's activation for one micro-batch,
 = ``v`` looped-stage activations) and, when byte sizes are given, bytes: activations plus the FSDP
 gathered chunks (``fsdp_max_unsharded`` full chunks of ``param_bytes``). Candidates over the budget
-(``memory_limit`` in ``M_a``, ``memory_budget`` in bytes) are dropped; the fastest remaining one wins,
+(``memory_limit`` in ``M_a``, ``memory_budget`` in bytes) run under the generator's activation cap (a
+forward waits for memory) and are dropped if they still exceed it (a unit of ``U`` needs ``U`` M_a, so
+larger units are skipped); the fastest remaining one wins,
 ties to the smaller memory. :meth:`UnitChoice.table` prints the choice and the alternatives.
 """
 
@@ -42,6 +44,8 @@ class UnitChoice:
     schedule: Schedule
     best: UnitCandidate
     candidates: tuple[UnitCandidate, ...]
+    skipped: tuple[int, ...] = ()  # unit sizes larger than the activation cap allows
+    cap: float | None = None  # live activations per rank allowed, M_a
 
     def table(self) -> str:
         lines = ["zeropp --pipeline-unit-size auto: candidates (time in --costs units)"]
@@ -55,6 +59,13 @@ class UnitChoice:
                 f"{c.unit_size:>4} {c.iteration_time:>11.4g} {c.bubble:>7.4f} {c.peak_activations:>9.3g} "
                 f"{c.gathers:>7} {c.exposed:>9.4g} {mem:>10}  {mark}"
             )
+        if self.skipped:
+            lines.append(
+                f"skipped U = {', '.join(map(str, self.skipped))}: a unit of U needs U M_a, the budget leaves "
+                f"{self.cap:.3g} M_a"
+            )
+        if self.cap is not None:
+            lines.append(f"activations capped at {self.cap:.3g} M_a per rank (forwards wait for memory)")
         return "\n".join(lines)
 
 
@@ -70,10 +81,11 @@ def evaluate_unit_size(
     param_bytes: float | None = None,
     fsdp: bool = False,
     activation_bytes: float | None = None,
+    memory_limit: float | None = None,
 ) -> tuple[Schedule, UnitCandidate]:
     """Generate ``zeropp`` with ``unit_size`` and measure it (see the module doc). ``param_bytes``: one
     chunk's parameters; ``activation_bytes``: one looped stage's activation for one micro-batch."""
-    schedule = zeropp(p, m, v=v, unit_size=unit_size, costs=costs)
+    schedule = zeropp(p, m, v=v, unit_size=unit_size, costs=costs, memory_limit=memory_limit)
     chunks = schedule.chunks_per_rank
     lowered = validate(schedule)
     plain = simulate(schedule, costs, lowered=lowered)
@@ -125,8 +137,17 @@ def choose_unit_size(
     if memory_budget is not None and activation_bytes is None:
         raise ScheduleParameterError("zeropp auto: a memory budget in bytes needs activation_bytes")
     sizes = list(unit_sizes) if unit_sizes is not None else [u for u in range(1, m + 1) if m % u == 0]
+    chunks = 2 if v is None else v
+    cap = memory_limit  # the generator's activation cap, in M_a: the limit, or what the byte budget leaves
+    if memory_budget is not None and activation_bytes is not None:
+        gathered = min(2, chunks) * param_bytes if fsdp and param_bytes is not None else 0.0
+        from_budget = (memory_budget - gathered) / (activation_bytes * chunks)
+        cap = from_budget if cap is None else min(cap, from_budget)
     built: list[tuple[Schedule, UnitCandidate]] = []
+    skipped = [u for u in sizes if cap is not None and u > cap]  # a unit of U needs U M_a (blockwise)
     for unit in sizes:
+        if unit in skipped:
+            continue
         schedule, c = evaluate_unit_size(
             p,
             m,
@@ -138,6 +159,7 @@ def choose_unit_size(
             param_bytes=param_bytes,  # type: ignore[arg-type]
             fsdp=fsdp,
             activation_bytes=activation_bytes,
+            memory_limit=cap,
         )
         fits = (memory_limit is None or c.peak_activations <= memory_limit + 1e-9) and (
             memory_budget is None or (c.memory_bytes is not None and c.memory_bytes <= memory_budget)
@@ -145,12 +167,11 @@ def choose_unit_size(
         built.append((schedule, UnitCandidate(**{**c.__dict__, "fits": fits})))
     fitting = [(s, c) for s, c in built if c.fits]
     if not fitting:
-        smallest = min(built, key=lambda sc: sc[1].peak_activations)[1]
         raise ScheduleParameterError(
             f"zeropp: no unit size in {sizes} fits the memory budget (--pipeline-memory-limit {memory_limit}, "
-            f"budget {memory_budget}); the smallest needs {smallest.peak_activations:g} M_a of activations "
-            f"(U={smallest.unit_size})"
+            f"budget {memory_budget} bytes): it leaves {cap if cap is None else round(cap, 3)} M_a of activations "
+            "per rank, a unit of U micro-batches needs at least U"
         )
     schedule, best = min(fitting, key=lambda sc: (round(sc[1].iteration_time, 9), sc[1].peak_activations))
     schedule.params["unit_size_auto"] = True
-    return UnitChoice(schedule, best, tuple(c for _, c in built))
+    return UnitChoice(schedule, best, tuple(c for _, c in built), tuple(skipped), cap)

@@ -161,7 +161,10 @@ def test_property_any_costs_valid(p: int, m: int, v: int, unit: int, costs: tupl
         ({"unit_size": "big"}, "unit_size"),
         ({"unit_size": True}, "unit_size"),
         ({"v": 0}, "v (chunks per rank, -v) must be an integer >= 1"),
-        ({"memory_limit": 4, "unit_size": 2}, "memory_limit (--pipeline-memory-limit) only with unit_size='auto'"),
+        (
+            {"memory_limit": 0.5, "unit_size": 2},
+            "memory_limit (--pipeline-memory-limit, live activations per rank in M_a",
+        ),
         ({"microbatch_group_size": 2}, "does not take parameter(s) microbatch_group_size"),
     ],
 )
@@ -223,3 +226,36 @@ def test_w_never_delays_a_forward_or_backward(t_w: float) -> None:
             arrival = 0.0 if producer is None else end[producer] + (0.0 if producer.stage % p == r else 0.25)
             assert starts[i] == pytest.approx(max(arrival, starts[i - 1] + t_w)), (r, str(op))
             assert starts[i - 1] + t_w <= arrival + 1e-9, f"rank {r}: {ops[i - 1]} delayed {op}"
+
+
+def test_memory_limit_caps_live_activations_without_deadlock() -> None:
+    # a micro-batch reserves its v activations at its first forward; a unit of U needs U M_a
+    bad = []
+    for p in (1, 2, 3, 4, 5, 8):
+        for m in sorted({1, 2, p, p + 1, 2 * p + 1}):
+            for v in (1, 2, 3):
+                for u in sorted({1, 2, p, m}):
+                    for limit in sorted({u, u + 0.5, p, 2 * p}):
+                        if u > m or limit < u:
+                            continue
+                        schedule = generate("zeropp", p, m, v=v, unit_size=u, memory_limit=limit)
+                        peak = max(simulate(schedule, lowered=validate(schedule)).peak_activations) / v
+                        if peak > limit + 1e-9:
+                            bad.append((p, m, v, u, limit, peak))
+    assert not bad, bad
+    # at 1F1B's memory (p M_a) the bubble still beats 1F1B's
+    capped = simulate(generate("zeropp", 4, 16, v=2, unit_size=2, memory_limit=4))
+    one_f_one_b = simulate(generate("1f1b", 4, 16))
+    assert max(capped.peak_activations) / 2 <= max(one_f_one_b.peak_activations)
+    assert capped.sync_bubble_rate < one_f_one_b.sync_bubble_rate
+
+
+def test_memory_limit_below_the_unit_is_refused() -> None:
+    with pytest.raises(ScheduleParameterError, match=r"needs memory_limit >= unit_size M_a.*--pipeline-unit-size <= 3"):
+        generate("zeropp", 4, 8, unit_size=4, memory_limit=3.5)
+
+
+def test_auto_skips_units_the_budget_cannot_hold() -> None:
+    choice = choose_unit_size(4, 8, v=2, memory_limit=2.5)
+    assert choice.skipped == (4, 8) and [c.unit_size for c in choice.candidates] == [1, 2]
+    assert "skipped U = 4, 8" in choice.table()

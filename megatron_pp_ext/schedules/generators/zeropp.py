@@ -16,8 +16,10 @@ simulator): whenever the rank is free it runs its next ``B`` if its input is the
 ``F`` if its input is there, else a queued ``W`` if one fits whole before the next ``F``/``B`` can
 start; ``W`` passes also run when nothing else is left. So consecutive units overlap: unit ``k+1``'s
 forwards fill the gaps of unit ``k``'s backwards, and ``W`` of other micro-batches fill what is left.
-Two bounds keep memory at about two units: the forwards of unit ``k+2`` wait until the rank has run
-every ``B`` of unit ``k``, and the ``W`` passes of unit ``k`` run before the first ``B`` of unit ``k+2``.
+A window bounds memory: with ``w = ceil(p / U)`` (enough units to keep ``p`` micro-batches in flight),
+the tasks of unit ``k + w + 1`` wait until the rank has run every ``B`` of unit ``k``, and the ``W``
+passes of unit ``k`` run before the first ``B`` of unit ``k + w + 1``. ``memory_limit`` (in ``M_a``)
+caps the live activations (F to W) further: a forward waits, queued ``W`` passes run first.
 
 FSDP (``fsdp_max_unsharded`` = :data:`FSDP_MAX_UNSHARDED`, declared in ``Schedule.params``): one chunk
 gathered for the forward sweep and one for the backward sweep, so each chunk is gathered about once per
@@ -50,8 +52,11 @@ def unit_ranges(m: int, unit: int) -> list[range]:
     return [range(start, min(start + unit, m)) for start in range(0, m, unit)]
 
 
-def zeropp_order(p: int, m: int, v: int, unit: int, costs: object = None) -> list[list[Op]]:
-    """Per rank, the interleaved order of the module doc (a list scheduler over the three queues)."""
+def zeropp_order(
+    p: int, m: int, v: int, unit: int, costs: object = None, memory_limit: float | None = None
+) -> list[list[Op]]:
+    """Per rank, the interleaved order of the module doc (a list scheduler over the three queues);
+    ``memory_limit``: live activations per rank in ``M_a`` (``v`` looped-stage activations), F to W."""
     units = unit_ranges(m, unit)
     unit_of = [k for k, mbs in enumerate(units) for _ in mbs]
     last = v * p - 1
@@ -63,6 +68,8 @@ def zeropp_order(p: int, m: int, v: int, unit: int, costs: object = None) -> lis
     end: dict[Op, float] = {}
     clock = [0.0] * p
     out: list[list[Op]] = [[] for _ in range(p)]
+    cap = None if memory_limit is None else memory_limit * v + 1e-9  # in looped-stage activations
+    reserved = [0] * p  # a micro-batch reserves its v activations at its first forward on the rank, W frees one
     window = -(-p // unit)  # units whose forwards may run ahead of the backwards' unit: >= p micro-batches
     idle_steps = 0
 
@@ -89,7 +96,18 @@ def zeropp_order(p: int, m: int, v: int, unit: int, costs: object = None) -> lis
         """The queues whose front may run next, in priority order: backwards, then forwards, each of the
         open units earliest first (a later unit's task fills a gap of an earlier one)."""
         k = b_unit(r)
-        return [q for q in backwards[r][k : k + window + 1] if q] + [q for q in forwards[r][: k + window + 1] if q]
+        fronts = [q for q in backwards[r][k : k + window + 1] if q]
+        # a started micro-batch always runs on; a new one needs room for itself and for every micro-batch of
+        # an earlier unit not started yet (a later unit never takes the memory an earlier one needs)
+        before = 0
+        for q in forwards[r][: k + window + 1]:
+            if q and (q[0].stage >= p or cap is None or reserved[r] + v * (before + 1) <= cap):
+                fronts.append(q)
+            before += sum(1 for op in q if op.stage < p)
+        return fronts
+
+    def out_of_memory(r: int) -> bool:
+        return cap is not None and reserved[r] + v > cap
 
     def w_overdue(r: int) -> bool:  # W of unit k run before the first B of unit k + window + 1
         return bool(waiting[r] and unit_of[waiting[r][0].microbatch] + window < b_unit(r))
@@ -100,6 +118,10 @@ def zeropp_order(p: int, m: int, v: int, unit: int, costs: object = None) -> lis
         duration = {OpKind.F: sc.f, OpKind.B: sc.b, OpKind.W: sc.w}[op.kind][op.stage]
         clock[r] = end[op] = start + duration
         out[r].append(op)
+        if op.kind == OpKind.F and op.stage < p:
+            reserved[r] += v
+        elif op.kind == OpKind.W:
+            reserved[r] -= 1
 
     def busy(q: int) -> bool:
         return bool(waiting[q] or any(forwards[q]) or any(backwards[q]))
@@ -109,7 +131,7 @@ def zeropp_order(p: int, m: int, v: int, unit: int, costs: object = None) -> lis
         r = min((q for q in range(p) if busy(q)), key=lambda q: (clock[q], q))
         now = clock[r]
         fronts = candidates(r)
-        if w_overdue(r) or not fronts:
+        if waiting[r] and (w_overdue(r) or not fronts or out_of_memory(r)):
             run(r, waiting[r].popleft(), now)
             continue
         times = [ready(q[0], r) for q in fronts]
@@ -120,6 +142,8 @@ def zeropp_order(p: int, m: int, v: int, unit: int, costs: object = None) -> lis
             if op.kind == OpKind.B:
                 waiting[r].append(W(op.stage, op.microbatch))
             continue
+        if not fronts:  # pragma: no cover - memory-blocked with nothing to free: memory_limit >= 1 prevents it
+            raise ScheduleParameterError(f"zeropp: rank {r} is out of activation memory (memory_limit)")
         soonest = min(times)
         if waiting[r] and now + sc.w[waiting[r][0].stage] <= soonest:  # a W fits in the gap
             run(r, waiting[r].popleft(), now)
@@ -160,8 +184,8 @@ def zeropp(
 ) -> Schedule:
     """ZeroPP with ``v`` chunks per rank (default 2) and scheduling units of ``unit_size`` micro-batches
     (default ``m``; ``"auto"``: :func:`megatron_pp_ext.analysis.zeropp_auto.choose_unit_size` picks it
-    with the simulator for ``costs`` under ``memory_limit`` activations). ``memory_limit`` is only read by
-    ``auto``."""
+    with the simulator for ``costs``). ``memory_limit``: live activations per rank in ``M_a`` (>= 1): a
+    forward waits until it fits (running queued ``W`` passes first)."""
     reject_unsupported("zeropp", unused)
     if isinstance(unit_size, str) and unit_size.strip().lower() == "auto":
         from ...analysis.zeropp_auto import choose_unit_size  # the one upward import: auto needs the simulator
@@ -170,19 +194,28 @@ def zeropp(
         return choose_unit_size(p, m, v=v, costs=costs, memory_limit=memory_limit).schedule
     if isinstance(unit_size, str) and unit_size.strip().isdigit():
         unit_size = int(unit_size)
-    if memory_limit is not None:
+    if memory_limit is not None and (
+        isinstance(memory_limit, bool) or not isinstance(memory_limit, int | float) or not memory_limit >= 1
+    ):
         raise ScheduleParameterError(
-            "zeropp takes memory_limit (--pipeline-memory-limit) only with unit_size='auto' (it picks the unit size "
-            "that fits); with a fixed unit size the memory is about 2 x unit_size 1F1B activations"
+            f"zeropp: memory_limit (--pipeline-memory-limit, live activations per rank in M_a = one 1F1B stage's "
+            f"activation) must be a number >= 1, got {memory_limit!r}"
         )
     v, unit = _check(p, m, v, unit_size)
+    if memory_limit is not None and memory_limit < unit:
+        raise ScheduleParameterError(
+            f"zeropp: a unit of unit_size={unit} micro-batches runs each chunk for all of them before the next chunk, "
+            f"so it needs memory_limit >= unit_size M_a; got memory_limit (--pipeline-memory-limit) {memory_limit:g}: "
+            f"use --pipeline-unit-size <= {int(memory_limit)} or 'auto'"
+        )
     return build_schedule(
         "zeropp",
         loop_placement(p, v),
         m,
-        zeropp_order(p, m, v, unit, costs),
+        zeropp_order(p, m, v, unit, costs, memory_limit),
         v=v,
         unit_size=unit,
+        memory_limit=memory_limit,
         fsdp_max_unsharded=min(FSDP_MAX_UNSHARDED, v),
     )
 
