@@ -128,11 +128,15 @@ def main() -> None:
         for v in (2, 4):
             rows += [s.run(generate("bfs", p, m, v=v), "m"), s.run(generate("bfs-zb", p, m, v=v), "m")]
         base = {"1f1b": rows[0], "bfs": min((r for r in rows if r.name.startswith("bfs")), key=lambda r: r.time)}
-        sweep = []
+        sweep, capped = [], []
         for v in (2, 4):
             for unit in [u for u in range(1, m + 1) if m % u == 0]:
                 sweep.append(s.run(generate("zeropp", p, m, v=v, unit_size=unit, costs=s.costs(v)), str(unit)))
-        table(s, rows + sweep, base)
+        for v in (2, 4):  # activations capped at 1F1B's (p M_a): a unit of U needs U M_a
+            for unit in [u for u in range(1, p + 1) if m % u == 0]:
+                schedule = generate("zeropp", p, m, v=v, unit_size=unit, costs=s.costs(v), memory_limit=p)
+                capped.append(s.run(schedule, f"{unit}, act <= p"))
+        table(s, rows + sweep + capped, base)
         # auto: v = 4, memory budget = 1F1B's, FSDP costs
         v = 4
         choice = choose_unit_size(
