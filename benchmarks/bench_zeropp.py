@@ -137,33 +137,38 @@ def main() -> None:
                 schedule = generate("zeropp", p, m, v=v, unit_size=unit, costs=s.costs(v), memory_limit=p)
                 capped.append(s.run(schedule, f"{unit}, act <= p"))
         table(s, rows + sweep + capped, base)
-        # auto: v = 4, memory budget = 1F1B's, FSDP costs
-        v = 4
-        choice = choose_unit_size(
-            p,
-            m,
-            v=v,
-            costs=s.costs(v),
-            dp=dp,
-            dp_bandwidth=s.bandwidth,
-            param_bytes=s.chunk_bytes(v),
-            fsdp=True,
-            activation_bytes=s.layers / (p * v) * s.layer_act,
-            memory_budget=base["1f1b"].memory * 1e9,
-        )
-        picked = next(r for r in sweep if r.v == v and r.unit == str(choice.best.unit_size))
-        frontier = [
-            r
-            for r in sweep
-            if r.v == v and not any(o.time < r.time and o.memory <= r.memory for o in sweep if o.v == v and o is not r)
-        ]
-        print(
-            f"\nauto (v={v}, budget = 1f1b's {base['1f1b'].memory:.1f} GB): U={choice.best.unit_size}, "
-            f"{picked.time:.1f} ms, {picked.memory:.1f} GB; time/memory frontier of the v={v} sweep: "
-            + ", ".join(f"U={r.unit} ({r.time:.1f} ms, {r.memory:.1f} GB)" for r in frontier)
-            + f"; on the frontier: {'yes' if picked in frontier else 'no'}"
-        )
-        print("\n```\n" + choice.table() + "\n```")
+        for v in (2, 4):  # auto: memory budget = 1F1B's, FSDP costs
+            auto_line(s, p, m, v, sweep + capped, base)
+
+
+def auto_line(s: Setting, p: int, m: int, v: int, rows: list[Row], base: dict[str, Row]) -> None:
+    """``unit_size="auto"`` under 1F1B's memory, and whether its pick is on the time/memory frontier."""
+    choice = choose_unit_size(
+        p,
+        m,
+        v=v,
+        costs=s.costs(v),
+        dp=s.dp,
+        dp_bandwidth=s.bandwidth,
+        param_bytes=s.chunk_bytes(v),
+        fsdp=True,
+        activation_bytes=s.layers / (p * v) * s.layer_act,
+        memory_budget=base["1f1b"].memory * 1e9,
+    )
+    best = choice.best
+    points = [(r.unit, r.time, r.memory) for r in rows if r.v == v]
+    points += [(f"{c.unit_size} (auto cap)", c.iteration_time, (c.memory_bytes or 0) / 1e9) for c in choice.candidates]
+    frontier = [pt for pt in points if not any(o[1] < pt[1] and o[2] <= pt[2] for o in points if o is not pt)]
+    on = any(pt[0] == f"{best.unit_size} (auto cap)" for pt in frontier)
+    print(
+        f"\nauto (v={v}, memory budget = 1f1b's {base['1f1b'].memory:.1f} GB): U={best.unit_size}, "
+        f"{best.iteration_time:.1f} ms ({base['1f1b'].time / best.iteration_time:.2f}x 1f1b), "
+        f"{(best.memory_bytes or 0) / 1e9:.2f} GB. Time/memory frontier of every v={v} zeropp point above and "
+        "auto's candidates: "
+        + ", ".join(f"U={u} ({t:.1f} ms, {mem:.2f} GB)" for u, t, mem in sorted(frontier, key=lambda x: x[1]))
+        + f"; auto's pick on the frontier: {'yes' if on else 'no'}"
+    )
+    print("\n```\n" + choice.table() + "\n```")
 
 
 if __name__ == "__main__":
