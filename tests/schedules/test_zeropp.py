@@ -259,3 +259,17 @@ def test_auto_skips_units_the_budget_cannot_hold() -> None:
     choice = choose_unit_size(4, 8, v=2, memory_limit=2.5)
     assert choice.skipped == (4, 8) and [c.unit_size for c in choice.candidates] == [1, 2]
     assert "skipped U = 4, 8" in choice.table()
+
+
+def test_cli_unit_size(capsys: pytest.CaptureFixture[str]) -> None:
+    from megatron_pp_ext.cli import main
+
+    argv = ["simulate", "zeropp", "-p", "4", "-m", "8", "-v", "4", "--costs", "1,1,1,0.05"]
+    dp = ["--dp", "2", "--dp-bandwidth", "25", "--param-bytes", "2G", "--fsdp"]
+    assert main([*argv, "--pipeline-unit-size", "auto", *dp]) == 0
+    out, err = capsys.readouterr()
+    assert "<- chosen" in err and "zeropp: chose --pipeline-unit-size" in err and "FSDP with 2 gathered" in out
+    assert main([*argv, "--pipeline-unit-size", "9"]) == 2
+    assert "1..m = 1..8" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*argv, "--pipeline-unit-size", "0"])
