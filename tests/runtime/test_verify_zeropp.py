@@ -31,6 +31,9 @@ def test_fsdp_matches_reference_and_gathers_as_derived(pool, unit, limit):
     assert [info["derived_unshards"] for info in report.fsdp] == derived
     for info in report.fsdp:
         assert info["all_gathers_per_iteration"] == [info["derived_unshards"]] * report.iterations
+        # the memory model's gathered parameters: the `limit` largest chunks at once, measured by ShardedChunk
+        chunks = sorted(info["full_param_bytes_per_chunk"], reverse=True)
+        assert info["peak_bytes"]["full_params"] == sum(chunks[:limit])
     if limit == 2:
         assert derived == [2, 2]  # v = 2 with two gathered chunks: each chunk gathered once per iteration
 
