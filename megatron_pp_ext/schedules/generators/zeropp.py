@@ -103,7 +103,8 @@ def zeropp_order(
         for q in forwards[r][: k + window + 1]:
             if q and (q[0].stage >= p or cap is None or reserved[r] + v * (before + 1) <= cap):
                 fronts.append(q)
-            before += sum(1 for op in q if op.stage < p)
+            if cap is not None:
+                before += sum(1 for op in q if op.stage < p)
         return fronts
 
     def out_of_memory(r: int) -> bool:
@@ -118,24 +119,29 @@ def zeropp_order(
         duration = {OpKind.F: sc.f, OpKind.B: sc.b, OpKind.W: sc.w}[op.kind][op.stage]
         clock[r] = end[op] = start + duration
         out[r].append(op)
+        left[r] -= 1
         if op.kind == OpKind.F and op.stage < p:
             reserved[r] += v
         elif op.kind == OpKind.W:
             reserved[r] -= 1
 
-    def busy(q: int) -> bool:
-        return bool(waiting[q] or any(forwards[q]) or any(backwards[q]))
+    left = [3 * v * m] * p  # ops each rank has still to run
 
-    while any(busy(q) for q in range(p)):
+    while any(left):
         # the rank that is free first decides: everything that can be ready by then is known
-        r = min((q for q in range(p) if busy(q)), key=lambda q: (clock[q], q))
+        r = min((q for q in range(p) if left[q]), key=lambda q: (clock[q], q))
         now = clock[r]
         fronts = candidates(r)
         if waiting[r] and (w_overdue(r) or not fronts or out_of_memory(r)):
             run(r, waiting[r].popleft(), now)
             continue
-        times = [ready(q[0], r) for q in fronts]
-        first = next((q for q, t in zip(fronts, times, strict=True) if t <= now), None)
+        times: list[float] = []
+        first = None
+        for q in fronts:  # the first one whose input is there, in priority order
+            times.append(ready(q[0], r))
+            if times[-1] <= now:
+                first = q
+                break
         if first is not None:  # a B before an F, an earlier unit's F before a later one's
             op = first.popleft()
             run(r, op, now)
