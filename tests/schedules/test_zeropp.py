@@ -273,3 +273,8 @@ def test_cli_unit_size(capsys: pytest.CaptureFixture[str]) -> None:
     assert "1..m = 1..8" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([*argv, "--pipeline-unit-size", "0"])
+
+
+def test_memory_limit_without_a_unit_size_takes_the_largest_unit_it_holds() -> None:
+    assert generate("zeropp", 4, 8, memory_limit=4.5).params["unit_size"] == 4
+    assert generate("zeropp", 4, 8, memory_limit=20).params["unit_size"] == 8

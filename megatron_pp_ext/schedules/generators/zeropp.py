@@ -12,28 +12,29 @@ micro-batches are cut into **scheduling units** of ``U`` (``unit_size``); when `
 3. *staggered weight-gradient backwards* ``W``: every ``B`` queues its ``W``.
 
 Task interleaving, decided on a timed model of the run (``costs``, default unit costs, like the
-simulator): whenever the rank is free it runs its next ``B`` if its input is there, else its next
-``F`` if its input is there, else a queued ``W`` if one fits whole before the next ``F``/``B`` can
-start; ``W`` passes also run when nothing else is left. So consecutive units overlap: unit ``k+1``'s
-forwards fill the gaps of unit ``k``'s backwards, and ``W`` of other micro-batches fill what is left.
-A window bounds memory: with ``w = ceil(p / U)`` (enough units to keep ``p`` micro-batches in flight),
-the tasks of unit ``k + w + 1`` wait until the rank has run every ``B`` of unit ``k``, and the ``W``
-passes of unit ``k`` run before the first ``B`` of unit ``k + w + 1``. ``memory_limit`` (in ``M_a``)
-caps the live activations (F to W) further: a forward waits, queued ``W`` passes run first.
+simulator): whenever the rank is free it runs a ``B`` whose input is there, else an ``F`` whose input
+is there (each from the earliest open unit first), else a queued ``W`` if one fits whole before the next
+``F``/``B`` can start; ``W`` passes also run when nothing else is left. So consecutive units overlap:
+unit ``k+1``'s forwards fill the gaps of unit ``k``'s backwards, and ``W`` of other micro-batches fill what
+is left. Inside a unit the order stays blockwise. A window bounds memory: with ``w = ceil(p / U)``
+(enough units to keep ``p`` micro-batches in flight), the tasks of unit ``k + w + 1`` wait until the rank
+has run every ``B`` of unit ``k``, and the ``W`` passes of unit ``k`` run before the first ``B`` of unit
+``k + w + 1``. ``memory_limit`` (in ``M_a``) caps the live activations (F to W) further: a micro-batch
+reserves its ``v`` activations at its first forward on the rank (only if every not-yet-started
+micro-batch of an earlier unit still fits too), queued ``W`` passes run first when memory is short.
 
 FSDP (``fsdp_max_unsharded`` = :data:`FSDP_MAX_UNSHARDED`, declared in ``Schedule.params``): one chunk
-gathered for the forward sweep and one for the backward sweep, so each chunk is gathered about once per
-unit for its forwards and once for its backwards: at most ``2 v`` gathers per unit (fewer where both
-sweeps use the same chunk); with ``v <= 2`` every chunk stays gathered (one gather per chunk per
-iteration). ``U`` trades: a larger unit means fewer gathers (``2 v ceil(m/U)``) and a shorter fill per
-iteration, at about ``2 U`` 1F1B activations of memory; ``U = 1`` is a depth-first order with the most
-gathers, ``U = m`` the breadth-first order of ``bfs-zb``.
+gathered for the newest unit's forward sweep and one for the oldest unit's backward sweep. Gathers per
+rank per iteration: ``v`` when ``v <= 2`` (every chunk stays gathered), ``2v - 2`` for ``U = m``, at most
+``2v`` per unit otherwise (overlapping units share gathered chunks, so small units pay less).
+``U`` trades: a larger unit means fewer gathers and a shorter fill, at more memory (about ``p + U``
+micro-batches in flight plus the activations pending ``W`` keep); ``U = 1`` is a depth-first order with
+the most gathers, ``U = m`` one blockwise unit (one sweep per chunk and direction).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
 
 from ..ir import B, F, Op, OpKind, W
 from ..placement import loop_placement
@@ -189,9 +190,10 @@ def zeropp(
     **unused: object,
 ) -> Schedule:
     """ZeroPP with ``v`` chunks per rank (default 2) and scheduling units of ``unit_size`` micro-batches
-    (default ``m``; ``"auto"``: :func:`megatron_pp_ext.analysis.zeropp_auto.choose_unit_size` picks it
-    with the simulator for ``costs``). ``memory_limit``: live activations per rank in ``M_a`` (>= 1): a
-    forward waits until it fits (running queued ``W`` passes first)."""
+    (default ``m``, or the largest that ``memory_limit`` holds; ``"auto"``:
+    :func:`megatron_pp_ext.analysis.zeropp_auto.choose_unit_size` picks it with the simulator for ``costs``).
+    ``memory_limit``: live activations per rank in ``M_a`` (>= 1): a forward waits until it fits (running
+    queued ``W`` passes first)."""
     reject_unsupported("zeropp", unused)
     if isinstance(unit_size, str) and unit_size.strip().lower() == "auto":
         from ...analysis.zeropp_auto import choose_unit_size  # the one upward import: auto needs the simulator
@@ -207,6 +209,8 @@ def zeropp(
             f"zeropp: memory_limit (--pipeline-memory-limit, live activations per rank in M_a = one 1F1B stage's "
             f"activation) must be a number >= 1, got {memory_limit!r}"
         )
+    if unit_size is None and memory_limit is not None and isinstance(m, int):
+        unit_size = max(1, min(m, int(memory_limit)))  # the largest unit the limit holds
     v, unit = _check(p, m, v, unit_size)
     if memory_limit is not None and memory_limit < unit:
         raise ScheduleParameterError(
@@ -224,11 +228,6 @@ def zeropp(
         memory_limit=memory_limit,
         fsdp_max_unsharded=min(FSDP_MAX_UNSHARDED, v),
     )
-
-
-def unit_sizes(m: int) -> Sequence[int]:
-    """Candidate unit sizes for ``auto``: every U in 1..m."""
-    return range(1, m + 1)
 
 
 register(
