@@ -66,6 +66,19 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def parse_unit_size(text: str) -> int | str:
+    """``--pipeline-unit-size N|auto`` (zeropp's scheduling unit, micro-batches)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of micro-batches >= 1 or 'auto', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 or 'auto', got {value}")
+    return value
+
+
 def generate_schedule(
     name: str,
     p: int,
@@ -75,6 +88,7 @@ def generate_schedule(
     memory_limit: object = None,
     block_file: str | None = None,
     microbatch_group_size: int | None = None,
+    unit_size: int | str | None = None,
 ) -> Schedule:
     """Generate a registered schedule. ``costs`` goes only to cost-aware schedules (those that
     declare ``costs``; for the others they only time the simulation); ``v``, ``memory_limit`` and
@@ -83,6 +97,8 @@ def generate_schedule(
     kwargs: dict[str, object] = {"v": v, "memory_limit": memory_limit, "block_file": block_file}
     if microbatch_group_size is not None:
         kwargs["microbatch_group_size"] = microbatch_group_size
+    if unit_size is not None:
+        kwargs["unit_size"] = unit_size
     if costs is not None and info.takes("costs"):
         kwargs["costs"] = costs
     return info.build(p, m, **kwargs)
@@ -105,6 +121,15 @@ def _add_source_args(parser: argparse.ArgumentParser, file_option: bool = True) 
         metavar="G",
         help="micro-batches per group (interleaved-1f1b; bfs: per breadth-first group, default m)",
     )
+    parser.add_argument(
+        "--pipeline-unit-size",
+        dest="unit_size",
+        type=parse_unit_size,
+        default=None,
+        metavar="N|auto",
+        help="zeropp: micro-batches per scheduling unit (default m); 'auto' picks it with the simulator "
+        "(and --memory-limit, in 1F1B stage activations M_a; the data-parallel flags when given)",
+    )
     if file_option:
         parser.add_argument("--schedule-file", metavar="CSV", help="load the schedule from a CSV file instead")
 
@@ -122,6 +147,8 @@ def _schedule_from_args(args: argparse.Namespace) -> Schedule:
         raise CliError("give a schedule name (see `megatron-pp list`) or --schedule-file")
     if args.p is None or args.m is None:
         raise CliError(f"schedule {args.name!r} needs -p (ranks) and -m (micro-batches)")
+    if getattr(args, "unit_size", None) == "auto" and registry.get(args.name).name == "zeropp":
+        return _auto_unit_size(args)
     return generate_schedule(
         args.name,
         args.p,
@@ -131,7 +158,32 @@ def _schedule_from_args(args: argparse.Namespace) -> Schedule:
         parse_memory_limit(args.memory_limit, args.p),
         getattr(args, "block_file", None),
         getattr(args, "microbatch_group_size", None),
+        getattr(args, "unit_size", None),
     )
+
+
+def _auto_unit_size(args: argparse.Namespace) -> Schedule:
+    """``zeropp --pipeline-unit-size auto``: pick U with the simulator; the table goes to stderr."""
+    from .analysis.zeropp_auto import choose_unit_size
+
+    costs = parse_costs(args.costs)
+    dp: dict[str, Any] = {}
+    if getattr(args, "dp_bandwidth", None) is not None:  # simulate: collectives timed on the DP stream
+        provisional = generate_schedule("zeropp", args.p, args.m, args.v, costs, unit_size=args.m)
+        options = _dp_options(args, provisional)
+        if options:
+            dp = {
+                "dp": options["dp"],
+                "dp_bandwidth": options["dp_bandwidth"],
+                "param_bytes": options["param_bytes"],
+                "fsdp": options["collectives"].fsdp_max_unsharded is not None,
+            }
+    choice = choose_unit_size(
+        args.p, args.m, v=args.v, costs=costs, memory_limit=parse_memory_limit(args.memory_limit, args.p), **dp
+    )
+    print(choice.table(), file=sys.stderr)
+    print(f"zeropp: chose --pipeline-unit-size {choice.best.unit_size}", file=sys.stderr)
+    return choice.schedule
 
 
 def _simulate(schedule: Schedule, costs: Costs | None, lowered: LoweredSchedule | None = None) -> SimResult:

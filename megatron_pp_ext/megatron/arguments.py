@@ -42,6 +42,9 @@ Flag semantics (group "pipeline schedules (megatron_pp_ext)"):
 ``--pipeline-fsdp`` [``--pipeline-fsdp-max-unsharded N``]
     Per-chunk FSDP instead of megatron DDP, gathered / resharded where the schedule places it (at most N
     chunks gathered at once); :mod:`megatron_pp_ext.megatron.fsdp_training`, which also lists what it refuses.
+``--pipeline-unit-size N|auto``
+    ``zeropp``'s scheduling unit (micro-batches, default m); ``auto`` picks it with the simulator for
+    ``--pipeline-costs`` under ``--pipeline-memory-limit``. Other schedules reject it.
 ``--cpu``
     Force CPU / gloo mode even when CUDA is available (it is also used when CUDA is not).
 
@@ -177,6 +180,19 @@ def parse_costs(text: str) -> Any:
     if len(values) == 3:
         values.append(0.0)
     return values[0], values[1], values[2], values[3]
+
+
+def parse_unit_size(text: str) -> int | str:
+    """``--pipeline-unit-size``: a number of micro-batches >= 1, or ``auto``."""
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of micro-batches >= 1 or 'auto', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 or 'auto', got {value}")
+    return value
 
 
 def parse_schedule_name(text: str) -> str:
@@ -333,6 +349,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "declared limit, else 1).",
     )
     group.add_argument(
+        "--pipeline-unit-size",
+        type=parse_unit_size,
+        default=None,
+        metavar="N|auto",
+        help="zeropp: micro-batches per scheduling unit (default: all); 'auto' picks it with the simulator "
+        "for --pipeline-costs under --pipeline-memory-limit.",
+    )
+    group.add_argument(
         "--cpu",
         action="store_true",
         default=False,
@@ -364,6 +388,7 @@ class PipelineConfig:
     fsdp: bool = False  # --pipeline-fsdp
     fsdp_max_unsharded: int | None = None  # None: the schedule's declared limit, else 1
     microbatch_group_size: int | None = None
+    unit_size: int | str | None = None  # zeropp's scheduling unit (--pipeline-unit-size)
     num_layers: int | None = None
     pipeline_parallel_size: int | None = None
     virtual_flag: str = "--num-virtual-stages-per-pipeline-rank"
@@ -387,6 +412,8 @@ class PipelineConfig:
             kwargs["v"] = self.num_virtual_stages
         if self.microbatch_group_size is not None and info.takes("microbatch_group_size"):
             kwargs["microbatch_group_size"] = self.microbatch_group_size
+        if self.unit_size is not None:  # a schedule without units rejects it, naming unit_size
+            kwargs["unit_size"] = self.unit_size
         if self.memory_limit is not None:
             limit = self.memory_limit
             kwargs["memory_limit"] = limit.resolve(p) if isinstance(limit, MemoryLimit) else limit
@@ -492,6 +519,7 @@ _PARAMETER_FLAGS = (
     ("memory_limit", "--pipeline-memory-limit"),
     ("costs", "--pipeline-costs"),
     ("microbatch_group_size", "--microbatch-group-size-per-virtual-pipeline-stage"),
+    ("unit_size", "--pipeline-unit-size"),
     ("v", None),  # the virtual pipeline flag the user gave
     ("m", "--global-batch-size"),
     ("p", "--pipeline-model-parallel-size"),
@@ -539,6 +567,7 @@ def config_from_args(args: Any) -> PipelineConfig:
         fsdp=bool(getattr(args, "pipeline_fsdp", False)),
         fsdp_max_unsharded=getattr(args, "pipeline_fsdp_max_unsharded", None),
         microbatch_group_size=getattr(args, "microbatch_group_size_per_vp_stage", None),
+        unit_size=getattr(args, "pipeline_unit_size", None),
         num_layers=getattr(args, "num_layers", None),
         pipeline_parallel_size=int(getattr(args, "pipeline_model_parallel_size", 1) or 1),
         virtual_flag=_virtual_flag(args) or "--num-virtual-stages-per-pipeline-rank",
@@ -578,6 +607,7 @@ def validate_arguments(args: Any) -> PipelineConfig:
             ("pipeline_check_grads", "--pipeline-check-grads"),
             ("pipeline_fsdp", "--pipeline-fsdp"),
             ("pipeline_fsdp_max_unsharded", "--pipeline-fsdp-max-unsharded"),
+            ("pipeline_unit_size", "--pipeline-unit-size"),
         ):
             if _given(args, attr):
                 raise PipelineArgumentError(flag, "needs --pipeline-schedule (megatron's own schedule does not use it)")
@@ -699,6 +729,7 @@ def _schedule_error(
         "costs": "--pipeline-costs",
         "microbatch_group_size": "--microbatch-group-size-per-virtual-pipeline-stage",
         "block_file": "--pipeline-block-file",
+        "unit_size": "--pipeline-unit-size",
     }
     for key, value in kwargs.items():
         if key != "v":

@@ -47,8 +47,9 @@ def add_verify_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--fsdp-max-unsharded",
         type=int,
-        default=1,
-        help="with --fsdp: model chunks a rank may hold gathered at once (default 1)",
+        default=None,
+        help="with --fsdp: model chunks a rank may hold gathered at once (default: the schedule's declared "
+        "limit, e.g. 2 for zeropp, else 1)",
     )
     parser.add_argument(
         "--tolerance",
@@ -79,10 +80,14 @@ def run_verify(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.fsdp_max_unsharded < 1:
+    if args.fsdp_max_unsharded is not None and args.fsdp_max_unsharded < 1:
         print(f"{PROG}: --fsdp-max-unsharded must be >= 1, got {args.fsdp_max_unsharded}", file=sys.stderr)
         return 2
     schedule = _schedule_from_args(args)
+    if args.fsdp_max_unsharded is None:
+        from ..schedules.collectives import declared_fsdp_limit
+
+        args.fsdp_max_unsharded = declared_fsdp_limit(schedule) or 1
     model = TinyGPTSpec(
         num_layers=schedule.placement.stages_per_replica * args.layers_per_stage,
         tied_embeddings=not args.untied_embeddings,

@@ -90,6 +90,8 @@ class MemoryLimit:
     @property
     def default(self) -> str:
         k = self.default_per_rank
+        if math.isinf(k):
+            return "none"
         return "p" if k == 1 else f"{k:g}p"
 
     def describe(self) -> str:

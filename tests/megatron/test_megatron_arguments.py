@@ -278,3 +278,18 @@ def test_block_file_goes_to_v_block(tmp_path: Path) -> None:
     err = error_of(make_args(["--pipeline-schedule", "v-zb", "--pipeline-block-file", str(block)]))
     assert err.flag == "--pipeline-block-file" and "block_file" in str(err)
     assert error_of(make_args(["--pipeline-block-file", str(block)])).flag == "--pipeline-block-file"
+
+
+def test_pipeline_unit_size_for_zeropp() -> None:
+    config = validate_arguments(make_args(["--pipeline-schedule", "zeropp", "--pipeline-unit-size", "4"]))
+    assert config.unit_size == 4 and config.build(4, 8).params["unit_size"] == 4
+    auto = validate_arguments(make_args(["--pipeline-schedule", "zeropp", "--pipeline-unit-size", "auto"]))
+    assert auto.build(4, 8).params["unit_size_auto"] is True
+    err = error_of(make_args(["--pipeline-schedule", "zeropp", "--pipeline-unit-size", "9"]))  # m = 8
+    assert err.flag == "--pipeline-unit-size" and "1..m = 1..8" in str(err)
+    err = error_of(make_args(["--pipeline-schedule", "1f1b", "--pipeline-unit-size", "2"]))
+    assert err.flag == "--pipeline-unit-size"
+    err = error_of(make_args(["--pipeline-unit-size", "2"]))
+    assert err.flag == "--pipeline-unit-size" and "needs --pipeline-schedule" in str(err)
+    with pytest.raises(SystemExit):
+        make_args(["--pipeline-schedule", "zeropp", "--pipeline-unit-size", "0"])

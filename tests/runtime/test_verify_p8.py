@@ -44,3 +44,20 @@ def test_bfs_p4_dp2_matches_reference(pool8, dist_opt, fsdp):
         assert next(x for x in launches if x.startswith("reduce-grads")).endswith("(overlaps backward)")
     if fsdp:
         assert [info["derived_unshards"] for info in report.fsdp] == [3, 3, 3, 3]
+
+
+@pytest.mark.parametrize("unit", [1, 2, 8])
+def test_zeropp_p4_dp2_fsdp_matches_reference(pool8, unit):
+    """ZeroPP at p=4, v=2 on 4 x 2 ranks with FSDP, one gathered chunk (so the per-unit gathers show):
+    gathers per iteration as the lowering derives (issue 15's second shape; U = 1, 2, m)."""
+    from megatron_pp_ext.schedules.collectives import CollectiveKind, derive_collectives, policy_for
+
+    schedule = generate("zeropp", 4, 8, v=2, unit_size=unit)
+    model = TinyGPTSpec(num_layers=8, tied_embeddings=False)
+    report = verify_schedule(schedule, pool8, model=model, dp=2, fsdp=True, fsdp_max_unsharded=1, iterations=2)
+    assert report.problems == []
+    assert report.ok, report
+    plan = derive_collectives(schedule, policy_for(schedule, fsdp=True, fsdp_max_unsharded=1))
+    derived = [plan.count(CollectiveKind.UNSHARD, r) for r in range(4)]
+    assert [info["derived_unshards"] for info in report.fsdp] == derived
+    assert all(info["all_gathers_per_iteration"] == [info["derived_unshards"]] * 2 for info in report.fsdp)

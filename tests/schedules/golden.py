@@ -47,6 +47,7 @@ RECORDED = (
     "v-min",
     "v-zb",
     "zb-auto",
+    "zeropp",
     "zb-h1",
     "zb-h2",
 )
@@ -133,6 +134,17 @@ def cases() -> Iterator[tuple[str, str, int, int, dict[str, Any], str]]:
     for p in (2, 3, 4, 6):
         for m in (2 * p, 2 * p + 1, 3 * p, 4 * p):
             yield f"dualpipev/p{p}/m{m}", "dualpipev", p, m, {}, "none"
+    for p in (1, 2, 3, 4):
+        for v in (1, 2, 3):
+            for m in _microbatches(p):
+                for unit in dict.fromkeys((None, 1, 2, p)):
+                    if unit is not None and unit > m:
+                        continue
+                    kwargs = {"v": v} if unit is None else {"v": v, "unit_size": unit}
+                    costs = "fbw-comm" if m == 2 * p else "none"
+                    yield f"zeropp/p{p}/m{m}/v{v}/u{unit}/{costs}", "zeropp", p, m, kwargs, costs
+        if p > 1:
+            yield f"zeropp/p{p}/m{2 * p}/mem{p}", "zeropp", p, 2 * p, {"memory_limit": p}, "none"
     for name in ("bitpipe", "bitpipe-zb"):
         for p in (2, 4, 6, 8):
             for m in (p, 2 * p, 3 * p):

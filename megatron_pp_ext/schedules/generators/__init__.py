@@ -8,4 +8,5 @@ from . import (
     vshape,  # noqa: F401
     zbv,  # noqa: F401
     zero_bubble,  # noqa: F401
+    zeropp,  # noqa: F401
 )

@@ -1,0 +1,177 @@
+"""Adaptive unit size for ``zeropp`` (``unit_size="auto"``, ``--pipeline-unit-size auto``).
+
+For every candidate ``U`` (the divisors of ``m``: no remainder unit) the schedule is generated with the
+given op costs, validated and simulated, with the data-parallel stream when ``dp > 1`` (FSDP gathers and
+reduce-scatters timed from ``param_bytes`` and ``dp_bandwidth``). Each candidate's memory is its peak
+live activations (simulator, worst rank) in ``M_a`` (one 1F1B stage's activation for one micro-batch,
+= ``v`` looped-stage activations) and, when byte sizes are given, bytes: activations plus the FSDP
+gathered chunks (``fsdp_max_unsharded`` full chunks of ``param_bytes``). Candidates over the budget
+(``memory_limit`` in ``M_a``, ``memory_budget`` in bytes) run under the generator's activation cap (a
+forward waits for memory) and are dropped if they still exceed it (a unit of ``U`` needs ``U`` M_a, so
+larger units are skipped); the fastest remaining one wins,
+ties to the smaller memory. :meth:`UnitChoice.table` prints the choice and the alternatives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..schedules.collectives import CollectiveKind, policy_for
+from ..schedules.generators.common import ScheduleParameterError
+from ..schedules.generators.zeropp import zeropp
+from ..schedules.schedule import Schedule
+from .simulate import Costs, simulate
+from .validate import validate
+
+__all__ = ["UnitCandidate", "UnitChoice", "choose_unit_size", "evaluate_unit_size"]
+
+
+@dataclass(frozen=True)
+class UnitCandidate:
+    unit_size: int
+    iteration_time: float  # makespan, or the data-parallel iteration time with dp > 1
+    bubble: float  # sync bubble rate of the compute alone
+    peak_activations: float  # worst rank, in M_a (1F1B stage activations)
+    gathers: int  # FSDP all-gathers per iteration, worst rank (0 without FSDP)
+    exposed: float  # worst rank's data-parallel time not hidden behind compute
+    memory_bytes: float | None  # activations + gathered FSDP chunks, worst rank (None without sizes)
+    fits: bool
+
+
+@dataclass(frozen=True)
+class UnitChoice:
+    schedule: Schedule
+    best: UnitCandidate
+    candidates: tuple[UnitCandidate, ...]
+    skipped: tuple[int, ...] = ()  # unit sizes larger than the activation cap allows
+    cap: float | None = None  # live activations per rank allowed, M_a
+
+    def table(self) -> str:
+        lines = ["zeropp --pipeline-unit-size auto: candidates (time in --costs units)"]
+        lines.append(
+            f"{'U':>4} {'iteration':>11} {'bubble':>7} {'act (M_a)':>9} {'gathers':>7} {'exposed':>9} {'memory':>10}  "
+        )
+        for c in self.candidates:
+            mem = "-" if c.memory_bytes is None else f"{c.memory_bytes / 1e9:.3g} GB"
+            mark = "<- chosen" if c is self.best else ("" if c.fits else "over budget")
+            lines.append(
+                f"{c.unit_size:>4} {c.iteration_time:>11.4g} {c.bubble:>7.4f} {c.peak_activations:>9.3g} "
+                f"{c.gathers:>7} {c.exposed:>9.4g} {mem:>10}  {mark}"
+            )
+        if self.skipped:
+            lines.append(
+                f"skipped U = {', '.join(map(str, self.skipped))}: a unit of U needs U M_a, the budget leaves "
+                f"{self.cap:.3g} M_a"
+            )
+        if self.cap is not None:
+            lines.append(f"activations capped at {self.cap:.3g} M_a per rank (forwards wait for memory)")
+        return "\n".join(lines)
+
+
+def evaluate_unit_size(
+    p: int,
+    m: int,
+    unit_size: int,
+    *,
+    v: int | None = None,
+    costs: Costs | None = None,
+    dp: int = 1,
+    dp_bandwidth: float | None = None,
+    param_bytes: float | None = None,
+    fsdp: bool = False,
+    activation_bytes: float | None = None,
+    memory_limit: float | None = None,
+) -> tuple[Schedule, UnitCandidate]:
+    """Generate ``zeropp`` with ``unit_size`` and measure it (see the module doc). ``param_bytes``: one
+    chunk's parameters; ``activation_bytes``: one looped stage's activation for one micro-batch."""
+    schedule = zeropp(p, m, v=v, unit_size=unit_size, costs=costs, memory_limit=memory_limit)
+    chunks = schedule.chunks_per_rank
+    lowered = validate(schedule)
+    plain = simulate(schedule, costs, lowered=lowered)
+    time, gathers, exposed = plain.makespan, 0, 0.0
+    if dp > 1:
+        policy = policy_for(schedule, fsdp=fsdp)
+        result = simulate(
+            schedule,
+            costs,
+            lowered=lowered,
+            collectives=policy,
+            dp=dp,
+            dp_bandwidth=dp_bandwidth,
+            param_bytes=param_bytes,
+        )
+        data = result.data_parallel
+        assert data is not None
+        time, exposed = data.iteration_time, max(data.exposed)
+        gathers = max(data.plan.count(CollectiveKind.UNSHARD, r) for r in range(p)) if fsdp else 0
+    memory = None
+    if activation_bytes is not None:
+        memory = max(plain.peak_activations) * activation_bytes
+        if fsdp and param_bytes is not None:
+            memory += min(2, chunks) * param_bytes
+    candidate = UnitCandidate(
+        unit_size, time, plain.sync_bubble_rate, max(plain.peak_activations) / chunks, gathers, exposed, memory, True
+    )
+    return schedule, candidate
+
+
+def choose_unit_size(
+    p: int,
+    m: int,
+    *,
+    v: int | None = None,
+    costs: object = None,
+    memory_limit: float | None = None,
+    memory_budget: float | None = None,
+    dp: int = 1,
+    dp_bandwidth: float | None = None,
+    param_bytes: float | None = None,
+    fsdp: bool = False,
+    activation_bytes: float | None = None,
+    unit_sizes: Sequence[int] | None = None,
+) -> UnitChoice:
+    """Pick ``zeropp``'s unit size (module doc). ``memory_limit``: activations in ``M_a``;
+    ``memory_budget``: bytes (needs ``activation_bytes``). Raises ScheduleParameterError naming
+    ``--pipeline-memory-limit`` when no unit size fits."""
+    if memory_budget is not None and activation_bytes is None:
+        raise ScheduleParameterError("zeropp auto: a memory budget in bytes needs activation_bytes")
+    sizes = list(unit_sizes) if unit_sizes is not None else [u for u in range(1, m + 1) if m % u == 0]
+    chunks = 2 if v is None else v
+    cap = memory_limit  # the generator's activation cap, in M_a: the limit, or what the byte budget leaves
+    if memory_budget is not None and activation_bytes is not None:
+        gathered = min(2, chunks) * param_bytes if fsdp and param_bytes is not None else 0.0
+        from_budget = (memory_budget - gathered) / (activation_bytes * chunks)
+        cap = from_budget if cap is None else min(cap, from_budget)
+    built: list[tuple[Schedule, UnitCandidate]] = []
+    skipped = [u for u in sizes if cap is not None and u > cap]  # a unit of U needs U M_a (blockwise)
+    for unit in sizes:
+        if unit in skipped:
+            continue
+        schedule, c = evaluate_unit_size(
+            p,
+            m,
+            unit,
+            v=v,
+            costs=costs,
+            dp=dp,
+            dp_bandwidth=dp_bandwidth,
+            param_bytes=param_bytes,  # type: ignore[arg-type]
+            fsdp=fsdp,
+            activation_bytes=activation_bytes,
+            memory_limit=cap,
+        )
+        fits = (memory_limit is None or c.peak_activations <= memory_limit + 1e-9) and (
+            memory_budget is None or (c.memory_bytes is not None and c.memory_bytes <= memory_budget)
+        )
+        built.append((schedule, UnitCandidate(**{**c.__dict__, "fits": fits})))
+    fitting = [(s, c) for s, c in built if c.fits]
+    if not fitting:
+        raise ScheduleParameterError(
+            f"zeropp: no unit size in {sizes} fits the memory budget (--pipeline-memory-limit {memory_limit}, "
+            f"budget {memory_budget} bytes): it leaves {cap if cap is None else round(cap, 3)} M_a of activations "
+            "per rank, a unit of U micro-batches needs at least U"
+        )
+    schedule, best = min(fitting, key=lambda sc: (round(sc[1].iteration_time, 9), sc[1].peak_activations))
+    schedule.params["unit_size_auto"] = True
+    return UnitChoice(schedule, best, tuple(c for _, c in built), tuple(skipped), cap)
