@@ -57,3 +57,16 @@ positive_float = float_in(0.0, MAX_VALUE, low_open=True)
 nonnegative_float = float_in(0.0, MAX_VALUE)
 fraction = float_in(0.0, 1.0)  # a share, 0..1
 positive_fraction = float_in(0.0, 1.0, low_open=True)
+
+
+def unit_size(text: str) -> int | str:
+    """``--pipeline-unit-size`` (zeropp's scheduling unit): a number of micro-batches >= 1, or ``auto``."""
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of micro-batches >= 1 or 'auto', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 or 'auto', got {value}")
+    return value

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from . import argtypes
 from .schedules import registry
 from .schedules.ir import ScheduleError
 from .schedules.schedule import Schedule
@@ -66,19 +67,6 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def parse_unit_size(text: str) -> int | str:
-    """``--pipeline-unit-size N|auto`` (zeropp's scheduling unit, micro-batches)."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of micro-batches >= 1 or 'auto', got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 or 'auto', got {value}")
-    return value
-
-
 def generate_schedule(
     name: str,
     p: int,
@@ -124,7 +112,7 @@ def _add_source_args(parser: argparse.ArgumentParser, file_option: bool = True) 
     parser.add_argument(
         "--pipeline-unit-size",
         dest="unit_size",
-        type=parse_unit_size,
+        type=argtypes.unit_size,
         default=None,
         metavar="N|auto",
         help="zeropp: micro-batches per scheduling unit (default m); 'auto' picks it with the simulator "

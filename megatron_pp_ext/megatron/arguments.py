@@ -79,6 +79,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import argtypes
 from ..schedules import registry
 from ..schedules.ir import ScheduleError
 from ..schedules.schedule import Schedule
@@ -180,19 +181,6 @@ def parse_costs(text: str) -> Any:
     if len(values) == 3:
         values.append(0.0)
     return values[0], values[1], values[2], values[3]
-
-
-def parse_unit_size(text: str) -> int | str:
-    """``--pipeline-unit-size``: a number of micro-batches >= 1, or ``auto``."""
-    if str(text).strip().lower() == "auto":
-        return "auto"
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of micro-batches >= 1 or 'auto', got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 or 'auto', got {value}")
-    return value
 
 
 def parse_schedule_name(text: str) -> str:
@@ -350,7 +338,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--pipeline-unit-size",
-        type=parse_unit_size,
+        type=argtypes.unit_size,
         default=None,
         metavar="N|auto",
         help="zeropp: micro-batches per scheduling unit (default: all); 'auto' picks it with the simulator "
