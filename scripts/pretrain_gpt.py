@@ -64,6 +64,7 @@ if CPU_MODE:
     cpu.enable_cpu_training_mode(force=True)
     # The megatron flags a CPU / gloo run needs go first: the user's own flags still win.
     sys.argv[1:] = cpu_argv(sys.argv[1:])
+    cpu.hide_missing_accelerator_warnings()
 elif "--transformer-impl" not in sys.argv[1:] and not _transformer_engine_importable():
     # megatron's default is the Transformer Engine layer spec: use the local one without TE
     sys.argv[1:] = ["--transformer-impl", "local", *sys.argv[1:]]
@@ -88,6 +89,7 @@ from megatron.training.utils import get_blend_and_blend_per_split  # noqa: E402
 
 import megatron_pp_ext  # noqa: E402
 from megatron_pp_ext.megatron import layout  # noqa: E402
+from megatron_pp_ext.megatron.argv_check import check_argv_or_exit  # noqa: E402
 from megatron_pp_ext.megatron.checkpoint import fail_loudly_on_bad_checkpoint  # noqa: E402
 from megatron_pp_ext.runtime.agreement import ScheduleMismatchError  # noqa: E402
 from megatron_pp_ext.runtime.executor import ExecutorError  # noqa: E402
@@ -267,6 +269,7 @@ def main() -> None:
         defaults.update(tokenizer_type="NullTokenizer", vocab_size=256)
     elif not _argv_has("--tokenizer-type"):
         defaults.update(tokenizer_type="GPT2BPETokenizer")
+    check_argv_or_exit(sys.argv[1:])  # one line per mistyped flag or bad value, not megatron's usage per rank
     args = parse_and_validate_args(extra_args_provider=megatron_pp_ext.add_arguments, args_defaults=defaults)
     if mock:
         args.mock_data = True

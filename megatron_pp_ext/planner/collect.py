@@ -39,6 +39,7 @@ import io
 import json
 import re
 import statistics
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -475,7 +476,12 @@ def cmd_collect(args: argparse.Namespace) -> int:
     if not rows:
         raise ValueError(f"no *.log files under {args.logdir}")
     paths = write_outputs(rows, args.out or args.logdir, plot=not args.no_plot)
+    from .paper import paper_markdown, paper_rows, write_paper
+
+    paths.update(write_paper(rows, plan, args.out or args.logdir, plot=not args.no_plot))
     print(to_csv(rows) if args.csv else to_markdown(rows))
+    if not args.csv:
+        print("\n" + paper_markdown(paper_rows(rows, plan)))
     bad = [r for r in rows if r["status"] != "ok"]
     print(
         f"\n{len(rows) - len(bad)} ok, {len(bad)} not ok"
@@ -483,4 +489,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
         + f"; wrote {', '.join(str(p) for p in paths.values())}"
         + ("" if plan else "; no plan.json found: no predictions")
     )
+    if all(r["status"] == "missing" for r in rows):
+        print(f"{args.logdir}: every planned configuration is missing (no log): nothing ran", file=sys.stderr)
+        return 1
     return 0

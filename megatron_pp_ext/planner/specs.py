@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PlanSpec", "SPEC_DIR", "load_spec", "plan_spec", "spec_files", "write_spec_grid"]
+__all__ = ["SPEC_DIR", "PlanSpec", "load_spec", "plan_spec", "spec_files", "write_spec_grid"]
 
 SPEC_DIR = Path(__file__).resolve().parents[2] / "scripts" / "slurm" / "specs"
 _KEYS = {"name", "out", "log_dir", "reproduces", "plan", "global_batch", "select", "slurm", "published"}
@@ -50,7 +50,9 @@ def _flags(plan: Mapping[str, Any], where: str) -> tuple[str, ...]:
         elif isinstance(value, (str, int, float)) and not isinstance(value, bool):
             argv += [flag, str(value)]
         else:
-            raise ValueError(f"{where}: plan flag {key!r} has value {value!r} (expected text, a number, a list or true)")
+            raise ValueError(
+                f"{where}: plan flag {key!r} has value {value!r} (expected text, a number, a list or true)"
+            )
     if "--global-batch" in argv:
         raise ValueError(f"{where}: give the global batch as the top-level 'global_batch' list, not a plan flag")
     return tuple(argv)
