@@ -61,10 +61,10 @@ def _transformer_engine_importable() -> bool:
 
 CPU_MODE = _cpu_requested(sys.argv[1:])
 if CPU_MODE:
+    cpu.hide_missing_accelerator_warnings()  # before megatron's imports warn about them on every rank
     cpu.enable_cpu_training_mode(force=True)
     # The megatron flags a CPU / gloo run needs go first: the user's own flags still win.
     sys.argv[1:] = cpu_argv(sys.argv[1:])
-    cpu.hide_missing_accelerator_warnings()
 elif "--transformer-impl" not in sys.argv[1:] and not _transformer_engine_importable():
     # megatron's default is the Transformer Engine layer spec: use the local one without TE
     sys.argv[1:] = ["--transformer-impl", "local", *sys.argv[1:]]

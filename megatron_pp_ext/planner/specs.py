@@ -35,6 +35,7 @@ class PlanSpec:
     global_batches: tuple[int, ...]
     best_per_schedule: bool = True
     top: int = 0
+    pipeline_only: bool = True  # leave out configurations without a pipeline (pp=1): nothing to schedule
     slurm: Mapping[str, Any] = field(default_factory=dict)
     published: Mapping[str, Any] = field(default_factory=dict)
 
@@ -84,6 +85,7 @@ def load_spec(path: str | Path) -> PlanSpec:
         global_batches=tuple(batches),
         best_per_schedule=bool(select.get("best_per_schedule", True)),
         top=int(select.get("top", 0)),
+        pipeline_only=bool(select.get("pipeline_only", True)),
         slurm=dict(raw.get("slurm", {})),
         published=dict(raw.get("published", {})),
     )
@@ -114,6 +116,8 @@ def plan_spec(spec: PlanSpec) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     for batch in spec.global_batches:
         planner = planner_from_args(_planner_args(spec, batch))
         result = planner.run(progress=False)
+        if spec.pipeline_only:
+            result.rows = [row for row in result.rows if row.config.pp > 1]
         selected = select_rows(result, spec.best_per_schedule, spec.top or None)
         part = plan_document(result, planner, selected)
         for row in part["rows"]:

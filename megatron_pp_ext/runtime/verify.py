@@ -84,12 +84,10 @@ class RunSpec:
 # What runs on one rank
 # ------------------------------------------------------------------------------------------------
 def run_on_rank(spec: RunSpec, rank: int, init_method: str) -> dict[str, Any]:
-    from megatron_pp_ext.megatron.cpu import enable_cpu_mode
+    from megatron_pp_ext.megatron.cpu import enable_cpu_mode, hide_missing_accelerator_warnings
 
+    hide_missing_accelerator_warnings(announce=False)  # before enable_cpu_mode imports megatron
     enable_cpu_mode()
-    from megatron_pp_ext.megatron.cpu import hide_missing_accelerator_warnings
-
-    hide_missing_accelerator_warnings(announce=False)
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
