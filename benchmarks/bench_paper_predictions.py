@@ -60,6 +60,10 @@ def table(name: str) -> str:
                     f"* {p['label']} {what}: predicted {value:.3f}, published {p['samples_per_gpu_s']}"
                     f" ({100 * diff:+.1f}%)"
                 )
+        if "memory_gb" in p:
+            lines.append(
+                f"* {p['label']} peak memory: predicted {r['peak_memory_gib']:.1f} GiB, published {p['memory_gb']} GB"
+            )
         if "mfu" in p:
             diff = r["mfu"] / p["mfu"] - 1
             lines.append(

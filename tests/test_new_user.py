@@ -79,3 +79,10 @@ def test_list_fits_100_columns(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 100
     assert "zb-h1" in out and "constraints:" in out
+
+
+def test_planner_leaves_v_block_out_unless_asked() -> None:
+    """Without a block file v-block is v-half's block: the default search would list the same schedule twice."""
+    from megatron_pp_ext.planner.plan import default_schedules
+
+    assert "v-block" not in default_schedules() and "v-half" in default_schedules()

@@ -12,11 +12,13 @@ import argparse
 import difflib
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 
 __all__ = ["argv_problems", "check_argv_or_exit"]
 
 MAX_PROBLEMS = 20
+RANK0_GRACE_S = 3.0
 
 
 class _ProblemError(Exception):
@@ -84,4 +86,6 @@ def check_argv_or_exit(argv: Sequence[str], prog: str | None = None) -> None:
         for problem in problems:
             print(f"{name}: error: {problem}", file=sys.stderr)
         sys.stderr.flush()
+    else:
+        time.sleep(RANK0_GRACE_S)  # torchrun stops every rank when one exits: let rank 0 print first
     raise SystemExit(2)

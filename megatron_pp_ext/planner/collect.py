@@ -197,8 +197,8 @@ def summarize(
     tflops = [i["tflops"] for i in steady if "tflops" in i]
     med = _median(elapsed)
     gbs = next((i["global_batch"] for i in reversed(its) if "global_batch" in i), None)
-    if gbs is None and plan is not None:
-        gbs = float(plan.get("global_batch", 0)) or None
+    if gbs is None and plan is not None:  # a row's own batch first (plans of several batches: scripts/slurm)
+        gbs = float((plan_row or {}).get("global_batch") or plan.get("global_batch", 0)) or None
     row: dict[str, Any] = {"id": run.config_id, "status": run.status}
     meta = plan_row or _meta_from_id(run.config_id)
     for key in ("schedule", "tp", "pp", "dp", "micro_batch", "num_microbatches", "chunks", "recompute"):

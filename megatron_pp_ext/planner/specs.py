@@ -124,7 +124,7 @@ def plan_spec(spec: PlanSpec) -> tuple[dict[str, Any], list[dict[str, Any]]]:
             row["global_batch"] = batch
         if doc is None:
             doc = part
-            doc["global_batch"] = list(spec.global_batches) if len(spec.global_batches) > 1 else batch
+            doc["global_batches"] = list(spec.global_batches)  # each row has its own "global_batch"
             doc["spec"] = spec.name
         rows += part["rows"]
     assert doc is not None
