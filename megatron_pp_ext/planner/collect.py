@@ -463,6 +463,13 @@ def add_parser(subparsers: Any) -> None:
         "results.csv, results.md and throughput.png; marks failed / OOM runs; compares with plan.json.",
     )
     p.add_argument("logdir", help="directory with the runs' logs")
+    p.add_argument(
+        "more_logdirs",
+        nargs="*",
+        metavar="LOGDIR",
+        help="more log directories (e.g. logs/zb-1.5b logs/zb-6.2b ...): each collected as alone, plus one "
+        "paper.md over all of them in --out",
+    )
     p.add_argument("--plan", help="plan.json with the predictions (default: LOGDIR/plan.json or ../plan.json)")
     p.add_argument("--out", help="where to write results.* (default: LOGDIR)")
     p.add_argument("--skip", type=int, default=2, help="warm-up iterations left out of the averages (default 2)")
@@ -472,13 +479,33 @@ def add_parser(subparsers: Any) -> None:
 
 
 def cmd_collect(args: argparse.Namespace) -> int:
-    rows, plan = collect(args.logdir, args.plan, args.skip)
+    logdirs = [args.logdir, *args.more_logdirs]
+    if len(logdirs) > 1 and (args.plan or not args.out):
+        raise ValueError("several LOGDIRs (one per provided script / model size): give --out DIR, and no --plan")
+    from .paper import write_combined_paper
+
+    code, sections = 0, []
+    for logdir in logdirs:
+        out = args.out if len(logdirs) == 1 else None
+        rows, plan, one = _collect_one(logdir, args.plan, out, args)
+        code = max(code, one)
+        sections.append((logdir, rows, plan))
+    if len(logdirs) > 1:
+        path = write_combined_paper(sections, args.out)
+        print(f"\nwrote {path} (one table per log directory)")
+    return code
+
+
+def _collect_one(
+    logdir: str, plan_path: str | None, out: str | None, args: argparse.Namespace
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None, int]:
+    rows, plan = collect(logdir, plan_path, args.skip)
     if not rows:
-        raise ValueError(f"no *.log files under {args.logdir}")
-    paths = write_outputs(rows, args.out or args.logdir, plot=not args.no_plot)
+        raise ValueError(f"no *.log files under {logdir}")
+    paths = write_outputs(rows, out or logdir, plot=not args.no_plot)
     from .paper import paper_markdown, paper_rows, write_paper
 
-    paths.update(write_paper(rows, plan, args.out or args.logdir, plot=not args.no_plot))
+    paths.update(write_paper(rows, plan, out or logdir, plot=not args.no_plot))
     print(to_csv(rows) if args.csv else to_markdown(rows))
     if not args.csv:
         print("\n" + paper_markdown(paper_rows(rows, plan)))
@@ -490,6 +517,6 @@ def cmd_collect(args: argparse.Namespace) -> int:
         + ("" if plan else "; no plan.json found: no predictions")
     )
     if all(r["status"] == "missing" for r in rows):
-        print(f"{args.logdir}: every planned configuration is missing (no log): nothing ran", file=sys.stderr)
-        return 1
-    return 0
+        print(f"{logdir}: every planned configuration is missing (no log): nothing ran", file=sys.stderr)
+        return rows, plan, 1
+    return rows, plan, 0

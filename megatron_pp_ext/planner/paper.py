@@ -159,3 +159,20 @@ def write_paper(
         if png is not None:
             paths["paper_plot"] = png
     return paths
+
+
+def write_combined_paper(
+    sections: Sequence[tuple[str, Sequence[Mapping[str, Any]], Mapping[str, Any] | None]], out_dir: str | Path
+) -> Path:
+    """One ``paper.md`` over several log directories (the papers' tables span model sizes): a section
+    per directory, titled with its model and GPU count."""
+    parts = ["# Results per model size", ""]
+    for logdir, rows, plan in sections:
+        model = (plan or {}).get("model", {}).get("name", "?") if isinstance((plan or {}).get("model"), dict) else "?"
+        parts += [f"## {model} on {(plan or {}).get('gpus', '?')} GPUs ({logdir})", ""]
+        parts += [paper_markdown(paper_rows(rows, plan)), ""]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "paper.md"
+    path.write_text("\n".join(parts))
+    return path

@@ -97,6 +97,12 @@ def test_provided_script_runs_under_stubbed_slurm_and_collects(tmp_path: Path) -
     # measured 192 samples / 1 s / 8 GPUs = 24 per GPU; MFU 150 / 312
     assert "24.000 (" in paper and "48.1% (" in paper and "20.0 (" in paper
     assert (logs / "paper.png").is_file()
+    # several scripts (model sizes) into one table: a section per log directory
+    shutil.copytree(logs, tmp_path / "logs2")
+    assert main(["collect", str(logs), str(tmp_path / "logs2"), "--no-plot"]) == 2  # needs --out
+    assert main(["collect", str(logs), str(tmp_path / "logs2"), "--out", str(tmp_path / "all"), "--no-plot"]) == 0
+    combined = (tmp_path / "all" / "paper.md").read_text()
+    assert combined.count("## zb-1.5b on 8 GPUs") == 2 and combined.count("| zb-h1 |") == 2
 
 
 def test_collect_fails_when_every_configuration_is_missing(tmp_path: Path) -> None:
