@@ -257,6 +257,7 @@ def _sbatch_text(
         f"#   sbatch --partition=PART --account=ACCT --time=01:00:00 {out}/job.sbatch",
         "# Environment (read at run time; sbatch passes your environment on):",
         "#   MPP_REPO            megatron_pp_ext checkout on the cluster (default: the submission directory)",
+        "#   MPP_GRID_DIR        directory holding configs.tsv and plan.json (default below)",
         "#   MPP_SCRIPT          training driver (default: $MPP_REPO/scripts/pretrain_gpt.py)",
         "#   MPP_LOG_DIR         where each configuration's log goes (default below)",
         "#   MPP_VENV            virtualenv / conda prefix to activate (PREFIX/bin/activate)",
@@ -286,10 +287,15 @@ def _sbatch_text(
         "",
         'SUBMIT_DIR="${SLURM_SUBMIT_DIR:-$PWD}"',
         'MPP_REPO="${MPP_REPO:-$SUBMIT_DIR}"',
-        f'GRID_DIR="{_under_submit_dir(out)}"',
+        f'GRID_DIR="${{MPP_GRID_DIR:-{_under_submit_dir(out)}}}"',
         f'LOG_DIR="${{MPP_LOG_DIR:-{_under_submit_dir(log_dir)}}}"',
         f'SCRIPT="${{MPP_SCRIPT:-{script}}}"',
         'CONFIGS="$GRID_DIR/configs.tsv"',
+        'if [ ! -f "$CONFIGS" ]; then',
+        '  echo "$CONFIGS not found: submit from the directory this script\'s paths are relative to," \\',
+        '    "or set MPP_GRID_DIR to the directory holding configs.tsv" >&2',
+        "  exit 2",
+        "fi",
         f"NPROC_PER_NODE={nproc}",
         'mkdir -p "$LOG_DIR"',
         '[ -e "$LOG_DIR/plan.json" ] || cp "$GRID_DIR/plan.json" "$LOG_DIR/plan.json" 2>/dev/null || true',
@@ -500,7 +506,7 @@ def cmd_grid(args: argparse.Namespace) -> int:
 
         spec = load_spec(args.spec)
         paths = write_spec_grid(spec, Path.cwd(), args.out)
-        print(f"wrote {paths['sbatch']}, {paths['configs']}, {paths['plan']}; submit: sbatch {paths['sbatch']}")
+        print(f"wrote {_rel(paths['sbatch'].resolve(), Path.cwd())} (+ configs.tsv, plan.json); submit from here")
         return 0
     if not args.out:
         raise ValueError("give --out DIR (or --spec SPEC.json)")
@@ -533,10 +539,11 @@ def cmd_grid(args: argparse.Namespace) -> int:
         env=env,
     )
     paths = write_grid(args.out, doc, rows, opts)
-    print(f"wrote {paths['sbatch']} ({len(rows)} array tasks), {paths['configs']}, {paths['plan']}")
-    print(
-        f"logs go to {paths['log_dir']}; submit: sbatch {paths['sbatch']}; then: megatron-pp collect {paths['log_dir']}"
-    )
+    here = Path.cwd()
+    sbatch, logs = (_rel(paths[k].resolve(), here) for k in ("sbatch", "log_dir"))
+    print(f"wrote {sbatch} ({len(rows)} array tasks), configs.tsv and plan.json next to it")
+    print(f"submit from {here} (the script's paths are relative to it): sbatch {sbatch}")
+    print(f"logs go to {logs}; then: megatron-pp collect {logs}")
     if args.check:
         known, how = driver_flags(args.script or DEFAULT_SCRIPT)
         bad = unknown_flags(args.out, known)

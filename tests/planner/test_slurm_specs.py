@@ -110,3 +110,13 @@ def test_collect_fails_when_every_configuration_is_missing(tmp_path: Path) -> No
     spec = load_spec(REPO / "scripts" / "slurm" / "specs" / "zb-1.5b.json")
     (tmp_path / "plan.json").write_text((REPO / spec.out / "plan.json").read_text())
     assert main(["collect", str(tmp_path), "--no-plot"]) == 1
+
+
+def test_submitting_from_another_directory_says_so(tmp_path: Path) -> None:
+    """The paths are relative to the submission directory: from elsewhere the script stops with one
+    line naming the fix (or runs with MPP_GRID_DIR), instead of awk's error and an empty configuration."""
+    script = REPO / "scripts" / "slurm" / "zb-1.5b" / "job.sbatch"
+    env = {"PATH": "/usr/bin:/bin", "SLURM_ARRAY_TASK_ID": "0", "SLURM_SUBMIT_DIR": str(tmp_path)}
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 2 and "set MPP_GRID_DIR" in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
