@@ -196,14 +196,24 @@ def _num(x: float) -> str:
 
 
 # ---- subcommands ---------------------------------------------------------------------------
+LIST_WIDTH = 100  # `megatron-pp list` fits a 100-column terminal
+
+
 def cmd_list(args: argparse.Namespace) -> int:
-    rows = []
-    for name in registry.names():
-        info = registry.get(name)
-        rows.append(
-            [info.name, info.placement, "yes" if info.splits_backward else "no", info.requirements, info.description]
-        )
-    print(_fmt_table(["name", "placement", "splits-backward", "constraints", "description"], rows))
+    """One line per schedule (name, placement, B/W split), then its description and constraints
+    wrapped below it."""
+    import textwrap
+
+    infos = [registry.get(name) for name in registry.names()]
+    name_w = max(len("name"), *(len(i.name) for i in infos))
+    place_w = max(len("placement"), *(len(i.placement) for i in infos))
+    indent = " " * 4
+    print(f"{'name'.ljust(name_w)}  {'placement'.ljust(place_w)}  B/W split")
+    print(f"{'-' * name_w}  {'-' * place_w}  ---------")
+    for info in infos:
+        print(f"{info.name.ljust(name_w)}  {info.placement.ljust(place_w)}  {'yes' if info.splits_backward else 'no'}")
+        for text in (info.description, f"constraints: {info.requirements}"):
+            print(textwrap.fill(text, LIST_WIDTH, initial_indent=indent, subsequent_indent=indent + "  "))
     return 0
 
 
@@ -406,6 +416,26 @@ def compare_rows(
     return done, skipped, broken
 
 
+def iteration_time_1f1b_units(schedule: Schedule, result: SimResult, costs: Costs | None) -> float:
+    """The iteration makespan with each op's compute cost divided by the stages a rank holds per
+    replica (a V or looped stage is 1/v of a 1F1B stage; a hop still carries a whole activation),
+    so schedules with different v compare; ``--costs`` are read as one 1F1B stage's op times."""
+    from dataclasses import replace
+
+    from .analysis.simulate import Costs
+
+    k = schedule.placement.stages_per_rank_per_replica
+    if k == 1:
+        return result.makespan
+    base = costs or Costs.unit()
+
+    def scale(x: Any) -> Any:
+        return None if x is None else (tuple(v / k for v in x) if isinstance(x, tuple) else x / k)
+
+    scaled = replace(base, t_f=scale(base.t_f), t_b=scale(base.t_b), t_w=scale(base.t_w), t_bw=scale(base.t_bw))
+    return _simulate(schedule, scaled).makespan
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     costs = parse_costs(args.costs)
     done, skipped, broken = compare_rows(args.p, args.m, args.v, costs)
@@ -422,12 +452,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print(json.dumps(payload))
         return 0
     rows = []
-    for schedule, result in done:
+    times = [iteration_time_1f1b_units(schedule, result, costs) for schedule, result in done]
+    fastest = min(times, default=None)
+    for (schedule, result), time in zip(done, times, strict=True):
         worst = max(range(schedule.num_ranks), key=lambda r: result.peak_activations[r])
         rows.append(
             [
                 schedule.name,
                 schedule.chunks_per_rank,
+                _num(time) + (" *" if time == fastest else ""),
                 f"{result.bubble_rate:.4f}",
                 f"{result.sync_bubble_rate:.4f}",
                 _num(result.peak_activations[worst]),
@@ -435,8 +468,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 result.p2p_messages,
             ]
         )
-    header = ["schedule", "v", "bubble", "sync bubble", "peak act (stage)", "peak act (1F1B)", "p2p msgs"]
+    header = ["schedule", "v", "time", "bubble", "sync bubble", "peak act (stage)", "peak act (1F1B)", "p2p msgs"]
     print(f"p={args.p} m={args.m} v={args.v if args.v is not None else 'default'} costs={args.costs or 'unit'}")
+    print("time: iteration makespan (every rank done), costs read as one 1F1B stage's (a stage of a rank holding")
+    print("      k stages per model replica costs 1/k of them; a hop costs the same), * = fastest")
     print("peak activations: worst rank, in the schedule's own stage units and in 1F1B stage units")
     print(_fmt_table(header, rows))
     if skipped:

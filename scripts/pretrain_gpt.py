@@ -67,6 +67,7 @@ def _transformer_engine_importable() -> bool:
 
 CPU_MODE = _cpu_requested(sys.argv[1:])
 if CPU_MODE:
+    cpu.hide_missing_accelerator_warnings()  # before megatron's imports warn about them on every rank
     cpu.enable_cpu_training_mode(force=True)
     # The megatron flags a CPU / gloo run needs go first: the user's own flags still win.
     sys.argv[1:] = cpu_argv(sys.argv[1:])
@@ -94,6 +95,7 @@ from megatron.training.utils import get_blend_and_blend_per_split  # noqa: E402
 
 import megatron_pp_ext  # noqa: E402
 from megatron_pp_ext.megatron import layout  # noqa: E402
+from megatron_pp_ext.megatron.argv_check import check_argv_or_exit  # noqa: E402
 from megatron_pp_ext.megatron.checkpoint import fail_loudly_on_bad_checkpoint  # noqa: E402
 from megatron_pp_ext.runtime.agreement import ScheduleMismatchError  # noqa: E402
 from megatron_pp_ext.runtime.executor import ExecutorError  # noqa: E402
@@ -273,6 +275,7 @@ def main() -> None:
         defaults.update(tokenizer_type="NullTokenizer", vocab_size=256)
     elif not _argv_has("--tokenizer-type"):
         defaults.update(tokenizer_type="GPT2BPETokenizer")
+    check_argv_or_exit(sys.argv[1:])  # one line per mistyped flag or bad value, not megatron's usage per rank
     try:  # megatron's own validation would reject these with a traceback
         check_fsdp_argv(sys.argv[1:])
     except PipelineArgumentError as exc:

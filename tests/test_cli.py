@@ -37,7 +37,7 @@ def test_list(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "list")
     assert code == 0
     header = out.splitlines()[0].split()
-    assert header == ["name", "placement", "splits-backward", "constraints", "description"]
+    assert header == ["name", "placement", "B/W", "split"]  # description and constraints below each name
     for name in names():
         assert any(line.startswith(name + " ") for line in out.splitlines()), name
     assert "microbatch_group_size" in out

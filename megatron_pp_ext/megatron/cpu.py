@@ -384,3 +384,29 @@ def enable_cpu_training_mode(force: bool = False, threads: int | None = None, sk
     _patch_device_queries()
     _TRAINING_ENABLED = True
     return True
+
+
+#: megatron's import-time warnings about optional CUDA libraries: each is repeated from several modules
+#: and on every rank; in CPU mode none of them is news.
+MISSING_ACCELERATOR_WARNINGS = (
+    r"Apex is not installed",
+    r"Transformer Engine and Apex are not installed",
+    r"absl\.logging is not installed",
+    r"Only transformer-engine>=",
+)
+
+
+def hide_missing_accelerator_warnings(announce: bool = True) -> None:
+    """In CPU mode: hide megatron's repeated Apex / Transformer Engine warnings and, if ``announce``,
+    say once (rank 0) that their torch fallbacks are used."""
+    import warnings
+
+    for pattern in MISSING_ACCELERATOR_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    if announce and os.environ.get("RANK", "0") == "0":
+        print(
+            "megatron_pp_ext: CPU mode: Apex and Transformer Engine are not used (megatron falls back to torch; "
+            "its warnings about them are shown only here)",
+            file=sys.stderr,
+            flush=True,
+        )

@@ -39,6 +39,7 @@ import io
 import json
 import re
 import statistics
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -196,8 +197,8 @@ def summarize(
     tflops = [i["tflops"] for i in steady if "tflops" in i]
     med = _median(elapsed)
     gbs = next((i["global_batch"] for i in reversed(its) if "global_batch" in i), None)
-    if gbs is None and plan is not None:
-        gbs = float(plan.get("global_batch", 0)) or None
+    if gbs is None and plan is not None:  # a row's own batch first (plans of several batches: scripts/slurm)
+        gbs = float((plan_row or {}).get("global_batch") or plan.get("global_batch", 0)) or None
     row: dict[str, Any] = {"id": run.config_id, "status": run.status}
     meta = plan_row or _meta_from_id(run.config_id)
     for key in ("schedule", "tp", "pp", "dp", "micro_batch", "num_microbatches", "chunks", "recompute"):
@@ -462,6 +463,13 @@ def add_parser(subparsers: Any) -> None:
         "results.csv, results.md and throughput.png; marks failed / OOM runs; compares with plan.json.",
     )
     p.add_argument("logdir", help="directory with the runs' logs")
+    p.add_argument(
+        "more_logdirs",
+        nargs="*",
+        metavar="LOGDIR",
+        help="more log directories (e.g. logs/zb-1.5b logs/zb-6.2b ...): each collected as alone, plus one "
+        "paper.md over all of them in --out",
+    )
     p.add_argument("--plan", help="plan.json with the predictions (default: LOGDIR/plan.json or ../plan.json)")
     p.add_argument("--out", help="where to write results.* (default: LOGDIR)")
     p.add_argument("--skip", type=int, default=2, help="warm-up iterations left out of the averages (default 2)")
@@ -471,11 +479,36 @@ def add_parser(subparsers: Any) -> None:
 
 
 def cmd_collect(args: argparse.Namespace) -> int:
-    rows, plan = collect(args.logdir, args.plan, args.skip)
+    logdirs = [args.logdir, *args.more_logdirs]
+    if len(logdirs) > 1 and (args.plan or not args.out):
+        raise ValueError("several LOGDIRs (one per provided script / model size): give --out DIR, and no --plan")
+    from .paper import write_combined_paper
+
+    code, sections = 0, []
+    for logdir in logdirs:
+        out = args.out if len(logdirs) == 1 else None
+        rows, plan, one = _collect_one(logdir, args.plan, out, args)
+        code = max(code, one)
+        sections.append((logdir, rows, plan))
+    if len(logdirs) > 1:
+        path = write_combined_paper(sections, args.out)
+        print(f"\nwrote {path} (one table per log directory)")
+    return code
+
+
+def _collect_one(
+    logdir: str, plan_path: str | None, out: str | None, args: argparse.Namespace
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None, int]:
+    rows, plan = collect(logdir, plan_path, args.skip)
     if not rows:
-        raise ValueError(f"no *.log files under {args.logdir}")
-    paths = write_outputs(rows, args.out or args.logdir, plot=not args.no_plot)
+        raise ValueError(f"no *.log files under {logdir}")
+    paths = write_outputs(rows, out or logdir, plot=not args.no_plot)
+    from .paper import paper_markdown, paper_rows, write_paper
+
+    paths.update(write_paper(rows, plan, out or logdir, plot=not args.no_plot))
     print(to_csv(rows) if args.csv else to_markdown(rows))
+    if not args.csv:
+        print("\n" + paper_markdown(paper_rows(rows, plan)))
     bad = [r for r in rows if r["status"] != "ok"]
     print(
         f"\n{len(rows) - len(bad)} ok, {len(bad)} not ok"
@@ -483,4 +516,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
         + f"; wrote {', '.join(str(p) for p in paths.values())}"
         + ("" if plan else "; no plan.json found: no predictions")
     )
-    return 0
+    if all(r["status"] == "missing" for r in rows):
+        print(f"{logdir}: every planned configuration is missing (no log): nothing ran", file=sys.stderr)
+        return rows, plan, 1
+    return rows, plan, 0

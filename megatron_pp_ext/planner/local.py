@@ -135,6 +135,8 @@ def cmd_launch_local(args: argparse.Namespace) -> int:
             args.device = "CPU"
         if args.pp is None and args.model == "tiny":
             args.pp = (2,)
+        if args.micro_batch is None and args.model == "tiny":
+            args.micro_batch = (2,)  # m = 4 micro-batches: at m = 1 a pipeline has nothing to overlap
     doc, rows = load_or_plan(args)
     if not rows:
         raise ValueError("the plan has no configuration that fits")

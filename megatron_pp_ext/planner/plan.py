@@ -82,6 +82,14 @@ SIM_COMM = _simulator_comm_model()
 SIM_KWARGS: dict[str, Any] = {"comm": SIM_COMM} if "comm" in inspect.signature(simulate).parameters else {}
 
 
+NO_PIPELINE = "none (pp=1)"  # how a configuration without pipeline parallelism is listed
+
+
+def default_schedules() -> tuple[str, ...]:
+    """Every registered schedule except ``v-block`` (which, without a block file, is ``v-half``)."""
+    return tuple(n for n in registry.names() if n != "v-block")
+
+
 def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
@@ -209,9 +217,11 @@ class PlanResult:
     budget_bytes: float
 
     def best_per_schedule(self) -> list[PlanRow]:
+        """Each schedule's best row; configurations without a pipeline (pp=1) are one group of their own."""
         seen: dict[str, PlanRow] = {}
         for row in self.rows:
             key = row.config.schedule + (f"@{row.config.memory_limit}" if row.config.memory_limit else "")
+            key = NO_PIPELINE if row.config.pp == 1 else key
             if key not in seen:
                 seen[key] = row
         return list(seen.values())
@@ -366,7 +376,8 @@ class Planner:
         budget = cost_model.device.memory_gib if memory_budget_gib is None else memory_budget_gib
         self.budget_bytes = (budget - memory_reserve_gib) * GIB
         self.space = space or SearchSpace()
-        names = self.space.schedules if self.space.schedules is not None else tuple(registry.names())
+        # v-block without a block file is v-half's block: list it only when asked for
+        names = self.space.schedules if self.space.schedules is not None else default_schedules()
         self.schedule_names = tuple(registry.get(n).name for n in names)
         self._built: dict[tuple[Any, ...], _Built] = {}
         self._profiles: dict[tuple[Any, ...], ActivationProfile] = {}
@@ -956,7 +967,7 @@ def table_rows(rows: Sequence[PlanRow]) -> list[list[str]]:
     out = []
     for r in rows:
         c = r.config
-        name = c.schedule + (f"@{c.memory_limit}" if c.memory_limit else "")
+        name = NO_PIPELINE if c.pp == 1 else c.schedule + (f"@{c.memory_limit}" if c.memory_limit else "")
         out.append(
             [
                 str(r.rank),

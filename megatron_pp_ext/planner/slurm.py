@@ -87,10 +87,12 @@ class GridOptions:
     log_dir: str | None = None  # default: OUT/logs
     train_iters: int = 20
     max_parallel: int | None = None  # array throttle (%N)
-    script: str = str(DEFAULT_SCRIPT)
+    script: str | None = None  # default: $MPP_REPO/scripts/pretrain_gpt.py on the cluster
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     job_name: str | None = None
+    base_dir: str | None = None  # paths in the script are relative to this (the submission directory); default cwd
+    about: list[str] = field(default_factory=list)  # header lines: what the script reproduces
 
 
 def common_args(plan: Mapping[str, Any], train_iters: int, extra: Sequence[str] = ()) -> list[str]:
@@ -163,6 +165,7 @@ def write_grid(
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     log_dir = Path(opts.log_dir).resolve() if opts.log_dir else out / "logs"
+    base = Path(opts.base_dir or Path.cwd()).resolve()
     gpus = int(plan["gpus"])
     gpn = int(opts.gpus_per_node)
     nodes = opts.nodes or max(1, math.ceil(gpus / gpn))
@@ -208,18 +211,31 @@ def write_grid(
     plan_path.write_text(json.dumps(doc, indent=1) + "\n")
 
     sbatch = out / "job.sbatch"
-    sbatch.write_text(_sbatch_text(plan, rows, opts, out, log_dir, nodes, nproc, common))
+    sbatch.write_text(_sbatch_text(plan, rows, opts, _rel(out, base), _rel(log_dir, base), nodes, nproc, common))
     sbatch.chmod(0o755)
-    log_dir.mkdir(parents=True, exist_ok=True)
     return {"configs": configs, "plan": plan_path, "sbatch": sbatch, "log_dir": log_dir}
+
+
+def _rel(path: Path, base: Path) -> str:
+    """``path`` relative to ``base`` (the submission directory) when it lies below it, else as given."""
+    try:
+        return str(path.relative_to(base))
+    except ValueError:
+        return str(path)
+
+
+def _under_submit_dir(path: str) -> str:
+    """Text for inside double quotes: ``path`` below ``$SUBMIT_DIR`` unless absolute."""
+    _check_tokens([path], "path")
+    return path if path.startswith("/") else "$SUBMIT_DIR/" + path
 
 
 def _sbatch_text(
     plan: Mapping[str, Any],
     rows: Sequence[Mapping[str, Any]],
     opts: GridOptions,
-    out: Path,
-    log_dir: Path,
+    out: str,
+    log_dir: str,
     nodes: int,
     nproc: int,
     common: Sequence[str],
@@ -227,49 +243,77 @@ def _sbatch_text(
     model = plan["model"]["name"]
     q = shlex.quote
     array = f"0-{len(rows) - 1}" + (f"%{opts.max_parallel}" if opts.max_parallel else "")
+    cpus = opts.cpus_per_task or 8 * nproc
+    job_name = opts.job_name or "mpp-" + re.sub(r"[^A-Za-z0-9_.-]", "_", str(model))
     head = [
         "#!/bin/bash",
         f"# megatron-pp grid: {len(rows)} configuration(s) of {model} on {plan['gpus']} GPUs "
         f"({nodes} node(s) x {nproc}); one configuration per array task.",
-        f"# Submit: sbatch {out / 'job.sbatch'}    Collect: megatron-pp collect {log_dir}",
-        f"#SBATCH --job-name={opts.job_name or 'mpp-' + re.sub(r'[^A-Za-z0-9_.-]', '_', str(model))}",
+        *[f"# {line}".rstrip() for line in opts.about],
+        "#",
+        "# Submit from the directory the paths below are relative to (a checkout of megatron_pp_ext):",
+        f"#   sbatch {out}/job.sbatch",
+        "# Cluster settings: sbatch's own flags override the #SBATCH lines, e.g.",
+        f"#   sbatch --partition=PART --account=ACCT --time=01:00:00 {out}/job.sbatch",
+        "# Environment (read at run time; sbatch passes your environment on):",
+        "#   MPP_REPO            megatron_pp_ext checkout on the cluster (default: the submission directory)",
+        "#   MPP_GRID_DIR        directory holding configs.tsv and plan.json (default below)",
+        "#   MPP_SCRIPT          training driver (default: $MPP_REPO/scripts/pretrain_gpt.py)",
+        "#   MPP_LOG_DIR         where each configuration's log goes (default below)",
+        "#   MPP_VENV            virtualenv / conda prefix to activate (PREFIX/bin/activate)",
+        "#   MPP_CONTAINER       container image for srun --container-image (pyxis/enroot), MPP_CONTAINER_MOUNTS",
+        "#   MPP_SETUP           a shell line run before srun (e.g. 'module load cuda/12.4')",
+        f"# Collect: megatron-pp collect {log_dir}",
+        f"#SBATCH --job-name={job_name}",
         f"#SBATCH --nodes={nodes}",
         "#SBATCH --ntasks-per-node=1",
         f"#SBATCH --gpus-per-node={nproc}",
+        f"#SBATCH --cpus-per-task={cpus}",
         "#SBATCH --exclusive",
         f"#SBATCH --time={opts.time}",
         f"#SBATCH --array={array}",
-        f"#SBATCH --output={log_dir}/slurm-%A_%a.out",
+        "#SBATCH --output=slurm-%x-%A_%a.out",
     ]
-    if opts.cpus_per_task:
-        head.append(f"#SBATCH --cpus-per-task={opts.cpus_per_task}")
     if opts.partition:
         head.append(f"#SBATCH --partition={opts.partition}")
     if opts.account:
         head.append(f"#SBATCH --account={opts.account}")
     if opts.qos:
         head.append(f"#SBATCH --qos={opts.qos}")
+    script = _under_submit_dir(opts.script) if opts.script else "$MPP_REPO/scripts/pretrain_gpt.py"
+    _check_tokens([t for t in (opts.container, opts.container_mounts) if t], "container")
     body = [
         "set -euo pipefail",
         "",
-        f"GRID_DIR={q(str(out))}",
-        f"LOG_DIR={q(str(log_dir))}",
-        f"SCRIPT={q(str(opts.script))}",
+        'SUBMIT_DIR="${SLURM_SUBMIT_DIR:-$PWD}"',
+        'MPP_REPO="${MPP_REPO:-$SUBMIT_DIR}"',
+        f'GRID_DIR="${{MPP_GRID_DIR:-{_under_submit_dir(out)}}}"',
+        f'LOG_DIR="${{MPP_LOG_DIR:-{_under_submit_dir(log_dir)}}}"',
+        f'SCRIPT="${{MPP_SCRIPT:-{script}}}"',
         'CONFIGS="$GRID_DIR/configs.tsv"',
+        'if [ ! -f "$CONFIGS" ]; then',
+        '  echo "$CONFIGS not found: submit from the directory this script\'s paths are relative to," \\',
+        '    "or set MPP_GRID_DIR to the directory holding configs.tsv" >&2',
+        "  exit 2",
+        "fi",
         f"NPROC_PER_NODE={nproc}",
         'mkdir -p "$LOG_DIR"',
+        '[ -e "$LOG_DIR/plan.json" ] || cp "$GRID_DIR/plan.json" "$LOG_DIR/plan.json" 2>/dev/null || true',
         "",
         "# ---- environment ----",
+        'if [ -n "${MPP_VENV:-}" ]; then source "$MPP_VENV/bin/activate"; fi',
     ]
     if opts.venv:
         body.append(f"source {q(str(Path(opts.venv) / 'bin' / 'activate'))}")
     body += list(opts.setup)
+    body.append('if [ -n "${MPP_SETUP:-}" ]; then eval "$MPP_SETUP"; fi')
     env = dict(DEFAULT_ENV)
     env.update(opts.env)
     for key, value in env.items():
         if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
             raise ValueError(f"bad environment variable name {key!r}")
         body.append(f"export {key}=${{{key}:-{q(value)}}}" if key in DEFAULT_ENV else f"export {key}={q(value)}")
+    body.append('export PYTHONPATH="$MPP_REPO${PYTHONPATH:+:$PYTHONPATH}"')
     body += [
         "",
         "# ---- this task's configuration ----",
@@ -292,15 +336,17 @@ def _sbatch_text(
         '  echo "# args: ${COMMON_ARGS[*]} ${CONFIG_ARGS[*]}"',
         '} > "$LOG"',
         "",
+        "# srun does not inherit --cpus-per-task from sbatch (Slurm >= 22.05): pass it on.",
+        f'SRUN_ARGS=(--kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task="${{SLURM_CPUS_PER_TASK:-{cpus}}}")',
+        f'CONTAINER="${{MPP_CONTAINER:-{opts.container or ""}}}"',
+        f'CONTAINER_MOUNTS="${{MPP_CONTAINER_MOUNTS:-{opts.container_mounts or ""}}}"',
+        'if [ -n "$CONTAINER" ]; then',
+        '  SRUN_ARGS+=(--container-image="$CONTAINER" --container-workdir="$SUBMIT_DIR")',
+        '  if [ -n "$CONTAINER_MOUNTS" ]; then SRUN_ARGS+=(--container-mounts="$CONTAINER_MOUNTS"); fi',
+        "fi",
+        "",
         "RC=0",
-    ]
-    srun = ["srun", "--kill-on-bad-exit=1", "--ntasks-per-node=1"]
-    if opts.container:
-        srun.append(f"--container-image={q(opts.container)}")
-        if opts.container_mounts:
-            srun.append(f"--container-mounts={q(opts.container_mounts)}")
-    body += [
-        " ".join(srun) + " \\",
+        'srun "${SRUN_ARGS[@]}" \\',
         '  torchrun --nnodes "$SLURM_NNODES" --nproc-per-node "$NPROC_PER_NODE" \\',
         '    --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" '
         '--rdzv-id "${SLURM_ARRAY_JOB_ID:-0}_$TASK" \\',
@@ -388,8 +434,14 @@ def add_parser(subparsers: Any) -> None:
         "write DIR/job.sbatch, DIR/configs.tsv and DIR/plan.json; submit with `sbatch DIR/job.sbatch`.",
     )
     p.add_argument("--slurm", action="store_true", help="write a Slurm job array (the only backend)")
-    p.add_argument("--out", required=True, metavar="DIR", help="directory for job.sbatch, configs.tsv, plan.json")
+    p.add_argument("--out", metavar="DIR", help="directory for job.sbatch, configs.tsv, plan.json")
     p.add_argument("--plan", metavar="PLAN.json", help="a plan written by `megatron-pp plan --save`")
+    p.add_argument(
+        "--spec",
+        metavar="SPEC.json",
+        help="a checked-in plan specification (scripts/slurm/specs/*.json): plan it and write its script "
+        "into its 'out' directory (relative to the current directory, the submission directory)",
+    )
     sel = p.add_argument_group("selection")
     sel.add_argument("--best-per-schedule", action="store_true", help="each schedule's best configuration")
     sel.add_argument("--top", type=int, default=8, help="the N best configurations (default 8; 0 = all)")
@@ -407,7 +459,9 @@ def add_parser(subparsers: Any) -> None:
     sl.add_argument("--log-dir", help="where each configuration's log goes (default: OUT/logs)")
     sl.add_argument("--train-iters", type=int, default=20, help="iterations per configuration (default 20)")
     sl.add_argument("--max-parallel", type=int, help="at most this many array tasks at once")
-    sl.add_argument("--script", default=str(DEFAULT_SCRIPT), help="path of pretrain_gpt.py on the cluster")
+    sl.add_argument(
+        "--script", help="path of pretrain_gpt.py on the cluster (default: $MPP_REPO/scripts/pretrain_gpt.py)"
+    )
     sl.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra environment (repeatable)")
     sl.add_argument("--extra-args", default="", help="more pretrain_gpt.py flags for every configuration")
     sl.add_argument("--check", action="store_true", help="check every flag against pretrain_gpt.py (slow, ~20 s)")
@@ -436,7 +490,8 @@ def load_or_plan(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[st
     if args.best_per_schedule:
         seen: dict[str, dict[str, Any]] = {}
         for row in rows:
-            seen.setdefault(str(row["schedule"]) + "@" + str(row.get("memory_limit")), row)
+            key = str(row["schedule"]) + "@" + str(row.get("memory_limit"))
+            seen.setdefault("pp=1" if row.get("pp") == 1 else key, row)  # no pipeline: one group
         rows = list(seen.values())
     if args.top:
         rows = rows[: args.top]
@@ -446,6 +501,15 @@ def load_or_plan(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[st
 def cmd_grid(args: argparse.Namespace) -> int:
     if not args.slurm:
         raise ValueError("give --slurm (the only launcher backend); for this machine use `megatron-pp launch-local`")
+    if args.spec:
+        from .specs import load_spec, write_spec_grid
+
+        spec = load_spec(args.spec)
+        paths = write_spec_grid(spec, Path.cwd(), args.out)
+        print(f"wrote {_rel(paths['sbatch'].resolve(), Path.cwd())} (+ configs.tsv, plan.json); submit from here")
+        return 0
+    if not args.out:
+        raise ValueError("give --out DIR (or --spec SPEC.json)")
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise ValueError(f"--out {args.out}: exists and is not a directory (give a directory for job.sbatch & co.)")
     env = {}
@@ -475,15 +539,16 @@ def cmd_grid(args: argparse.Namespace) -> int:
         env=env,
     )
     paths = write_grid(args.out, doc, rows, opts)
-    print(f"wrote {paths['sbatch']} ({len(rows)} array tasks), {paths['configs']}, {paths['plan']}")
-    print(
-        f"logs go to {paths['log_dir']}; submit: sbatch {paths['sbatch']}; then: megatron-pp collect {paths['log_dir']}"
-    )
+    here = Path.cwd()
+    sbatch, logs = (_rel(paths[k].resolve(), here) for k in ("sbatch", "log_dir"))
+    print(f"wrote {sbatch} ({len(rows)} array tasks), configs.tsv and plan.json next to it")
+    print(f"submit from {here} (the script's paths are relative to it): sbatch {sbatch}")
+    print(f"logs go to {logs}; then: megatron-pp collect {logs}")
     if args.check:
-        known, how = driver_flags(args.script)
+        known, how = driver_flags(args.script or DEFAULT_SCRIPT)
         bad = unknown_flags(args.out, known)
         if bad:
             print(f"UNKNOWN flags (not accepted by {args.script}, via {how}): {', '.join(bad)}", file=sys.stderr)
             return 1
-        print(f"every flag is accepted by {Path(args.script).name} (checked via {how})")
+        print(f"every flag is accepted by {Path(args.script or DEFAULT_SCRIPT).name} (checked via {how})")
     return 0

@@ -84,8 +84,9 @@ class RunSpec:
 # What runs on one rank
 # ------------------------------------------------------------------------------------------------
 def run_on_rank(spec: RunSpec, rank: int, init_method: str) -> dict[str, Any]:
-    from megatron_pp_ext.megatron.cpu import enable_cpu_mode
+    from megatron_pp_ext.megatron.cpu import enable_cpu_mode, hide_missing_accelerator_warnings
 
+    hide_missing_accelerator_warnings(announce=False)  # before enable_cpu_mode imports megatron
     enable_cpu_mode()
     import torch
     import torch.distributed as dist
@@ -103,6 +104,7 @@ def run_on_rank(spec: RunSpec, rank: int, init_method: str) -> dict[str, Any]:
         world_size=spec.world_size,
         timeout=datetime.timedelta(seconds=max(30.0, spec.timeout_s)),
     )
+    report_progress(f"rank {rank} of {spec.world_size} started")
     try:
         ps.initialize_model_parallel(tensor_model_parallel_size=spec.tp, pipeline_model_parallel_size=spec.pp)
         return _train(spec, torch, ps)
@@ -220,6 +222,8 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
     step_times: list[float] = []
     schedules_used: list[str] = []
     for iteration in range(spec.iterations):
+        if torch.distributed.get_rank() == 0:
+            report_progress(f"iteration {iteration + 1} of {spec.iterations}")
         for c in chunks:
             if spec.fsdp:
                 c.start_iteration()
@@ -405,8 +409,19 @@ def _replanning_source(spec: RunSpec, p: int, pp_rank: int = 0) -> Any:
 # ------------------------------------------------------------------------------------------------
 # A pool of rank processes, spawned once
 # ------------------------------------------------------------------------------------------------
+_PROGRESS: tuple[int, Any] | None = None  # (worker index, outbox) inside a pool worker
+
+
+def report_progress(text: str) -> None:
+    """From a rank: a progress line for the driver (``RankPool(on_progress=...)``); no-op elsewhere."""
+    if _PROGRESS is not None:
+        _PROGRESS[1].put(("progress", _PROGRESS[0], text))
+
+
 def _worker(index: int, inbox: Any, outbox: Any) -> None:
+    global _PROGRESS
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _PROGRESS = (index, outbox)
     while True:
         job = inbox.get()
         if job is None:
@@ -433,9 +448,10 @@ class RankPool:
     the next run.
     """
 
-    def __init__(self, size: int, grace_s: float = 15.0) -> None:
+    def __init__(self, size: int, grace_s: float = 15.0, on_progress: Any = None) -> None:
         self.size = size
         self.grace_s = grace_s
+        self.on_progress = on_progress  # callable(text) for the ranks' progress lines, or None
         self.procs: list[Any] = []
         self._spawn()
 
@@ -478,7 +494,12 @@ class RankPool:
                     break
                 raise TimeoutError(f"ranks {missing} did not finish within {wall_timeout_s:g}s; the pool was killed")
             try:
-                index, result = self.outbox.get(timeout=min(remaining, 2.0))
+                message = self.outbox.get(timeout=min(remaining, 2.0))
+                if len(message) == 3:  # ("progress", worker, text)
+                    if self.on_progress is not None:
+                        self.on_progress(message[2])
+                    continue
+                index, result = message
             except queue.Empty:
                 dead = [i for i in range(world_size) if not self.procs[i].is_alive()]
                 if dead:
@@ -711,8 +732,10 @@ def verify_schedule(
     fsdp: bool = False,
     fsdp_max_unsharded: int = 1,
     lr: float | None = None,
+    progress: Any = None,
 ) -> VerifyReport:
     """Run ``schedule`` (a validated Schedule) and its reference; return the comparison.
+    ``progress`` (callable(text)) gets the steps as they happen: ranks started, iterations, comparison.
 
     With ``dp`` > 1 the pipeline runs ``dp`` times (``p x tp x dp`` ranks), each replica on its
     share of ``dp x m`` micro-batches; the reference runs all of them in one process. ``tol``
@@ -747,10 +770,17 @@ def verify_schedule(
     if lr is not None or schedule.placement.num_replicas > 1:
         common["lr"] = lr if lr is not None else RunSpec.lr / 10
     own_pool = pool is None
+    say = progress or (lambda text: None)
+    if own_pool:
+        say(f"starting {p * tp * dp} rank process(es) (imports take ~10 s per process)")
     pool = pool or RankPool(p * tp * dp)
+    saved = pool.on_progress
+    phase = ["reference"]
+    pool.on_progress = lambda text: say(f"{phase[0]}: {text}") if progress else None
     try:
         ref = pool.run(RunSpec(pp=1, mode=NATIVE, num_microbatches=m * dp, **common))  # type: ignore[arg-type]
         _check_errors(ref)
+        phase[0] = f"{schedule.name} on {p * tp * dp} ranks"
         run = pool.run(
             RunSpec(
                 pp=p,
@@ -769,8 +799,10 @@ def verify_schedule(
         )
         _check_errors(run)
     finally:
+        pool.on_progress = saved
         if own_pool:
             pool.close()
+    say("comparing losses and every gradient with the reference")
     report = compare(schedule.name, p, m, schedule.chunks_per_rank, ref, run, tol)
     if fsdp:
         _check_fsdp_gathers(report, schedule, run, fsdp_max_unsharded)

@@ -106,6 +106,7 @@ def run_verify(args: argparse.Namespace) -> int:
             distributed_optimizer=args.distributed_optimizer,
             fsdp=args.fsdp,
             fsdp_max_unsharded=args.fsdp_max_unsharded,
+            progress=lambda text: print(f"{PROG} verify: {text}", file=sys.stderr, flush=True),
         )
     except (VerifyRunError, TimeoutError) as exc:
         print(f"{PROG}: verify of {schedule.name} failed on a rank: {exc}", file=sys.stderr)

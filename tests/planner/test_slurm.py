@@ -92,7 +92,8 @@ def test_grid_writes_array_configs_and_plan(grids: list[Path]) -> None:
     assert "CUDA_DEVICE_MAX_CONNECTIONS" in sbatch and "NCCL_SOCKET_IFNAME=ib0" in sbatch
     assert "source /opt/venv/bin/activate" in sbatch and "module load cuda/12.4" in sbatch
     assert "srun" in sbatch and "torchrun" in sbatch and "--rdzv-backend c10d" in sbatch
-    assert str(DEFAULT_SCRIPT) in sbatch
+    assert 'SCRIPT="${MPP_SCRIPT:-$MPP_REPO/scripts/pretrain_gpt.py}"' in sbatch and str(DEFAULT_SCRIPT) not in sbatch
+    assert "#SBATCH --cpus-per-task=64" in sbatch  # 8 per GPU unless --cpus-per-task
     flags = flags_in_grid(a)
     for flag in ("--log-throughput", "--timing-log-level", "--train-iters", "--pipeline-schedule", "--bf16"):
         assert flag in flags
@@ -101,7 +102,7 @@ def test_grid_writes_array_configs_and_plan(grids: list[Path]) -> None:
     first = dict(zip(header, configs[1].split("\t"), strict=True))
     assert first["id"] == plan["rows"][0]["id"] and "--pipeline-schedule" in first["args"]
     b_text = (b / "job.sbatch").read_text()
-    assert "--container-image=nvcr.io/nvidia/pytorch:25.01-py3" in b_text
+    assert 'CONTAINER="${MPP_CONTAINER:-nvcr.io/nvidia/pytorch:25.01-py3}"' in b_text
     assert str(b.parent / "logs-b") in b_text and "--use-flash-attn" in b_text
     best = [(r["schedule"], r["memory_limit"]) for r in json.loads((b / "plan.json").read_text())["rows"]]
     assert len(best) == len(set(best)) > 1

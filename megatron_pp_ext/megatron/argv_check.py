@@ -1,0 +1,91 @@
+"""Check a driver's command line against megatron's parser plus the plugin's before megatron parses it.
+
+megatron's ``parse_and_validate_args`` answers a mistyped flag or a bad value with its whole usage
+text (~700 lines) on every rank. :func:`check_argv_or_exit` parses the same flags with a parser that
+collects problems instead: one line per problem (an unknown flag with the closest known one, a bad
+value with the flag's own message), printed by rank 0 only, and exit status 2 on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+__all__ = ["argv_problems", "check_argv_or_exit"]
+
+MAX_PROBLEMS = 20
+RANK0_GRACE_S = 3.0
+
+
+class _ProblemError(Exception):
+    pass
+
+
+class _CollectingParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise _ProblemError(message)
+
+
+def _megatron_parser() -> argparse.ArgumentParser:
+    from megatron.training.arguments import add_megatron_arguments
+
+    from .arguments import add_arguments
+
+    return add_arguments(add_megatron_arguments(_CollectingParser(allow_abbrev=False, add_help=False)))
+
+
+def argv_problems(
+    argv: Sequence[str], make_parser: Callable[[], argparse.ArgumentParser] = _megatron_parser
+) -> list[str]:
+    """One message per problem of ``argv`` (empty when megatron's parser will accept it)."""
+    if any(a in ("-h", "--help") for a in argv):
+        return []
+    parser = make_parser()
+    flags = sorted({o for action in parser._actions for o in action.option_strings if o.startswith("--")})
+    rest, problems = list(argv), []
+    for _ in range(MAX_PROBLEMS):
+        try:
+            _, unknown = parser.parse_known_args(rest)
+        except _ProblemError as exc:
+            message = str(exc)
+            problems.append(message)
+            # drop the offending flag (and its value) and parse again to find the next problem
+            flag = message.split(":", 1)[0].removeprefix("argument ").split("/")[-1].strip()
+            hits = [i for i, a in enumerate(rest) if a == flag or a.startswith(flag + "=")]
+            if not flag.startswith("--") or not hits:
+                return problems
+            i = hits[0]
+            del rest[i : i + (1 if "=" in rest[i] or i + 1 >= len(rest) or rest[i + 1].startswith("--") else 2)]
+            continue
+        previous_unknown = False
+        for tok in unknown:
+            if tok.startswith("-"):
+                flag = tok.split("=", 1)[0]
+                close = difflib.get_close_matches(flag, flags, n=1, cutoff=0.75)
+                problems.append(f"unknown flag {flag}" + (f" (did you mean {close[0]}?)" if close else ""))
+                previous_unknown = "=" not in tok
+            elif not previous_unknown:
+                problems.append(f"unexpected argument {tok!r}")
+            else:
+                previous_unknown = False
+        return problems
+    return problems
+
+
+def check_argv_or_exit(argv: Sequence[str], prog: str | None = None) -> None:
+    """Exit with status 2 on every rank if ``argv`` has a problem; rank 0 prints one line per problem."""
+    problems = argv_problems(argv)
+    if not problems:
+        return
+    if os.environ.get("RANK", "0") == "0":
+        name = prog or os.path.basename(sys.argv[0]) or "megatron"
+        for problem in problems:
+            print(f"{name}: error: {problem}", file=sys.stderr)
+        sys.stderr.flush()
+    else:
+        time.sleep(RANK0_GRACE_S)  # torchrun stops every rank when one exits: let rank 0 print first
+    raise SystemExit(2)
