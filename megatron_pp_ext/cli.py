@@ -469,6 +469,39 @@ def cmd_draw(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(x < 1 or x > 256 for x in values):
+        raise argparse.ArgumentTypeError(f"expected integers in 1..256, got {text!r}")
+    return values
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Peer tables: torch.distributed.pipelining's schedules next to ours (imports torch)."""
+    from .analysis import peers
+
+    command = "megatron-pp bench" + (f" -p {args.p_list}" if args.p_list != "4,8,16,32" else "")
+    command += f" --m-factors {args.m_factors}" if args.m_factors != "1,2,3,4" else ""
+    command += f" --write {args.write}" if args.write else ""
+    command += f" --plots {args.plots}" if args.plots else ""
+    text, rows = peers.report(_int_list(args.p_list), _int_list(args.m_factors), command)
+    if args.plots:
+        import os
+
+        base = os.path.dirname(os.path.abspath(args.write)) if args.write else os.getcwd()
+        for path in peers.plot_rows(rows, args.plots):
+            text += f"\n\n![{path.stem}]({os.path.relpath(path.resolve(), base)})"
+    if args.write:
+        peers.write_section(args.write, text)
+        print(f"wrote the peers section of {args.write}")
+    else:
+        print(text)
+    return 0
+
+
 # ---- verify (added by the runtime) ---------------------------------------------------------
 # >>> verify subcommand hook >>>
 # The runtime (torch + megatron-core) provides `megatron_pp_ext.runtime.verify_cli` with
@@ -573,6 +606,13 @@ def build_parser(load_verify: bool = False) -> argparse.ArgumentParser:
     _add_source_args(drw)
     drw.add_argument("-o", "--output", required=True, help="output file, .png or .svg")
     drw.set_defaults(func=cmd_draw)
+
+    bench = sub.add_parser("bench", help="torch.distributed.pipelining's schedules vs ours in the simulator")
+    bench.add_argument("-p", dest="p_list", default="4,8,16,32", help="pipeline sizes, comma-separated")
+    bench.add_argument("--m-factors", default="1,2,3,4", help="m = factor * p for each factor")
+    bench.add_argument("--write", metavar="RESULTS.md", help="replace the peers section of this markdown file")
+    bench.add_argument("--plots", metavar="DIR", help="also draw bubble-vs-m and peak-memory plots (matplotlib)")
+    bench.set_defaults(func=cmd_bench)
 
     _add_verify_parser(sub, load_verify)
     _add_planner_parsers(sub)  # planner subcommands (see the block above)
