@@ -6,8 +6,8 @@ own ``pipeline_order``, runs them with our counterparts for p = 4, 8, 16, 32 and
 unit and profiled costs, and writes the tables (and plots) into benchmarks/RESULTS.md. Same as
 ``megatron-pp bench``; the logic lives in ``megatron_pp_ext/analysis/peers.py``.
 
-    python benchmarks/bench_peers.py            # = megatron-pp bench --write benchmarks/RESULTS.md --plots benchmarks/figures
-    python benchmarks/bench_peers.py -p 4,8     # any megatron-pp bench options
+    python benchmarks/bench_peers.py   # = megatron-pp bench --write benchmarks/RESULTS.md --plots benchmarks/figures
+    python benchmarks/bench_peers.py -p 4,8   # any megatron-pp bench options
 """
 
 from __future__ import annotations
