@@ -13,6 +13,7 @@ import json
 import re
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .schedules import registry
@@ -456,9 +457,34 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+HTML_SCHEDULES = "1f1b,interleaved-1f1b,zb-h1,zb-auto,v-half,v-zb,bfs"
+
+
+def cmd_draw_html(args: argparse.Namespace) -> int:
+    """The schedule explorer: one self-contained HTML file with precomputed variants."""
+    from .analysis import html
+    from .analysis.peers import COST_MODELS
+
+    if not str(args.output).lower().endswith((".html", ".htm")):
+        raise CliError(f"with --html the output file must end in .html, got {args.output!r}")
+    schedules = [args.name] if args.name else [x.strip() for x in args.html_schedules.split(",") if x.strip()]
+    ps = [args.p] if args.p else _int_list(args.html_p)
+    shapes = [(p, args.m) for p in ps] if args.m else [(p, f * p) for p in ps for f in _int_list(args.html_m_factors)]
+    variants = html.build_variants(schedules, shapes, COST_MODELS)
+    try:
+        Path(args.output).write_text(html.render(variants))
+    except OSError as exc:
+        raise CliError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+    bad = sum(1 for v in variants.values() if "error" in v)
+    print(f"wrote {args.output}: {len(variants)} variants ({bad} not available)")
+    return 0
+
+
 def cmd_draw(args: argparse.Namespace) -> int:
     from .analysis.plot import draw
 
+    if args.html:
+        return cmd_draw_html(args)
     schedule = _schedule_from_args(args)
     result = _simulate(schedule, parse_costs(args.costs))
     try:
@@ -473,9 +499,9 @@ def _int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise CliError(f"expected comma-separated integers, got {text!r}") from None
     if not values or any(x < 1 or x > 256 for x in values):
-        raise argparse.ArgumentTypeError(f"expected integers in 1..256, got {text!r}")
+        raise CliError(f"expected integers in 1..256, got {text!r}")
     return values
 
 
@@ -604,7 +630,16 @@ def build_parser(load_verify: bool = False) -> argparse.ArgumentParser:
 
     drw = sub.add_parser("draw", help="Gantt chart of a simulated schedule")
     _add_source_args(drw)
-    drw.add_argument("-o", "--output", required=True, help="output file, .png or .svg")
+    drw.add_argument("-o", "--output", required=True, help="output file, .png or .svg (.html with --html)")
+    drw.add_argument(
+        "--html",
+        action="store_true",
+        help="interactive explorer: one self-contained HTML page with precomputed variants (schedule x p x m x "
+        "costs); a schedule name, -p or -m restrict the grid",
+    )
+    drw.add_argument("--html-schedules", default=HTML_SCHEDULES, help="schedules in the explorer (comma-separated)")
+    drw.add_argument("--html-p", default="4,8", help="pipeline sizes in the explorer (comma-separated)")
+    drw.add_argument("--html-m-factors", default="1,2", help="m = factor * p in the explorer (comma-separated)")
     drw.set_defaults(func=cmd_draw)
 
     bench = sub.add_parser("bench", help="torch.distributed.pipelining's schedules vs ours in the simulator")

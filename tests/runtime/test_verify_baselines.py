@@ -107,3 +107,19 @@ def test_mismatched_schedule_fails_fast_naming_rank_and_op(pool):
     assert "did not complete within 5s" in message
     assert "F1.2" in message or "mb2" in message
     assert elapsed < 60
+
+
+@pytest.mark.parametrize(("name", "p", "m", "v"), [("1f1b", 2, 4, None), ("interleaved-1f1b", 4, 4, 2)])
+def test_ab_mode_runs_megatron_and_ours_with_equal_losses_and_saved_bytes(pool, name, p, m, v):
+    """Mode AB (bench_peer_runs.py): megatron's 1F1B / interleaved 1F1B and ours, alternating, same losses;
+    the saved-bytes meter sees the same peak for both (same op order, same math)."""
+    from megatron_pp_ext.runtime.verify import AB
+
+    csv = generate(name, p, m, v=v).to_csv()
+    results = pool.run(
+        RunSpec(pp=p, num_microbatches=m, schedule_csv=csv, mode=AB, model=TinyGPTSpec(num_layers=4), iterations=2)
+    )
+    _check_errors(results)
+    for r in results:
+        assert r["losses"][NATIVE] == r["losses"][OURS] and len(r["losses"][OURS]) == 2
+        assert r["peak_saved_bytes"][NATIVE] == r["peak_saved_bytes"][OURS] > 0
