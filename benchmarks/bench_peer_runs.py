@@ -7,6 +7,10 @@ bytes autograd holds for backward per rank (parameters excluded; one extra itera
 ``SavedBytesMeter``), and whether every micro-batch loss is equal (bitwise) in every iteration.
 
     python benchmarks/bench_peer_runs.py [--iterations 12] [--warmup 2]
+        [--gantt benchmarks/figures/peers_plan_vs_measured.png]
+
+``--gantt``: one more traced run of ours (interleaved-1f1b, p=2, m=8, v=2: one rank per core) drawn as the
+simulator's plan (costs = the run's own mean op times per stage) above the measured last iteration.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from megatron_pp_ext.analysis.plot import draw_plan_vs_measured
+from megatron_pp_ext.analysis.simulate import Costs, simulate
 from megatron_pp_ext.runtime.tiny_gpt import TinyGPTSpec
 from megatron_pp_ext.runtime.verify import AB, NATIVE, OURS, RankPool, RunSpec, _check_errors
 from megatron_pp_ext.schedules import generate
@@ -30,10 +36,41 @@ def kib(x: float) -> str:
     return f"{x / 1024:.0f}"
 
 
+def gantt(pool: RankPool, path: str) -> str:
+    """Trace ours once and draw the plan (with the measured mean op times) above the measured iteration."""
+    p, m = 2, 8
+    schedule = generate("interleaved-1f1b", p, m, v=2)
+    spec = RunSpec(
+        pp=p, num_microbatches=m, schedule_csv=schedule.to_csv(), model=MODEL, iterations=3, trace=True, timeout_s=300.0
+    )
+    results = pool.run(spec, wall_timeout_s=3600)
+    _check_errors(results)
+    times: dict[str, dict[int, float]] = {}
+    for r in results:
+        for kind, per_stage in r["trace"]["op_times_s"].items():
+            for stage, t in per_stage.items():
+                times.setdefault(kind, {})[int(stage)] = t
+    stages = range(schedule.num_stages)
+    t_f = tuple(times["F"][s] for s in stages)
+    t_bw = tuple(times["BW"][s] for s in stages)
+    costs = Costs(t_f, tuple(x / 2 for x in t_bw), tuple(x / 2 for x in t_bw), t_bw, 0.0)
+    plan = simulate(schedule, costs)
+    ops = [(rank, op, a, b) for rank, r in enumerate(results) for op, a, b in r["trace"]["per_iteration"][-1]["ops"]]
+    t0 = min(a for _, _, a, _ in ops)
+    measured = [(rank, op, a - t0, b - t0) for rank, op, a, b in ops]
+    draw_plan_vs_measured(plan, schedule, measured, path)
+    span = max(b for *_, b in measured)
+    return (
+        f"Plan vs measured ({path}): interleaved-1f1b p={p} m={m} v=2, plan makespan {plan.makespan:.3f} s with the "
+        f"run's mean op times and free communication, measured iteration {span:.3f} s."
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--iterations", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--gantt", default=None, help="also draw the plan next to a measured trace (PNG path)")
     args = parser.parse_args()
     print(
         "| ours | megatron-core | p | m | v | ours / megatron wall time (median) | losses equal "
@@ -41,6 +78,8 @@ def main() -> None:
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     with RankPool(max(c[2] for c in CASES)) as pool:
+        if args.gantt:
+            print(gantt(pool, args.gantt) + "\n")
         for name, theirs, p, m, v in CASES:
             schedule = generate(name, p, m, v=v if v > 1 else None)
             spec = RunSpec(

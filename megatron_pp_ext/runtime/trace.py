@@ -75,6 +75,7 @@ class Tracer(NullTracer):
         self._iter_peak = self.live_bytes()
         self._collectives = []
         self._last_backward_end = 0.0
+        self._iter_ops: list[list[Any]] = []
 
     def end_iteration(self) -> None:
         end = self._now()
@@ -91,6 +92,9 @@ class Tracer(NullTracer):
                 "bubble_rate": (total - self._busy) / total if total > 0 else 0.0,
                 "peak_activation_bytes": self._iter_peak,
                 "collective_counts": counts,
+                # every op of the iteration: [op, start, end], seconds on the machine's monotonic clock
+                # (time.perf_counter: one clock for every process of the machine, so ranks line up)
+                "ops": getattr(self, "_iter_ops", []),
                 # launches relative to the iteration: "before_last_backward_end" says a reduction
                 # started while backward work of this rank was still to come (overlap)
                 "collectives": [
@@ -129,6 +133,8 @@ class Tracer(NullTracer):
         if op.kind != "F":
             self._last_backward_end = end
         live = self.live_bytes()
+        if hasattr(self, "_iter_ops"):
+            self._iter_ops.append([str(op), self._t0 + self._op_start, self._t0 + end])
         self._iter_peak = max(self._iter_peak, live)
         self.peak_bytes = max(self.peak_bytes, live)
         self.events.append(

@@ -117,7 +117,7 @@ def test_ab_mode_runs_megatron_and_ours_with_equal_losses_and_saved_bytes(pool, 
 
     csv = generate(name, p, m, v=v).to_csv()
     results = pool.run(
-        RunSpec(pp=p, num_microbatches=m, schedule_csv=csv, mode=AB, model=TinyGPTSpec(num_layers=4), iterations=2)
+        RunSpec(pp=p, num_microbatches=m, schedule_csv=csv, mode=AB, model=TinyGPTSpec(num_layers=8), iterations=2)
     )
     _check_errors(results)
     for r in results:
