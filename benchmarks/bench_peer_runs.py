@@ -20,6 +20,7 @@ import statistics
 
 from megatron_pp_ext.analysis.plot import draw_plan_vs_measured
 from megatron_pp_ext.analysis.simulate import Costs, simulate
+from megatron_pp_ext.runtime import torch_pipelining
 from megatron_pp_ext.runtime.tiny_gpt import TinyGPTSpec
 from megatron_pp_ext.runtime.verify import AB, NATIVE, OURS, RankPool, RunSpec, _check_errors
 from megatron_pp_ext.schedules import generate
@@ -66,11 +67,40 @@ def gantt(pool: RankPool, path: str) -> str:
     )
 
 
+def torch_runtime_rows(pool: RankPool, iterations: int, warmup: int) -> list[str]:
+    """torch.distributed.pipelining's Schedule1F1B / ScheduleInterleaved1F1B vs ours on the same megatron chunks."""
+    rows = [
+        "| ours | torch.distributed.pipelining | p | m | v | ours / torch wall time (median) | max rel. loss diff "
+        "| peak saved KiB per rank, torch | ours |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, _, p, m, v in CASES:
+        spec = torch_pipelining.TorchRunSpec(name, p, m, v, MODEL, iterations=iterations)
+        results = pool.run_fn(torch_pipelining.run_on_rank, spec, p, wall_timeout_s=3600)
+        _check_errors(results)
+        theirs = [max(r["step_times"]["torch"][i] for r in results) for i in range(iterations)][warmup:]
+        ours = [max(r["step_times"]["ours"][i] for r in results) for i in range(iterations)][warmup:]
+        ratio = statistics.median(b / a for a, b in zip(theirs, ours, strict=True))
+        diff = max(
+            abs(x - y) / abs(y)
+            for r in results
+            for a, b in zip(r["losses"]["torch"], r["losses"]["ours"], strict=True)
+            for x, y in zip(a, b, strict=True)
+        )
+        peak_t = " / ".join(kib(r["peak_saved_bytes"]["torch"]) for r in results)
+        peak_o = " / ".join(kib(r["peak_saved_bytes"]["ours"]) for r in results)
+        cls = torch_pipelining.TORCH_CLASSES[name]
+        rows.append(f"| {name} | {cls} | {p} | {m} | {v} | {ratio:.3f} | {diff:.1e} | {peak_t} | {peak_o} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--iterations", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--gantt", default=None, help="also draw the plan next to a measured trace (PNG path)")
+    parser.add_argument("--torch", action="store_true", help="also run torch.distributed.pipelining's runtime")
     args = parser.parse_args()
     print(
         "| ours | megatron-core | p | m | v | ours / megatron wall time (median) | losses equal "
@@ -105,6 +135,9 @@ def main() -> None:
                 f"| {peak_n} | {peak_o} |",
                 flush=True,
             )
+        if args.torch:
+            print()
+            torch_runtime_rows(pool, args.iterations, args.warmup)
     print(
         f"\n{args.iterations - args.warmup} iterations after {args.warmup} warm-up; "
         f"tiny GPT: {MODEL.num_layers} layers, hidden {MODEL.hidden_size}, seq {MODEL.seq_length}, "
