@@ -59,7 +59,7 @@ def gantt(pool: RankPool, path: str) -> str:
     ops = [(rank, op, a, b) for rank, r in enumerate(results) for op, a, b in r["trace"]["per_iteration"][-1]["ops"]]
     t0 = min(a for _, _, a, _ in ops)
     measured = [(rank, op, a - t0, b - t0) for rank, op, a, b in ops]
-    draw_plan_vs_measured(plan, schedule, measured, path)
+    draw_plan_vs_measured(plan, schedule, measured, path, plan_unit="s")
     span = max(b for *_, b in measured)
     return (
         f"Plan vs measured ({path}): interleaved-1f1b p={p} m={m} v=2, plan makespan {plan.makespan:.3f} s with the "

@@ -129,6 +129,7 @@ def draw_plan_vs_measured(
     measured: Sequence[tuple[int, str, float, float]],
     path: str | Path,
     unit: str = "s",
+    plan_unit: str = "cost units",
 ) -> Path:
     """Two Gantt charts on one page: the simulated plan (top) and a measured trace of the same schedule
     (bottom, ``(rank, op, start, end)`` in ``unit`` from the trace's first op), each on its own time axis."""
@@ -142,7 +143,7 @@ def draw_plan_vs_measured(
     p, chunks = schedule.num_ranks, schedule.chunks_per_rank
     fig = Figure(figsize=(14, 1.0 * p + 3), dpi=100, layout="constrained")
     panels = (
-        ("plan (simulator)", list(result.timeline), "cost units"),
+        ("plan (simulator)", list(result.timeline), plan_unit),
         ("measured (one traced iteration)", list(measured), unit),
     )
     for i, (label, timeline, axis_unit) in enumerate(panels):
