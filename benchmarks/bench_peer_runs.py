@@ -56,7 +56,7 @@ def gantt(pool: RankPool, path: str) -> str:
     t_bw = tuple(times["BW"][s] for s in stages)
     costs = Costs(t_f, tuple(x / 2 for x in t_bw), tuple(x / 2 for x in t_bw), t_bw, 0.0)
     plan = simulate(schedule, costs)
-    ops = [(rank, op, a, b) for rank, r in enumerate(results) for op, a, b in r["trace"]["per_iteration"][-1]["ops"]]
+    ops = [(rank, op, a, b) for rank, r in enumerate(results) for op, a, b in r["trace"]["last_iteration_ops"]]
     t0 = min(a for _, _, a, _ in ops)
     measured = [(rank, op, a - t0, b - t0) for rank, op, a, b in ops]
     draw_plan_vs_measured(plan, schedule, measured, path, plan_unit="s")
