@@ -637,7 +637,12 @@ def build_parser(load_verify: bool = False) -> argparse.ArgumentParser:
         help="interactive explorer: one self-contained HTML page with precomputed variants (schedule x p x m x "
         "costs); a schedule name, -p or -m restrict the grid",
     )
-    drw.add_argument("--html-schedules", default=HTML_SCHEDULES, help="schedules in the explorer (comma-separated)")
+    drw.add_argument(
+        "--html-schedules",
+        default=HTML_SCHEDULES,
+        help="schedules in the explorer (comma-separated; torch:<name> for torch.distributed.pipelining's order, "
+        "e.g. torch:ZBVZeroBubble)",
+    )
     drw.add_argument("--html-p", default="4,8", help="pipeline sizes in the explorer (comma-separated)")
     drw.add_argument("--html-m-factors", default="1,2", help="m = factor * p in the explorer (comma-separated)")
     drw.set_defaults(func=cmd_draw)

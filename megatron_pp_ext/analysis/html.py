@@ -106,7 +106,9 @@ def _memory_at(steps: Sequence[Sequence[float]], time: float, after: bool) -> fl
 def build_variants(
     schedules: Iterable[str], shapes: Iterable[tuple[int, int]], cost_models: Iterable[str]
 ) -> dict[str, dict[str, object]]:
-    """Generate, validate and simulate every variant; a variant a generator refuses gets ``{"error": ...}``."""
+    """Generate, validate and simulate every variant; a variant a generator refuses gets ``{"error": ...}``.
+
+    ``torch:<name>`` (a key of :data:`~megatron_pp_ext.analysis.torch_orders.TORCH_SCHEDULES`) is torch's order."""
     from ..schedules.ir import ScheduleError
     from .peers import ours, stage_costs
 
@@ -117,7 +119,12 @@ def build_variants(
             for model in cost_models:
                 key = Variant(name, p, m, model).key
                 try:
-                    schedule = ours(name, p, m, model)
+                    if name.startswith("torch:"):  # torch.distributed.pipelining's order (imports torch)
+                        from .torch_orders import import_torch_schedule
+
+                        schedule = import_torch_schedule(name.partition(":")[2], p, m).schedule
+                    else:
+                        schedule = ours(name, p, m, model)
                     costs = stage_costs(model, max(1, round(schedule.placement.stages_per_rank_per_replica)))
                     out[key] = variant_data(schedule, simulate(schedule, costs, lowered=validate(schedule)))
                 except (ScheduleError, ValueError) as exc:

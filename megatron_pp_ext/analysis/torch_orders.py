@@ -174,7 +174,9 @@ def torch_pipeline_order(short_name: str, p: int, m: int) -> list[list[str | Non
     from torch.distributed.pipelining import schedules
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
-    info = TORCH_SCHEDULES[short_name]
+    info = TORCH_SCHEDULES.get(short_name)
+    if info is None:
+        raise ScheduleError(f"unknown torch schedule {short_name!r}; valid: {', '.join(TORCH_SCHEDULES)}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cls = getattr(schedules, info.torch_class)

@@ -108,3 +108,10 @@ def test_page_in_headless_chromium(tmp_path: Path, capsys: pytest.CaptureFixture
             assert errors == []
         finally:
             browser.close()
+
+
+def test_torch_orders_are_variants_too() -> None:
+    pytest.importorskip("torch.distributed.pipelining.schedules", reason="torch orders need torch")
+    variants = build_variants(["torch:ZBVZeroBubble", "torch:Nope"], [(4, 8)], ["unit"])
+    assert variants["torch:ZBVZeroBubble|4|8|unit"]["makespan"] == 25.5  # = v-zb's (half-cost V stages)
+    assert "unknown torch schedule 'Nope'" in str(variants["torch:Nope|4|8|unit"]["error"])
