@@ -25,9 +25,14 @@ from megatron_pp_ext.runtime.tiny_gpt import TinyGPTSpec
 from megatron_pp_ext.runtime.verify import AB, NATIVE, OURS, RankPool, RunSpec, _check_errors
 from megatron_pp_ext.schedules import generate
 
-# (our schedule, megatron's, p, m, v). Interleaving at p=2 is left out: megatron-core's batched p2p
-# swaps the activation and the gradient exchanged with the single peer (DESIGN.md, known trap).
-CASES = [("1f1b", "1F1B", 2, 8, 1), ("1f1b", "1F1B", 4, 8, 1), ("interleaved-1f1b", "interleaved 1F1B", 4, 8, 2)]
+# (our schedule, megatron's, p, m, v). Interleaving at p=2 runs megatron with overlap_p2p_comm (batched p2p
+# would swap the activation and the gradient exchanged with the single peer: DESIGN.md, known trap).
+CASES = [
+    ("1f1b", "1F1B", 2, 8, 1),
+    ("1f1b", "1F1B", 4, 8, 1),
+    ("interleaved-1f1b", "interleaved 1F1B", 4, 8, 2),
+    ("interleaved-1f1b", "interleaved 1F1B (overlap_p2p_comm)", 2, 8, 2),
+]
 MODEL = TinyGPTSpec(
     num_layers=8, hidden_size=128, num_attention_heads=4, seq_length=64, vocab_size=512, micro_batch_size=2
 )
@@ -120,6 +125,7 @@ def main() -> None:
                 iterations=args.iterations,
                 mode=AB,
                 timeout_s=300.0,
+                megatron_overlap_p2p=p == 2 and v > 1,
             )
             results = sorted(pool.run(spec, wall_timeout_s=3600), key=lambda r: r.get("pp_rank", 0))
             _check_errors(results)

@@ -72,6 +72,9 @@ class RunSpec:
     fsdp_max_unsharded: int = 1
     check_messages: bool = False  # --pipeline-check-messages: a header with every message, checked on arrival
     check_agreement: bool = True  # testing aid: False skips the start-of-run schedule agreement
+    # Mode AB with interleaving: run megatron's interleaved schedule with overlap_p2p_comm (and batch_p2p_comm
+    # off), as Megatron-LM requires at PP=2 (with batched p2p megatron swaps the two messages to the one peer).
+    megatron_overlap_p2p: bool = False
     # Testing aid: a different schedule for some pipeline ranks from the re-plan on (to provoke a mismatch there).
     replan_overrides: tuple[tuple[int, str], ...] = ()
 
@@ -194,6 +197,8 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
 
             ps.set_virtual_pipeline_model_parallel_world_size(len(chunks))
             config.virtual_pipeline_model_parallel_size = len(chunks)
+            if spec.megatron_overlap_p2p:
+                config.batch_p2p_comm, config.overlap_p2p_comm = False, True
             config.microbatch_group_size_per_vp_stage = int(schedule.params.get("microbatch_group_size") or spec.pp)
             native_func = forward_backward_pipelining_with_interleaving
         return _ab_timing(spec, chunks, make_forward_backward_func(lambda m: schedule), native_func)
