@@ -79,6 +79,7 @@ def torch_runtime_rows(pool: RankPool, iterations: int, warmup: int) -> list[str
         "| peak saved KiB per rank, torch | ours |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    print("\n".join(rows), flush=True)
     for name, _, p, m, v in CASES:
         spec = torch_pipelining.TorchRunSpec(name, p, m, v, MODEL, iterations=iterations)
         results = pool.run_fn(torch_pipelining.run_on_rank, spec, p, wall_timeout_s=3600)
