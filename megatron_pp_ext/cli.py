@@ -12,6 +12,7 @@ import json
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import argtypes
@@ -521,9 +522,34 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+HTML_SCHEDULES = "1f1b,interleaved-1f1b,zb-h1,zb-auto,v-half,v-zb,bfs"
+
+
+def cmd_draw_html(args: argparse.Namespace) -> int:
+    """The schedule explorer: one self-contained HTML file with precomputed variants."""
+    from .analysis import html
+    from .analysis.peers import COST_MODELS
+
+    if not str(args.output).lower().endswith((".html", ".htm")):
+        raise CliError(f"with --html the output file must end in .html, got {args.output!r}")
+    schedules = [args.name] if args.name else [x.strip() for x in args.html_schedules.split(",") if x.strip()]
+    ps = [args.p] if args.p else _int_list(args.html_p)
+    shapes = [(p, args.m) for p in ps] if args.m else [(p, f * p) for p in ps for f in _int_list(args.html_m_factors)]
+    variants = html.build_variants(schedules, shapes, COST_MODELS)
+    try:
+        Path(args.output).write_text(html.render(variants))
+    except OSError as exc:
+        raise CliError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+    bad = sum(1 for v in variants.values() if "error" in v)
+    print(f"wrote {args.output}: {len(variants)} variants ({bad} not available)")
+    return 0
+
+
 def cmd_draw(args: argparse.Namespace) -> int:
     from .analysis.plot import draw
 
+    if args.html:
+        return cmd_draw_html(args)
     schedule = _schedule_from_args(args)
     result = _simulate(schedule, parse_costs(args.costs))
     try:
@@ -531,6 +557,39 @@ def cmd_draw(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise CliError(f"cannot write {args.output}: {exc.strerror or exc}") from None
     print(f"wrote {out}")
+    return 0
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise CliError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(x < 1 or x > 256 for x in values):
+        raise CliError(f"expected integers in 1..256, got {text!r}")
+    return values
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Peer tables: torch.distributed.pipelining's schedules next to ours (imports torch)."""
+    from .analysis import peers
+
+    command = "megatron-pp bench" + (f" -p {args.p_list}" if args.p_list != "4,8,16,32" else "")
+    command += f" --m-factors {args.m_factors}" if args.m_factors != "1,2,3,4" else ""
+    command += f" --write {args.write}" if args.write else ""
+    command += f" --plots {args.plots}" if args.plots else ""
+    text, rows = peers.report(_int_list(args.p_list), _int_list(args.m_factors), command)
+    if args.plots:
+        import os
+
+        base = os.path.dirname(os.path.abspath(args.write)) if args.write else os.getcwd()
+        for path in peers.plot_rows(rows, args.plots):
+            text += f"\n\n![{path.stem}]({os.path.relpath(path.resolve(), base)})"
+    if args.write:
+        peers.write_section(args.write, text)
+        print(f"wrote the peers section of {args.write}")
+    else:
+        print(text)
     return 0
 
 
@@ -644,8 +703,29 @@ def build_parser(load_verify: bool = False) -> argparse.ArgumentParser:
 
     drw = sub.add_parser("draw", help="Gantt chart of a simulated schedule")
     _add_source_args(drw)
-    drw.add_argument("-o", "--output", required=True, help="output file, .png or .svg")
+    drw.add_argument("-o", "--output", required=True, help="output file, .png or .svg (.html with --html)")
+    drw.add_argument(
+        "--html",
+        action="store_true",
+        help="interactive explorer: one self-contained HTML page with precomputed variants (schedule x p x m x "
+        "costs); a schedule name, -p or -m restrict the grid",
+    )
+    drw.add_argument(
+        "--html-schedules",
+        default=HTML_SCHEDULES,
+        help="schedules in the explorer (comma-separated; torch:<name> for torch.distributed.pipelining's order, "
+        "e.g. torch:ZBVZeroBubble)",
+    )
+    drw.add_argument("--html-p", default="4,8", help="pipeline sizes in the explorer (comma-separated)")
+    drw.add_argument("--html-m-factors", default="1,2", help="m = factor * p in the explorer (comma-separated)")
     drw.set_defaults(func=cmd_draw)
+
+    bench = sub.add_parser("bench", help="torch.distributed.pipelining's schedules vs ours in the simulator")
+    bench.add_argument("-p", dest="p_list", default="4,8,16,32", help="pipeline sizes, comma-separated")
+    bench.add_argument("--m-factors", default="1,2,3,4", help="m = factor * p for each factor")
+    bench.add_argument("--write", metavar="RESULTS.md", help="replace the peers section of this markdown file")
+    bench.add_argument("--plots", metavar="DIR", help="also draw bubble-vs-m and peak-memory plots (matplotlib)")
+    bench.set_defaults(func=cmd_bench)
 
     _add_verify_parser(sub, load_verify)
     _add_planner_parsers(sub)  # planner subcommands (see the block above)

@@ -299,3 +299,16 @@ def test_validate_reports_broken_collectives(
     code, out, err = run(capsys, "validate", str(path), "--collectives")
     assert code == 1 and out == ""
     assert err.startswith(f"INVALID {path}: rank 0: chunks [0] never reduce their gradients")
+
+
+def test_bench_writes_the_peers_section_and_replaces_it(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    pytest.importorskip("torch.distributed.pipelining.schedules", reason="bench imports torch's schedules")
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Results\n\nkept\n")
+    for _ in range(2):  # the second run replaces the section instead of appending another
+        code, out, _err = run(capsys, "bench", "-p", "4", "--m-factors", "2", "--write", str(results))
+        assert code == 0 and "wrote the peers section" in out
+    text = results.read_text()
+    assert text.startswith("# Results\n\nkept\n") and text.count("<!-- peers:begin -->") == 1
+    assert "| 4 | 8 | 1F1B | **torch:1F1B** |" in text and "repaired F numbering on rank(s) [3]" in text
+    assert "| unit | 4 | 8 | torch:InterleavedZeroBubble |" in text  # a case where torch's order is better

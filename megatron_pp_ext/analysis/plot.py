@@ -121,3 +121,43 @@ def draw(result: SimResult, schedule: Schedule, path: str | Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format=out.suffix.lower().lstrip("."))
     return out
+
+
+def draw_plan_vs_measured(
+    result: SimResult,
+    schedule: Schedule,
+    measured: Sequence[tuple[int, str, float, float]],
+    path: str | Path,
+    unit: str = "s",
+    plan_unit: str = "cost units",
+) -> Path:
+    """Two Gantt charts on one page: the simulated plan (top) and a measured trace of the same schedule
+    (bottom, ``(rank, op, start, end)`` in ``unit`` from the trace's first op), each on its own time axis."""
+    out = Path(path)
+    if out.suffix.lower() not in FORMATS:
+        raise ValueError(f"cannot draw to {out.name!r}: the file name must end in .png or .svg")
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise ValueError("drawing needs matplotlib: pip install 'megatron_pp_ext[plot]'") from None
+    p, chunks = schedule.num_ranks, schedule.chunks_per_rank
+    fig = Figure(figsize=(14, 1.0 * p + 3), dpi=100, layout="constrained")
+    panels = (
+        ("plan (simulator)", list(result.timeline), plan_unit),
+        ("measured (one traced iteration)", list(measured), unit),
+    )
+    for i, (label, timeline, axis_unit) in enumerate(panels):
+        ax = fig.add_subplot(2, 1, i + 1)
+        for rank, op_text, start, end in timeline:
+            op = Op.parse(op_text)
+            color = shade(op.kind, schedule.placement.chunk_of(op.stage), chunks)
+            ax.barh(rank, end - start, left=start, height=0.8, color=color, edgecolor="white", linewidth=0.4)
+        ax.set_ylim(p - 0.5, -0.5)
+        ax.set_yticks(range(p))
+        ax.set_yticklabels([f"rank {r}" for r in range(p)])
+        ax.set_xlim(0, max((end for *_, end in timeline), default=1.0))
+        ax.set_xlabel(f"time ({axis_unit})")
+        ax.set_title(f"{schedule.name} p={p} m={schedule.num_microbatches}: {label}", fontsize=10)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format=out.suffix.lower().lstrip("."))
+    return out

@@ -61,6 +61,8 @@ class Tracer(NullTracer):
         self.stage_bytes: dict[int, int] = {}  # bytes one micro-batch's forward saved, per stage
         self._collectives: list[dict[str, Any]] = []  # this iteration's launches
         self._last_backward_end = 0.0
+        self._iter_ops: list[list[Any]] = []  # [op, start, end] of this iteration's ops
+        self.last_iteration_ops: list[list[Any]] = []
 
     def _now(self) -> float:
         return time.perf_counter() - self._t0
@@ -75,9 +77,13 @@ class Tracer(NullTracer):
         self._iter_peak = self.live_bytes()
         self._collectives = []
         self._last_backward_end = 0.0
+        self._iter_ops = []
 
     def end_iteration(self) -> None:
         end = self._now()
+        # every op of the last iteration: [op, start, end] in seconds on the machine's monotonic clock
+        # (time.perf_counter: one clock for every process of the machine, so ranks line up)
+        self.last_iteration_ops = self._iter_ops
         span = (self._last_end - self._first_start) if self._first_start is not None else 0.0
         total = end - self._iter_start
         counts: dict[str, int] = {}
@@ -129,6 +135,7 @@ class Tracer(NullTracer):
         if op.kind != "F":
             self._last_backward_end = end
         live = self.live_bytes()
+        self._iter_ops.append([str(op), self._t0 + self._op_start, self._t0 + end])
         self._iter_peak = max(self._iter_peak, live)
         self.peak_bytes = max(self.peak_bytes, live)
         self.events.append(
@@ -211,6 +218,7 @@ class Tracer(NullTracer):
             "measured_bubble_rate": last.get("bubble_rate"),
             "peak_activation_bytes": self.peak_bytes,
             "per_iteration": self.iterations,
+            "last_iteration_ops": self.last_iteration_ops,
         }
 
     def write(self, directory: str | Path) -> None:

@@ -72,6 +72,9 @@ class RunSpec:
     fsdp_max_unsharded: int = 1
     check_messages: bool = False  # --pipeline-check-messages: a header with every message, checked on arrival
     check_agreement: bool = True  # testing aid: False skips the start-of-run schedule agreement
+    # Mode AB with interleaving: run megatron's interleaved schedule with overlap_p2p_comm (and batch_p2p_comm
+    # off), as Megatron-LM requires at PP=2 (with batched p2p megatron swaps the two messages to the one peer).
+    megatron_overlap_p2p: bool = False
     # Testing aid: a different schedule for some pipeline ranks from the re-plan on (to provoke a mismatch there).
     replan_overrides: tuple[tuple[int, str], ...] = ()
 
@@ -190,7 +193,17 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
     source: Any = None
     if spec.mode == AB:
         assert schedule is not None
-        return _ab_timing(spec, chunks, make_forward_backward_func(lambda m: schedule), get_forward_backward_func())
+        native_func = get_forward_backward_func()
+        if len(chunks) > 1:  # megatron's interleaved 1F1B: needs the virtual pipeline size set
+            from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_with_interleaving
+
+            ps.set_virtual_pipeline_model_parallel_world_size(len(chunks))
+            config.virtual_pipeline_model_parallel_size = len(chunks)
+            if spec.megatron_overlap_p2p:
+                config.batch_p2p_comm, config.overlap_p2p_comm = False, True
+            config.microbatch_group_size_per_vp_stage = int(schedule.params.get("microbatch_group_size") or spec.pp)
+            native_func = forward_backward_pipelining_with_interleaving
+        return _ab_timing(spec, chunks, make_forward_backward_func(lambda m: schedule), native_func)
     if spec.mode == OURS:
         param_storages = {p.untyped_storage().data_ptr() for p in params}
         if spec.trace:
@@ -353,8 +366,26 @@ def _owned_grad_ranges(ddp_chunk: Any, dp_rank: int, dp: int) -> dict[Any, list[
 
 
 def _ab_timing(spec: RunSpec, chunks: list[Any], ours: Any, native: Any) -> dict[str, Any]:
-    """Time megatron's function and ours on the same ranks, model and data, alternating which goes first."""
+    """Time megatron's function and ours on the same ranks, model and data, alternating which goes first;
+    then one more iteration of each under :class:`SavedBytesMeter` (peak bytes autograd holds for backward)."""
     from . import tiny_gpt
+
+    multi = len(chunks) > 1  # megatron's interleaved schedule takes the chunk and iterator lists, like ours
+
+    def step(name: str, func: Any, iteration: int) -> list[float]:
+        for c in chunks:
+            c.zero_grad_buffer()
+        batches = tiny_gpt.make_batches(spec.model, iteration, spec.num_microbatches)
+        out = func(
+            forward_step_func=tiny_gpt.forward_step,
+            data_iterator=[iter(batches) for _ in chunks] if multi else iter(batches),
+            model=chunks if name == OURS or multi else chunks[0],
+            num_microbatches=spec.num_microbatches,
+            seq_length=spec.model.seq_length,
+            micro_batch_size=spec.model.micro_batch_size,
+            decoder_seq_length=spec.model.seq_length,
+        )
+        return [float(d["lm loss"]) for d in out]
 
     times: dict[str, list[float]] = {NATIVE: [], OURS: []}
     losses: dict[str, list[list[float]]] = {NATIVE: [], OURS: []}
@@ -363,22 +394,74 @@ def _ab_timing(spec: RunSpec, chunks: list[Any], ours: Any, native: Any) -> dict
         if iteration % 2:
             order.reverse()
         for name, func in order:
-            for c in chunks:
-                c.zero_grad_buffer()
-            batches = tiny_gpt.make_batches(spec.model, iteration, spec.num_microbatches)
             started = time.perf_counter()
-            out = func(
-                forward_step_func=tiny_gpt.forward_step,
-                data_iterator=iter(batches),
-                model=chunks if name == OURS else chunks[0],
-                num_microbatches=spec.num_microbatches,
-                seq_length=spec.model.seq_length,
-                micro_batch_size=spec.model.micro_batch_size,
-                decoder_seq_length=spec.model.seq_length,
-            )
+            losses[name].append(step(name, func, iteration))
             times[name].append(time.perf_counter() - started)
-            losses[name].append([float(d["lm loss"]) for d in out])
-    return {"step_times": times, "losses": losses}
+    params = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
+    peak: dict[str, int] = {}
+    for name, func in ((NATIVE, native), (OURS, ours)):
+        meter = SavedBytesMeter(params)
+        with meter:
+            step(name, func, spec.iterations)
+        peak[name] = meter.peak
+    return {"step_times": times, "losses": losses, "peak_saved_bytes": peak}
+
+
+class SavedBytesMeter:
+    """Live bytes of the tensors autograd saves for backward (parameters excluded), and their peak.
+
+    A saved tensor counts from its pack until autograd drops it (after its backward); a storage saved
+    several times counts once. Measures any forward-backward function alike (megatron's or ours)."""
+
+    def __init__(self, param_storages: set[int]) -> None:
+        self.params = param_storages
+        self.refs: dict[int, int] = {}
+        self.live = 0
+        self.peak = 0
+        self._hooks: Any = None
+
+    def _pack(self, tensor: Any) -> Any:
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self.params or storage.nbytes() == 0:
+            return tensor
+        count = self.refs.get(ptr, 0)
+        self.refs[ptr] = count + 1
+        if count == 0:
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        return _Saved(self, tensor, ptr, storage.nbytes())
+
+    def _release(self, ptr: int, nbytes: int) -> None:
+        count = self.refs.pop(ptr) - 1
+        if count:
+            self.refs[ptr] = count
+        else:
+            self.live -= nbytes
+
+    @staticmethod
+    def _unpack(packed: Any) -> Any:
+        return packed.tensor if isinstance(packed, _Saved) else packed
+
+    def __enter__(self) -> SavedBytesMeter:
+        import torch
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+
+class _Saved:
+    __slots__ = ("meter", "nbytes", "ptr", "tensor")
+
+    def __init__(self, meter: SavedBytesMeter, tensor: Any, ptr: int, nbytes: int) -> None:
+        self.meter, self.tensor, self.ptr, self.nbytes = meter, tensor, ptr, nbytes
+
+    def __del__(self) -> None:
+        self.meter._release(self.ptr, self.nbytes)
 
 
 def _replanning_source(spec: RunSpec, p: int, pp_rank: int = 0) -> Any:
