@@ -24,8 +24,8 @@ import argparse
 from types import SimpleNamespace
 
 from megatron_pp_ext.analysis import Costs, simulate
-from megatron_pp_ext.schedules import Schedule, generate, v_placement
-from megatron_pp_ext.schedules.torch_order import from_torch_order
+from megatron_pp_ext.analysis.torch_orders import import_order
+from megatron_pp_ext.schedules import Schedule, generate
 
 COSTS_1_5B = Costs(18.522, 18.086, 9.337, None, 0.601)
 COSTS_1_5B_V = Costs(18.522 / 2, 18.086 / 2, 9.337 / 2, None, 0.601)  # per V stage (half the layers)
@@ -37,8 +37,8 @@ def torch_dualpipev(p: int, m: int) -> Schedule:
     from torch.distributed.pipelining.schedules import ScheduleDualPipeV
 
     fake = SimpleNamespace(pp_group_size=p, _n_microbatches=m)  # all its order computation reads
-    order = {r: ScheduleDualPipeV._calculate_single_rank_operations(fake, r) for r in range(p)}
-    return from_torch_order(order, v_placement(p), m, name=f"torch {torch.__version__} DualPipeV")
+    order = [ScheduleDualPipeV._calculate_single_rank_operations(fake, r) for r in range(p)]
+    return import_order(order, m, name=f"torch {torch.__version__} DualPipeV", overlap_pairs=True).schedule
 
 
 def rows(p: int, m: int, costs: Costs, v_costs: Costs) -> list[list[str]]:

@@ -13,8 +13,9 @@ torch letter  meaning                      ours
 ============  ===========================  =====
 
 ``OVERLAP_F_B`` (DualPipeV) wraps a forward and a backward of two chunks that torch runs overlapped;
-our IR has no overlapped op, so it is imported as its sub-actions in order (forward, then backward):
-the simulator then charges their sum, never less (DualPipeV's overlap gain is not modelled).
+it is imported as its sub-actions in order (forward, then backward), and with ``overlap_pairs=True``
+also as one of our overlap pairs (``Schedule.overlap_pairs``; the simulator's ``overlap`` factor then
+credits it). The peer tables import it without the pair: the simulator charges the sum, never less.
 Communication, ``UNSHARD``/``RESHARD`` and ``REDUCE_GRAD`` actions are dropped: our lowering derives
 communication itself.
 
@@ -147,20 +148,31 @@ def _repair_single_stage(rows: list[list[Op]], m: int) -> tuple[int, ...]:
     return tuple(repaired)
 
 
-def import_order(order: Sequence[Sequence[object]], m: int, name: str = "torch") -> ImportedOrder:
-    """Our :class:`Schedule` for a torch ``pipeline_order`` given per rank (actions or their text)."""
+def import_order(
+    order: Sequence[Sequence[object]], m: int, name: str = "torch", *, overlap_pairs: bool = False
+) -> ImportedOrder:
+    """Our :class:`Schedule` for a torch ``pipeline_order`` given per rank (actions or their text);
+    ``overlap_pairs``: keep each ``OVERLAP_F_B`` as an overlap pair of the schedule."""
     rows: list[list[Op]] = []
+    pairs: list[list[int]] = []
     for row in order:
         ops: list[Op] = []
+        starts: list[int] = []
         for action in row:
-            parsed = parse_action(None if action is None else str(action))
+            text = None if action is None else str(action)
+            parsed = parse_action(text)
             if parsed:
+                if len(parsed) == 2 and _OVERLAP_RE.match(str(text).strip()):
+                    starts.append(len(ops))
                 ops.extend(parsed)
         rows.append(ops)
+        pairs.append(starts)
     p = len(rows)
     placement = _infer_placement(rows, p)
     repaired = _repair_single_stage(rows, m) if placement.num_stages == p else ()
     schedule = build_schedule(name, placement, m, rows, source="torch.distributed.pipelining", repaired=repaired)
+    if overlap_pairs and any(pairs):
+        schedule = schedule.with_overlap_pairs(pairs)
     return ImportedOrder(schedule, repaired)
 
 

@@ -128,12 +128,12 @@ def test_torch_dualpipev_order_is_ours(p: int, m: int) -> None:
     schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
     from types import SimpleNamespace
 
-    from megatron_pp_ext.schedules import v_placement
-    from megatron_pp_ext.schedules.torch_order import from_torch_order
+    from megatron_pp_ext.analysis.torch_orders import import_order
 
     fake = SimpleNamespace(pp_group_size=p, _n_microbatches=m)
-    order = {r: schedules.ScheduleDualPipeV._calculate_single_rank_operations(fake, r) for r in range(p)}
-    theirs = from_torch_order(order, v_placement(p), m, name="dualpipev")
+    order = [schedules.ScheduleDualPipeV._calculate_single_rank_operations(fake, r) for r in range(p)]
+    theirs = import_order(order, m, name="dualpipev", overlap_pairs=True).schedule
+    assert theirs.placement.style == "v"
     ours = generate("dualpipev", p, m)
     assert theirs.ops == ours.ops
     assert theirs.overlap_pairs == ours.overlap_pairs
