@@ -501,12 +501,18 @@ def report_progress(text: str) -> None:
         _PROGRESS[1].put(("progress", _PROGRESS[0], text))
 
 
-def _worker(index: int, inbox: Any, outbox: Any) -> None:
+def _worker(index: int, inbox: Any, outbox: Any, driver_pid: int | None = None) -> None:
     global _PROGRESS
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _PROGRESS = (index, outbox)
+    parent = os.getppid() if driver_pid is None else driver_pid  # the driver may be gone already
     while True:
-        job = inbox.get()
+        try:
+            job = inbox.get(timeout=5.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the driver died (killed): do not linger as an orphan
+                return
+            continue
         if job is None:
             return
         fn, payload, rank, init_method = job
@@ -544,8 +550,10 @@ class RankPool:
         ctx = mp.get_context("spawn")
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(self.size)]
+        driver = os.getpid()
         self.procs = [
-            ctx.Process(target=_worker, args=(i, self.inboxes[i], self.outbox), daemon=True) for i in range(self.size)
+            ctx.Process(target=_worker, args=(i, self.inboxes[i], self.outbox, driver), daemon=True)
+            for i in range(self.size)
         ]
         for p in self.procs:
             p.start()
