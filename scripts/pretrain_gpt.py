@@ -47,6 +47,7 @@ from megatron_pp_ext.megatron import cpu  # noqa: E402  (must come before any me
 from megatron_pp_ext.megatron.arguments import (  # noqa: E402
     PipelineArgumentError,
     cpu_argv,
+    error_line,
     microbatch_counts,
     validate_arguments_or_exit,
 )
@@ -261,7 +262,7 @@ def _check_environment_or_exit() -> None:
         timeout_from_env()
         agree_timeout_s()
     except ValueError as exc:
-        print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr, flush=True)
+        error_line(os.path.basename(sys.argv[0]), exc)
         raise SystemExit(2) from None
 
 
@@ -280,7 +281,7 @@ def main() -> None:
         check_fsdp_argv(sys.argv[1:])
     except PipelineArgumentError as exc:
         if os.environ.get("RANK", "0") == "0":
-            print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr, flush=True)
+            error_line(os.path.basename(sys.argv[0]), exc)
         raise SystemExit(2) from None
     args = parse_and_validate_args(extra_args_provider=megatron_pp_ext.add_arguments, args_defaults=defaults)
     if mock:
@@ -304,7 +305,7 @@ def main() -> None:
         )
     except (ScheduleMismatchError, PipelineCommError, ExecutorError) as exc:
         # One line, and out at once: the peers stop on the same check, or are stuck waiting on this rank.
-        print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr, flush=True)
+        error_line(os.path.basename(sys.argv[0]), exc)
         os._exit(1)
     # Shut the process groups down before the interpreter does: a gloo group still alive at exit
     # can abort in its threads' destructors ("terminate called without an active exception").

@@ -840,9 +840,15 @@ def validate_arguments_or_exit(args: Any, prog: str | None = None) -> PipelineCo
         import os
 
         if os.environ.get("RANK", "0") == "0":
-            name = prog or os.path.basename(sys.argv[0]) or "megatron"
-            print(f"{name}: error: {exc}", file=sys.stderr, flush=True)
+            error_line(prog or os.path.basename(sys.argv[0]) or "megatron", exc)
         raise SystemExit(2) from None
+
+
+def error_line(prog: str, message: object) -> None:
+    """``prog: error: message`` on stderr in ONE write: ranks failing together under torchrun share the
+    stream, and a line written in pieces (text, then its newline) can run into another rank's line."""
+    sys.stderr.write(f"{prog}: error: {message}\n")  # print() writes the text and its newline separately
+    sys.stderr.flush()
 
 
 def cpu_argv(argv: Sequence[str]) -> list[str]:

@@ -83,9 +83,10 @@ def check_argv_or_exit(argv: Sequence[str], prog: str | None = None) -> None:
         return
     if os.environ.get("RANK", "0") == "0":
         name = prog or os.path.basename(sys.argv[0]) or "megatron"
+        from .arguments import error_line
+
         for problem in problems:
-            print(f"{name}: error: {problem}", file=sys.stderr)
-        sys.stderr.flush()
+            error_line(name, problem)
     else:
         time.sleep(RANK0_GRACE_S)  # torchrun stops every rank when one exits: let rank 0 print first
     raise SystemExit(2)
