@@ -58,16 +58,6 @@ def parse_costs(text: str | None) -> Costs | None:
     return Costs.parse(text)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def generate_schedule(
     name: str,
     p: int,
@@ -95,9 +85,9 @@ def generate_schedule(
 
 def _add_source_args(parser: argparse.ArgumentParser, file_option: bool = True) -> None:
     parser.add_argument("name", nargs="?", help="registered schedule name (see `megatron-pp list`)")
-    parser.add_argument("-p", type=_positive_int, help="pipeline-parallel size (ranks)")
-    parser.add_argument("-m", type=_positive_int, help="micro-batches per iteration")
-    parser.add_argument("-v", type=_positive_int, default=None, help="virtual stages (chunks) per rank")
+    parser.add_argument("-p", type=argtypes.positive_int, help="pipeline-parallel size (ranks)")
+    parser.add_argument("-m", type=argtypes.positive_int, help="micro-batches per iteration")
+    parser.add_argument("-v", type=argtypes.positive_int, default=None, help="virtual stages (chunks) per rank")
     parser.add_argument("--costs", metavar="F,B,W,COMM", help="per-stage op times and per-hop comm time")
     parser.add_argument(
         "--memory-limit", metavar="N|Np", help="activation memory limit, a number or a multiple of p (e.g. 2p)"
@@ -105,7 +95,7 @@ def _add_source_args(parser: argparse.ArgumentParser, file_option: bool = True) 
     parser.add_argument("--block-file", metavar="JSON", help="building block of v-block (default: the V-Half block)")
     parser.add_argument(
         "--microbatch-group-size",
-        type=_positive_int,
+        type=argtypes.positive_int,
         default=None,
         metavar="G",
         help="micro-batches per group (interleaved-1f1b; bfs: per breadth-first group, default m)",
@@ -680,9 +670,9 @@ def build_parser(load_verify: bool = False) -> argparse.ArgumentParser:
     sim.set_defaults(func=cmd_simulate)
 
     cmp_ = sub.add_parser("compare", help="every applicable schedule side by side")
-    cmp_.add_argument("-p", type=_positive_int, required=True, help="pipeline-parallel size (ranks)")
-    cmp_.add_argument("-m", type=_positive_int, required=True, help="micro-batches per iteration")
-    cmp_.add_argument("-v", type=_positive_int, default=None, help="virtual stages (chunks) per rank")
+    cmp_.add_argument("-p", type=argtypes.positive_int, required=True, help="pipeline-parallel size (ranks)")
+    cmp_.add_argument("-m", type=argtypes.positive_int, required=True, help="micro-batches per iteration")
+    cmp_.add_argument("-v", type=argtypes.positive_int, default=None, help="virtual stages (chunks) per rank")
     cmp_.add_argument("--costs", metavar="F,B,W,COMM", help="per-stage op times and per-hop comm time")
     cmp_.add_argument("--json", action="store_true", help="print the comparison as JSON")
     cmp_.set_defaults(func=cmd_compare)

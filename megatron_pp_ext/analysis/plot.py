@@ -51,11 +51,17 @@ def title_for(result: SimResult, schedule: Schedule) -> str:
     )
 
 
-def draw(result: SimResult, schedule: Schedule, path: str | Path) -> Path:
-    """Write a Gantt chart of ``result`` (simulated from ``schedule``) to ``path`` (.png or .svg)."""
+def _output_path(path: str | Path) -> Path:
+    """``path`` as a Path, refused unless it names a format we draw (.png, .svg)."""
     out = Path(path)
     if out.suffix.lower() not in FORMATS:
         raise ValueError(f"cannot draw to {out.name!r}: the file name must end in .png or .svg")
+    return out
+
+
+def draw(result: SimResult, schedule: Schedule, path: str | Path) -> Path:
+    """Write a Gantt chart of ``result`` (simulated from ``schedule``) to ``path`` (.png or .svg)."""
+    out = _output_path(path)
     try:
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch
@@ -133,9 +139,7 @@ def draw_plan_vs_measured(
 ) -> Path:
     """Two Gantt charts on one page: the simulated plan (top) and a measured trace of the same schedule
     (bottom, ``(rank, op, start, end)`` in ``unit`` from the trace's first op), each on its own time axis."""
-    out = Path(path)
-    if out.suffix.lower() not in FORMATS:
-        raise ValueError(f"cannot draw to {out.name!r}: the file name must end in .png or .svg")
+    out = _output_path(path)
     try:
         from matplotlib.figure import Figure
     except ImportError:  # pragma: no cover - depends on the environment
