@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_pp_ext.runtime.tiny_gpt import TinyGPTSpec
-from megatron_pp_ext.runtime.verify import RankPool, verify_schedule
 from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
+from megatron_pp_ext.verification.verify import RankPool, verify_schedule
 
 CONFIGS = [  # (schedule, p, m, v, mode)
     ("1f1b", 2, 4, None, "ddp"),

@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from megatron_pp_ext.runtime.tiny_gpt import TinyGPTSpec
-from megatron_pp_ext.runtime.verify import AB, NATIVE, OURS, RankPool, RunSpec, _check_errors
 from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
+from megatron_pp_ext.verification.verify import AB, NATIVE, OURS, RankPool, RunSpec, _check_errors
 
 
 def main() -> None:

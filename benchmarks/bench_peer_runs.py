@@ -1,7 +1,7 @@
 """Real CPU runs: megatron-core's own 1F1B and interleaved 1F1B vs ours, same tiny GPT, same data (issue 20).
 
 Every iteration runs megatron's ``forward_backward_func`` and ours back to back on the same gloo ranks,
-model and data, alternating which goes first (runtime/verify.py mode AB). Reported per case: the median
+model and data, alternating which goes first (verification/verify.py mode AB). Reported per case: the median
 over iterations of ours / megatron's wall time (slowest rank per iteration, warm-up dropped), the peak
 bytes autograd holds for backward per rank (parameters excluded; one extra iteration of each under
 ``SavedBytesMeter``), and whether every micro-batch loss is equal (bitwise) in every iteration.
@@ -20,10 +20,10 @@ import statistics
 
 from megatron_pp_ext.analysis.plot import draw_plan_vs_measured
 from megatron_pp_ext.analysis.simulate import Costs, simulate
-from megatron_pp_ext.runtime import torch_pipelining
-from megatron_pp_ext.runtime.tiny_gpt import TinyGPTSpec
-from megatron_pp_ext.runtime.verify import AB, NATIVE, OURS, RankPool, RunSpec, _check_errors
 from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.verification import torch_pipelining
+from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
+from megatron_pp_ext.verification.verify import AB, NATIVE, OURS, RankPool, RunSpec, _check_errors
 
 # (our schedule, megatron's, p, m, v). Interleaving at p=2 runs megatron with overlap_p2p_comm (batched p2p
 # would swap the activation and the gradient exchanged with the single peer: DESIGN.md, known trap).

@@ -24,9 +24,9 @@ import statistics
 
 from megatron_pp_ext.analysis.simulate import Costs, simulate
 from megatron_pp_ext.analysis.validate import validate
-from megatron_pp_ext.runtime.tiny_gpt import TinyGPTSpec
-from megatron_pp_ext.runtime.verify import OURS, RankPool, RunSpec, _check_errors
 from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
+from megatron_pp_ext.verification.verify import OURS, RankPool, RunSpec, _check_errors
 
 
 def measure(pool: RankPool, name: str, p: int, m: int, iterations: int, warmup: int) -> dict:

@@ -11,8 +11,8 @@ linears' inputs.
 
 from __future__ import annotations
 
-from megatron_pp_ext.runtime.selfcheck import LayerMemoryCase, layer_memory_probe
-from megatron_pp_ext.runtime.verify import RankPool, _check_errors
+from megatron_pp_ext.verification.selfcheck import LayerMemoryCase, layer_memory_probe
+from megatron_pp_ext.verification.verify import RankPool, _check_errors
 
 
 def main() -> None:

@@ -10,9 +10,9 @@ simulator counts an activation live from F until its W (``w_retained_fraction = 
 from __future__ import annotations
 
 from megatron_pp_ext.analysis.simulate import simulate
-from megatron_pp_ext.runtime.tiny_gpt import TinyGPTSpec
-from megatron_pp_ext.runtime.verify import RankPool, verify_schedule
 from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
+from megatron_pp_ext.verification.verify import RankPool, verify_schedule
 
 CASES: list[tuple[str, dict[str, int]]] = [
     ("1f1b", {}),

@@ -585,7 +585,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # ---- verify (added by the runtime) ---------------------------------------------------------
 # >>> verify subcommand hook >>>
-# The runtime (torch + megatron-core) provides `megatron_pp_ext.runtime.verify_cli` with
+# The runtime (torch + megatron-core) provides `megatron_pp_ext.verification.verify_cli` with
 #     add_verify_parser(subparsers) -> None
 # which adds the `verify` parser and sets `func=<callable(args) -> int exit code>` as its default.
 # It is imported only when the command line asks for `verify`, so no other subcommand imports torch.
@@ -593,7 +593,7 @@ def _add_verify_parser(subparsers: Any, load_runtime: bool) -> None:
     reason = "not requested"
     if load_runtime:
         try:
-            from .runtime.verify_cli import add_verify_parser
+            from .verification.verify_cli import add_verify_parser
         except ImportError as exc:
             reason = str(exc)
         else:

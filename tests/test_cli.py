@@ -192,7 +192,7 @@ def test_draw(capsys: pytest.CaptureFixture[str], tmp_path: Path, suffix: str) -
 
 
 def test_verify_without_runtime(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "megatron_pp_ext.runtime.verify_cli", None)  # import fails
+    monkeypatch.setitem(sys.modules, "megatron_pp_ext.verification.verify_cli", None)  # import fails
     code, _, err = run(capsys, "verify", "1f1b", "-p", "2")
     assert code == 2
     assert "verify needs the megatron_pp_ext runtime" in err

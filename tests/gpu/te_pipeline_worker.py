@@ -48,11 +48,11 @@ def run(schedule: Any, split: bool, spec: Any, iterations: int, overlap: bool) -
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
     from megatron_pp_ext.megatron._patching import Patcher
-    from megatron_pp_ext.runtime import tiny_gpt
     from megatron_pp_ext.runtime.executor import make_forward_backward_func
     from megatron_pp_ext.runtime.te_wgrad import deferring_modules, enable_te_wgrad, patch_for_split
     from megatron_pp_ext.runtime.wgrad import get_weight_grad_store
     from megatron_pp_ext.runtime.wgrad_hooks import install_wgrad_hooks, uninstall_wgrad_hooks
+    from megatron_pp_ext.verification import tiny_gpt
 
     patcher = Patcher()
     store = get_weight_grad_store()
@@ -137,8 +137,8 @@ def main() -> None:
     from megatron.core import parallel_state as ps
 
     from megatron_pp_ext.runtime.te_wgrad import check_te_support
-    from megatron_pp_ext.runtime.tiny_gpt import TinyGPTSpec
     from megatron_pp_ext.schedules import registry
+    from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
 
     if not args.cpu_smoke:
         check_te_support(args.schedule)

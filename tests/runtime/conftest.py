@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_pp_ext.runtime.verify import RankPool
+from megatron_pp_ext.verification.verify import RankPool
 
 
 @pytest.fixture(scope="session")

@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from megatron_pp_ext.analysis.validate import validate
-from megatron_pp_ext.runtime.tiny_gpt import TinyGPTSpec
-from megatron_pp_ext.runtime.verify import NATIVE, RunSpec, VerifyRunError, _check_errors, compare
 from megatron_pp_ext.schedules import Schedule, generate
+from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
+from megatron_pp_ext.verification.verify import NATIVE, RunSpec, VerifyRunError, _check_errors, compare
 
 P, M = 2, 4
 MODEL = TinyGPTSpec(num_layers=4)  # 2 layers per stage (loop placements) or 1 (V / interleaved)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_pp_ext.runtime.fsdp_check import FsdpCase, fsdp_check
-from megatron_pp_ext.runtime.verify import RankPool, _check_errors
+from megatron_pp_ext.verification.fsdp_check import FsdpCase, fsdp_check
+from megatron_pp_ext.verification.verify import RankPool, _check_errors
 
 pytestmark = pytest.mark.gloo
 

@@ -10,9 +10,9 @@ import torch
 from megatron_pp_ext.runtime import te_wgrad
 from megatron_pp_ext.runtime.grad_check import GradCheckError, GradCheckPolicy, GradWatch
 from megatron_pp_ext.runtime.te_wgrad import enable_te_wgrad
-from megatron_pp_ext.runtime.tiny_gpt import TinyGPTSpec
-from megatron_pp_ext.runtime.verify import RunSpec, VerifyRunError, _check_errors
 from megatron_pp_ext.runtime.wgrad import WeightGradStore
+from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
+from megatron_pp_ext.verification.verify import RunSpec, VerifyRunError, _check_errors
 
 from . import te_standin as te
 from .grad_check_helpers import run_with_w_that_computes_nothing

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from megatron_pp_ext.runtime.tiny_gpt import TinyGPTSpec
-from megatron_pp_ext.runtime.verify import NATIVE, OURS, RunSpec, _check_errors, compare
+from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
+from megatron_pp_ext.verification.verify import NATIVE, OURS, RunSpec, _check_errors, compare
 
 
 def test_zb_auto_replans_mid_training_with_identical_math(pool):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_pp_ext.runtime.replica_sync import replica_sync_check
-from megatron_pp_ext.runtime.verify import _check_errors
 from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.verification.verify import _check_errors
 
 
 @pytest.mark.parametrize("case", [("bitpipe", 4, 8), ("bitpipe-zb", 2, 4)])

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_pp_ext.runtime import torch_pipelining
-from megatron_pp_ext.runtime.tiny_gpt import TinyGPTSpec
-from megatron_pp_ext.runtime.verify import _check_errors
+from megatron_pp_ext.verification import torch_pipelining
+from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
+from megatron_pp_ext.verification.verify import _check_errors
 
 pytestmark = pytest.mark.gloo
 

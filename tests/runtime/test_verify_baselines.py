@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from megatron_pp_ext.runtime.tiny_gpt import TinyGPTSpec
-from megatron_pp_ext.runtime.verify import NATIVE, OURS, RunSpec, VerifyRunError, _check_errors, verify_schedule
 from megatron_pp_ext.schedules import Schedule, generate
+from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
+from megatron_pp_ext.verification.verify import NATIVE, OURS, RunSpec, VerifyRunError, _check_errors, verify_schedule
 
 CASES = [
     ("1f1b", 2, 1, None),  # m < p
@@ -115,7 +115,7 @@ def test_mismatched_schedule_fails_fast_naming_rank_and_op(pool):
 def test_ab_mode_runs_megatron_and_ours_with_equal_losses_and_saved_bytes(pool, name, p, m, v):
     """Mode AB (bench_peer_runs.py): megatron's 1F1B / interleaved 1F1B and ours, alternating, same losses;
     the saved-bytes meter sees the same peak for both (same op order, same math)."""
-    from megatron_pp_ext.runtime.verify import AB
+    from megatron_pp_ext.verification.verify import AB
 
     csv = generate(name, p, m, v=v).to_csv()
     results = pool.run(

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_pp_ext.runtime.tiny_gpt import TinyGPTSpec
-from megatron_pp_ext.runtime.verify import verify_schedule
 from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
+from megatron_pp_ext.verification.verify import verify_schedule
 
 
 @pytest.mark.parametrize(("name", "p", "m"), [("bitpipe", 2, 4), ("bitpipe-zb", 2, 4), ("bitpipe", 4, 8)])

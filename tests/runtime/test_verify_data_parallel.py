@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_pp_ext.runtime.tiny_gpt import TinyGPTSpec
-from megatron_pp_ext.runtime.verify import verify_schedule
 from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
+from megatron_pp_ext.verification.verify import verify_schedule
 
 # (schedule, p, m, v, distributed optimizer)
 CASES = [

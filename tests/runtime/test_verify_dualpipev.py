@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_pp_ext.runtime.tiny_gpt import TinyGPTSpec
-from megatron_pp_ext.runtime.verify import NATIVE, OURS, RunSpec, _check_errors, compare, verify_schedule
 from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
+from megatron_pp_ext.verification.verify import NATIVE, OURS, RunSpec, _check_errors, compare, verify_schedule
 
 from .overlap_helpers import run_with_recording_hook
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_pp_ext.runtime.tiny_gpt import TinyGPTSpec
-from megatron_pp_ext.runtime.verify import verify_schedule
 from megatron_pp_ext.schedules import generate
 from megatron_pp_ext.schedules.collectives import CollectiveKind, declared_fsdp_limit, derive_collectives, policy_for
+from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
+from megatron_pp_ext.verification.verify import verify_schedule
 
 UNTIED = TinyGPTSpec(num_layers=4, tied_embeddings=False)
 

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron_pp_ext.runtime.selfcheck import LinearCase, linear_deferral_probe, linear_split_check
-from megatron_pp_ext.runtime.tiny_gpt import TinyGPTSpec
-from megatron_pp_ext.runtime.verify import RunSpec, VerifyRunError, _check_errors, verify_schedule
 from megatron_pp_ext.runtime.wgrad import WeightGradError, WeightGradStore
 from megatron_pp_ext.schedules import Schedule
+from megatron_pp_ext.verification.selfcheck import LinearCase, linear_deferral_probe, linear_split_check
+from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
+from megatron_pp_ext.verification.verify import RunSpec, VerifyRunError, _check_errors, verify_schedule
 
 DATA = Path(__file__).parent / "data"
 

@@ -64,7 +64,7 @@ def _run(case: LinearCase, config: Any, split: bool) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from .wgrad import get_weight_grad_store
+    from ..runtime.wgrad import get_weight_grad_store
 
     torch.manual_seed(case.seed)
     model_parallel_cuda_manual_seed(case.seed)
@@ -122,7 +122,7 @@ def linear_split_check(case: LinearCase, rank: int, init_method: str) -> dict[st
     from megatron.core import parallel_state as ps
     from megatron.core.model_parallel_config import ModelParallelConfig
 
-    from .wgrad_hooks import install_wgrad_hooks, uninstall_wgrad_hooks
+    from ..runtime.wgrad_hooks import install_wgrad_hooks, uninstall_wgrad_hooks
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(
@@ -154,7 +154,7 @@ def _deferral_probe(case: LinearCase) -> dict[str, Any]:
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from .wgrad import get_weight_grad_store
+    from ..runtime.wgrad import get_weight_grad_store
 
     torch.manual_seed(case.seed)
     model_parallel_cuda_manual_seed(case.seed)
@@ -224,7 +224,7 @@ def linear_deferral_probe(case: LinearCase, rank: int, init_method: str) -> dict
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from .wgrad_hooks import install_wgrad_hooks, uninstall_wgrad_hooks
+    from ..runtime.wgrad_hooks import install_wgrad_hooks, uninstall_wgrad_hooks
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(
@@ -265,9 +265,9 @@ def layer_memory_probe(case: LayerMemoryCase, rank: int, init_method: str) -> di
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
+    from ..runtime.wgrad import get_weight_grad_store
+    from ..runtime.wgrad_hooks import install_wgrad_hooks
     from .tiny_gpt import TinyGPTSpec, make_config
-    from .wgrad import get_weight_grad_store
-    from .wgrad_hooks import install_wgrad_hooks
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=case.tp)
     try:

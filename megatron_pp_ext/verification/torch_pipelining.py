@@ -6,7 +6,7 @@ drive: the first stage takes token ids, later stages the hidden states ``[s, b, 
 ``set_input_tensor``), the last returns the logits and torch's ``loss_fn`` takes their mean token
 cross-entropy (megatron's loss with an all-ones mask). Every iteration then runs torch's schedule and
 ours on the same chunks, alternating which goes first; both are timed, both losses are kept, and one
-more iteration of each runs under :class:`~megatron_pp_ext.runtime.verify.SavedBytesMeter`.
+more iteration of each runs under :class:`~megatron_pp_ext.verification.verify.SavedBytesMeter`.
 
 No data parallelism, no megatron DDP (plain ``.grad`` on both sides), no optimizer step.
 """
@@ -62,9 +62,9 @@ def _run(spec: TorchRunSpec, rank: int) -> dict[str, Any]:
     from torch.distributed.pipelining import schedules as torch_schedules
     from torch.nn import functional
 
+    from ..runtime.executor import make_forward_backward_func
     from ..schedules import generate
     from . import tiny_gpt
-    from .executor import make_forward_backward_func
     from .verify import SavedBytesMeter
 
     ours_schedule = generate(spec.schedule, spec.pp, spec.num_microbatches, v=spec.chunks if spec.chunks > 1 else None)

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from ..runtime.placement import ChunkLayout, LayerSplit, chunk_layouts
 from ..schedules.placement import Placement
-from .placement import ChunkLayout, LayerSplit, chunk_layouts
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
 

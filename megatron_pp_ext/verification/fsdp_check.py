@@ -69,9 +69,7 @@ def fsdp_check(case: FsdpCase, rank: int, init_method: str) -> dict[str, Any]:
 
 
 def _run(case: FsdpCase, rank: int, torch: Any, dist: Any) -> dict[str, Any]:
-    from ..schedules.placement import loop_placement
-    from . import tiny_gpt
-    from .fsdp import (
+    from ..runtime.fsdp import (
         FsdpError,
         FsdpMemory,
         FsdpTimeoutError,
@@ -79,8 +77,10 @@ def _run(case: FsdpCase, rank: int, torch: Any, dist: Any) -> dict[str, Any]:
         add_tied_grads_locally,
         finalize_sharded_grads,
     )
-    from .wgrad import get_weight_grad_store
-    from .wgrad_hooks import install_wgrad_hooks, uninstall_wgrad_hooks
+    from ..runtime.wgrad import get_weight_grad_store
+    from ..runtime.wgrad_hooks import install_wgrad_hooks, uninstall_wgrad_hooks
+    from ..schedules.placement import loop_placement
+    from . import tiny_gpt
 
     spec = dataclasses.replace(case.model, tied_embeddings=True) if case.tied else case.model
     m, n = case.microbatches, case.dp

@@ -95,7 +95,7 @@ def run_on_rank(spec: RunSpec, rank: int, init_method: str) -> dict[str, Any]:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from . import agreement, p2p
+    from ..runtime import agreement, p2p
 
     p2p.set_check_messages(spec.check_messages)  # pool workers are reused: set it every run
     agreement.set_enabled(spec.check_agreement)
@@ -121,11 +121,11 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from ..runtime.executor import make_forward_backward_func
+    from ..runtime.trace import Tracer
     from ..schedules.placement import loop_placement
     from ..schedules.schedule import Schedule
     from . import tiny_gpt
-    from .executor import make_forward_backward_func
-    from .trace import Tracer
 
     pp_rank = ps.get_pipeline_model_parallel_rank()
     tp_rank = ps.get_tensor_model_parallel_rank()
@@ -134,7 +134,7 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
     schedule = Schedule.from_csv(csv_text) if csv_text else None
     placement = schedule.placement if schedule is not None else loop_placement(spec.pp)
     if spec.split_backward:
-        from .wgrad_hooks import install_wgrad_hooks
+        from ..runtime.wgrad_hooks import install_wgrad_hooks
 
         install_wgrad_hooks()
 
@@ -143,7 +143,7 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
     overlap = spec.dp > 1 or spec.distributed_optimizer
     fsdp_memory = None
     if spec.fsdp:
-        from .fsdp import FsdpMemory, ShardedChunk, finalize_sharded_grads
+        from ..runtime.fsdp import FsdpMemory, ShardedChunk, finalize_sharded_grads
 
         fsdp_memory = FsdpMemory()
         chunks = [
@@ -179,7 +179,7 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
         optimizer = torch.optim.Adam(params, lr=spec.lr)
     replica_group = None
     if placement.num_replicas == 2 and spec.mode == OURS:
-        from .replica_sync import new_replica_group
+        from ..runtime.replica_sync import new_replica_group
 
         replica_group = new_replica_group(ps.get_pipeline_model_parallel_group())
     # micro-batch of each loss this rank reports (in the order the executor stores them)
@@ -209,7 +209,7 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
         if spec.trace:
             tracer = Tracer(pp_rank, param_storages)
         if replica_group is not None:
-            from .replica_sync import ReplicaSync
+            from ..runtime.replica_sync import ReplicaSync
         if spec.profile_iterations > 0:
             source = _replanning_source(spec, placement.num_ranks, pp_rank)
             profiler = source.make_tracer(tracer)
@@ -267,7 +267,7 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
         if replica_group is not None and not getattr(forward_backward, "syncs_replicas", False):
             # The executor does not run the schedule's replica-sync collectives yet: sum the two
             # copies' gradients here, after the iteration (BitPipe without its eager overlap).
-            from .replica_sync import sync_all
+            from ..runtime.replica_sync import sync_all
 
             sync_all(placement, pp_rank, chunks, replica_group)
         step: dict[str, Any] = {}
@@ -466,8 +466,8 @@ class _Saved:
 
 def _replanning_source(spec: RunSpec, p: int, pp_rank: int = 0) -> Any:
     from ..analysis.validate import validate
+    from ..runtime.replan import ReplanningSource
     from ..schedules import registry
-    from .replan import ReplanningSource
 
     assert spec.replan_schedule is not None, "profile_iterations needs replan_schedule"
     name = spec.replan_schedule
