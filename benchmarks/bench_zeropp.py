@@ -17,6 +17,12 @@ Cost assumptions (all from megatron_pp_ext.planner, no measurement):
   (1/dp of the rank's) is the same for every schedule and left out.
 
     PYTHONPATH=. python benchmarks/bench_zeropp.py
+
+``--planner``: the same comparison through the planner instead (``plan``'s cost model for every stage,
+embedding and output layer included, FSDP as a candidate axis with its memory, zeropp's U as an axis,
+replicated rows with the distributed optimizer) and ``auto``'s pick:
+
+    PYTHONPATH=. python benchmarks/bench_zeropp.py --planner
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ from dataclasses import dataclass
 from megatron_pp_ext.analysis.simulate import Costs, simulate
 from megatron_pp_ext.analysis.validate import validate
 from megatron_pp_ext.analysis.zeropp_auto import choose_unit_size
+from megatron_pp_ext.planner.auto import decide
 from megatron_pp_ext.planner.costs import CostModel, get_device
-from megatron_pp_ext.planner.memory import TrainingSetup, layer_activation_bytes, parameter_counts
+from megatron_pp_ext.planner.memory import GIB, TrainingSetup, layer_activation_bytes, parameter_counts
 from megatron_pp_ext.planner.models import get_model
+from megatron_pp_ext.planner.plan import Planner, PlanRow, SearchSpace, row_label
 from megatron_pp_ext.schedules import generate
 from megatron_pp_ext.schedules.collectives import CollectiveKind, declared_fsdp_limit, policy_for
 from megatron_pp_ext.schedules.schedule import Schedule
@@ -171,5 +179,104 @@ def auto_line(s: Setting, p: int, m: int, v: int, rows: list[Row], base: dict[st
     print("\n```\n" + choice.table() + "\n```")
 
 
+# ---- the planner's view (--planner): FSDP and U as candidate axes ---------------------------------------
+PLANNER_SETTINGS = ((4, 2, 16), (8, 2, 32), (8, 4, 32))  # (p, dp, m) at micro-batch 1: 8, 16, 32 GPUs
+PLANNER_SCHEDULES = ("1f1b", "zb-h1", "bfs", "bfs-zb", "zeropp")
+
+
+def _planner(p: int, dp: int, m: int, budget_bytes: float | None = None) -> Planner:
+    model = get_model(MODEL).with_overrides(untie_embeddings_and_output_weights=True)  # --pipeline-fsdp's rule
+    cost = CostModel(model, get_device(DEVICE), TrainingSetup(distributed_optimizer=True))
+    space = SearchSpace(
+        tp=(1,), pp=(p,), micro_batch=(MICRO_BATCH,), recompute=("none",), virtual=(1, 2, 4),
+        schedules=PLANNER_SCHEDULES, fsdp=(False, True), memory_limits=("p",),
+    )  # fmt: skip
+    planner = Planner(model, p * dp, dp * m * MICRO_BATCH, cost, space=space)
+    if budget_bytes is not None:
+        planner.budget_bytes = budget_bytes
+    return planner
+
+
+def _label(row: PlanRow) -> str:
+    return row_label(row.config) + (" +fsdp" if row.config.fsdp else "")
+
+
+def _frontier(rows: list[PlanRow]) -> set[str]:
+    """Ids of the rows no other row beats in iteration time at no more memory."""
+    return {
+        r.config.id
+        for r in rows
+        if not any(o.iteration_time < r.iteration_time and o.peak_memory <= r.peak_memory for o in rows if o is not r)
+    }
+
+
+def planner_tables() -> None:
+    print(f"model {MODEL} (untied embeddings), micro-batch {MICRO_BATCH}, {DEVICE}, bf16, distributed optimizer for "
+          "replicated rows; FSDP rows shard parameters, gradients and optimizer state (--pipeline-fsdp)")  # fmt: skip
+    for p, dp, m in PLANNER_SETTINGS:
+        result = _planner(p, dp, m).run(progress=False)
+        rows = result.rows
+        frontier = _frontier(rows)
+        best: dict[tuple[str, bool], PlanRow] = {}
+        for r in rows:  # best per schedule and FSDP setting (over v, memory limit, U)
+            best.setdefault((r.config.schedule, r.config.fsdp), r)
+        base = best[("1f1b", False)]
+        print(f"\n#### p={p} x dp={dp} = {p * dp} GPUs, m={m}, {len(rows)} candidates\n")
+        print("| schedule | v | fsdp | iteration (ms) | vs 1f1b | bubble | exposed DP (ms) | gathers / iter | "
+              "peak GiB | <= 1f1b memory | on frontier |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in sorted(best.values(), key=lambda r: r.iteration_time):
+            c = r.config
+            print(
+                f"| {row_label(c)} | {c.chunks} | {'yes' if c.fsdp else 'no'} | {r.iteration_time * 1e3:.1f} | "
+                f"{base.iteration_time / r.iteration_time:.3f}x | {r.sync_bubble_rate:.3f} | {r.dp_time * 1e3:.2f} | "
+                f"{r.gathers if c.fsdp else '-'} | {r.peak_memory / GIB:.1f} | "
+                f"{'yes' if r.peak_memory <= base.peak_memory else 'no'} | {'yes' if c.id in frontier else 'no'} |"
+            )
+        for ref in ("1f1b", "zb-h1", "bfs"):  # each schedule's best row at no more memory than ref's best
+            limit = best[(ref, False)].peak_memory
+            at = [r for r in rows if r.peak_memory <= limit]
+            print(f"\nAt no more memory than {ref}'s best ({limit / GIB:.1f} GiB): "
+                  + "; ".join(f"{sched}: {_best_of(at, sched)}" for sched in PLANNER_SCHEDULES))  # fmt: skip
+        zrows = [r for r in rows if r.config.schedule == "zeropp" and r.config.fsdp and not r.config.memory_limit]
+        for v in sorted({r.config.chunks for r in zrows}):
+            print(
+                f"\nzeropp +fsdp, v={v}, U swept (frontier = no candidate of this plan is faster at no more memory):\n"
+            )
+            print("| U | iteration (ms) | bubble | exposed DP (ms) | gathers / iter | activations GiB | peak GiB | "
+                  "on frontier |")  # fmt: skip
+            print("|---|---|---|---|---|---|---|---|")
+            for r in sorted((r for r in zrows if r.config.chunks == v), key=lambda r: r.config.unit_size or 0):
+                print(
+                    f"| {r.config.unit_size} | {r.iteration_time * 1e3:.1f} | {r.sync_bubble_rate:.3f} | "
+                    f"{r.dp_time * 1e3:.2f} | {r.gathers} | {max(x.activations for x in r.memory) / GIB:.2f} | "
+                    f"{r.peak_memory / GIB:.2f} | {'yes' if r.config.id in frontier else 'no'} |"
+                )
+        for budget, what in ((None, "the device's"), (base.peak_memory, "1f1b's best")):
+            decision = decide(_planner(p, dp, m, budget))
+            chosen = decision.chosen
+            if chosen is None:
+                print(f"\nauto under {what} memory: nothing fits")
+                continue
+            print(
+                f"\nauto under {what} memory ({decision.result.budget_bytes / GIB:.1f} GiB; every registered schedule, "
+                f"FSDP on/off, every U): {_label(chosen)} v={chosen.config.chunks}, "
+                f"{chosen.iteration_time * 1e3:.1f} ms, {chosen.peak_memory / GIB:.1f} GiB; on the frontier of "
+                f"its own candidates: {'yes' if chosen.config.id in _frontier(decision.result.rows) else 'no'}\n"
+            )
+            table = [line for line in decision.table().splitlines() if not line.startswith("  dropped")]
+            print("```\n" + "\n".join(table) + "\n```")  # (why the other schedules were dropped: left out)
+
+
+def _best_of(rows: list[PlanRow], schedule: str) -> str:
+    mine = [r for r in rows if r.config.schedule == schedule]
+    if not mine:
+        return "none fits"
+    r = mine[0]
+    return f"{_label(r)} v={r.config.chunks} {r.iteration_time * 1e3:.1f} ms ({r.peak_memory / GIB:.1f} GiB)"
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    planner_tables() if "--planner" in sys.argv[1:] else main()

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..schedules.collectives import CollectiveKind, policy_for
+from ..schedules.collectives import CollectiveKind, declared_fsdp_limit, policy_for
 from ..schedules.generators.common import ScheduleParameterError
-from ..schedules.generators.zeropp import zeropp
+from ..schedules.generators.zeropp import FSDP_MAX_UNSHARDED, zeropp
 from ..schedules.schedule import Schedule
 from .simulate import Costs, simulate
 from .validate import validate
@@ -109,7 +109,7 @@ def evaluate_unit_size(
     if activation_bytes is not None:
         memory = max(plain.peak_activations) * activation_bytes
         if fsdp and param_bytes is not None:
-            memory += min(2, chunks) * param_bytes
+            memory += min(declared_fsdp_limit(schedule) or 1, chunks) * param_bytes
     candidate = UnitCandidate(
         unit_size, time, plain.sync_bubble_rate, max(plain.peak_activations) / chunks, gathers, exposed, memory, True
     )
@@ -140,7 +140,7 @@ def choose_unit_size(
     chunks = 2 if v is None else v
     cap = memory_limit  # the generator's activation cap, in M_a: the limit, or what the byte budget leaves
     if memory_budget is not None and activation_bytes is not None:
-        gathered = min(2, chunks) * param_bytes if fsdp and param_bytes is not None else 0.0
+        gathered = min(FSDP_MAX_UNSHARDED, chunks) * param_bytes if fsdp and param_bytes is not None else 0.0
         from_budget = (memory_budget - gathered) / (activation_bytes * chunks)
         cap = from_budget if cap is None else min(cap, from_budget)
     built: list[tuple[Schedule, UnitCandidate]] = []

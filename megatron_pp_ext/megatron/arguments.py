@@ -680,6 +680,8 @@ def _resolve_auto(args: Any, config: PipelineConfig) -> None:
         config.num_virtual_stages = chosen.config.v_flag
     if chosen.config.costs_flag is not None and config.costs is None:
         config.costs = parse_costs(chosen.config.costs_flag)  # build what was evaluated
+    if chosen.config.unit_size is not None and not isinstance(config.unit_size, int):
+        config.unit_size = chosen.config.unit_size  # zeropp's U the planner chose (with unit size auto or unset)
 
 
 def _cuda_available() -> bool:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .memory import GIB
-from .plan import Planner, PlanResult, PlanRow, SearchSpace, format_table
+from .plan import Planner, PlanResult, PlanRow, SearchSpace, format_table, row_label
 
 __all__ = ["AUTO", "AUTO_MEMORY_LIMITS", "AutoDecision", "auto_space", "decide"]
 
@@ -25,9 +25,12 @@ AUTO_MEMORY_LIMITS = ("p", "2p")  # memory limits tried for memory-aware schedul
 
 
 def auto_space(space: SearchSpace) -> SearchSpace:
-    """``space`` with every registered schedule and the auto memory limits added to its own."""
+    """``space`` with every registered schedule and the auto memory limits added to its own, FSDP
+    on and off (unless ``space`` fixes it: a training run's ``--pipeline-fsdp``) and, for zeropp,
+    every unit size the space allows (default: every divisor of m)."""
     limits = tuple(dict.fromkeys((*space.memory_limits, *AUTO_MEMORY_LIMITS)))
-    return replace(space, schedules=None, memory_limits=limits)
+    fsdp = space.fsdp if space.fsdp is not None else (False, True)
+    return replace(space, schedules=None, memory_limits=limits, fsdp=fsdp)
 
 
 @dataclass
@@ -38,7 +41,7 @@ class AutoDecision:
     def chosen(self) -> PlanRow | None:
         return self.result.rows[0] if self.result.rows else None
 
-    def table(self, top: int = 5) -> str:
+    def table(self, top: int = 8) -> str:
         """The decision table (printed on rank 0)."""
         result, chosen = self.result, self.chosen
         budget = result.budget_bytes / GIB
@@ -46,24 +49,29 @@ class AutoDecision:
             lines = [f"pipeline schedule auto: nothing fits in {budget:.2f} GiB"]
         else:
             c = chosen.config
+            extra = (f", U={c.unit_size}" if c.unit_size is not None else "") + (", FSDP" if c.fsdp else "")
             lines = [
-                f"pipeline schedule auto: {_label(chosen)} (v={c.chunks}, {c.placement} placement): iteration "
+                f"pipeline schedule auto: {_label(chosen)} (v={c.chunks}{extra}, {c.placement} placement): iteration "
                 f"{chosen.iteration_time * 1e3:.3g} ms, bubble {chosen.sync_bubble_rate:.3f}, peak "
                 f"{chosen.peak_memory / GIB:.2f} of {budget:.2f} GiB; {result.evaluated} candidates simulated"
             ]
-        header = ["#", "schedule", "v", "iteration ms", "pipeline ms", "bubble", "sync bubble", "peak GiB"]
+        header = ["#", "schedule", "v", "fsdp", "iteration ms", "pipeline ms", "DP exposed ms", "gathers"]
+        header += ["bubble", "sync bubble", "peak GiB"]
         rows = [
             [
                 str(i),
-                _label(row),
+                row_label(row.config),
                 str(row.config.chunks),
+                "fsdp" if row.config.fsdp else "-",
                 f"{row.iteration_time * 1e3:.4g}",
                 f"{row.pipeline_time * 1e3:.4g}",
+                f"{row.dp_time * 1e3:.3g}",
+                str(row.gathers) if row.config.fsdp else "-",
                 f"{row.bubble_rate:.4f}",
                 f"{row.sync_bubble_rate:.4f}",
                 f"{row.peak_memory / GIB:.3f}",
             ]
-            for i, row in enumerate(_best_per_schedule(result.rows)[:top], 1)
+            for i, row in enumerate(_alternatives(result.rows)[:top], 1)
         ]
         if rows:
             lines.append(format_table(header, rows))
@@ -83,10 +91,11 @@ def _label(row: PlanRow) -> str:
     return c.schedule + (f"@{c.memory_limit}" if c.memory_limit else "")
 
 
-def _best_per_schedule(rows: list[PlanRow]) -> list[PlanRow]:
-    seen: dict[str, PlanRow] = {}
+def _alternatives(rows: list[PlanRow]) -> list[PlanRow]:
+    """The best row of each schedule, memory limit, unit size and FSDP setting, best first."""
+    seen: dict[tuple[str, bool], PlanRow] = {}
     for row in rows:
-        seen.setdefault(_label(row), row)
+        seen.setdefault((row_label(row.config), row.config.fsdp), row)
     return list(seen.values())
 
 
@@ -155,6 +164,8 @@ def planner_for_run(
         micro_batch=(mbs,),
         recompute=(granularity or "none",),
         virtual=(int(vp),) if vp else (1, 2, 3, 4),
+        fsdp=(bool(getattr(args, "pipeline_fsdp", False)),),  # the run's own --pipeline-fsdp
+        unit_sizes=(unit,) if isinstance(unit := getattr(args, "pipeline_unit_size", None), int) else None,
     )
     gbs = int(getattr(args, "global_batch_size", None) or mbs * dp)
     return Planner(

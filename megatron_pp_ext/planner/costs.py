@@ -273,6 +273,11 @@ class CostModel:
         gbps, lat = self._link(t * data_parallel * pipeline)
         return lat * 1e-6 + volume / (gbps * 1e9)
 
+    def dp_bandwidth(self, tensor_parallel: int, data_parallel: int) -> float:
+        """Bytes per second of one rank's link in its data-parallel group (the simulator's ``dp_bandwidth``)."""
+        gbps, _ = self._link(int(tensor_parallel) * int(data_parallel))
+        return gbps * 1e9
+
     def dp_time(self, parameters_on_rank: float, tensor_parallel: int, data_parallel: int) -> float:
         """Gradient reduction after the last backward (not hidden by ``dp_overlap``)."""
         d = int(data_parallel)

@@ -52,6 +52,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..schedules.collectives import CollectiveKind, CollectivePlan
 from ..schedules.ir import OpKind
 from ..schedules.placement import Placement
 from ..schedules.schedule import Schedule
@@ -66,12 +67,14 @@ __all__ = [
     "activation_profile",
     "bytes_per_parameter",
     "embedding_activation_bytes",
+    "fsdp_rank_memory",
     "head_activation_bytes",
     "layer_activation_bytes",
     "parameter_counts",
     "rank_memory",
     "split_layers",
     "stage_layout",
+    "stage_parameters",
 ]
 
 GIB = 1024**3
@@ -225,17 +228,16 @@ def stage_layout(placement: Placement, split: Sequence[int]) -> tuple[StageInfo,
     return tuple(out)
 
 
-def rank_parameters(model: ModelSpec, tensor_parallel: int, layout: Sequence[StageInfo], num_ranks: int) -> list[float]:
-    """Parameters each rank holds (per TP rank), from the stages placed on it.
+def stage_parameters(model: ModelSpec, tensor_parallel: int, layout: Sequence[StageInfo]) -> list[float]:
+    """Parameters of each global stage (per TP rank): its layers, plus the embedding on a stage
+    holding the first model slice and the final norm and output layer on one holding the last.
 
-    A stage that holds the first model slice has the word (and position) embedding; one that holds
-    the last slice has the final norm and the output layer: with tied embeddings megatron gives
-    that chunk its own copy of the embedding matrix unless the same chunk also holds the input
-    embedding (one-stage pipeline). V placement thus puts two vocabulary matrices on rank 0, a
-    bidirectional one two on each end rank (one replica each).
+    With tied embeddings megatron gives the output chunk its own copy of the embedding matrix unless
+    the same chunk also holds the input embedding (one-stage pipeline). V placement thus puts two
+    vocabulary matrices on rank 0, a bidirectional one two on each end rank (one replica each).
     """
     counts = parameter_counts(model, tensor_parallel)
-    per_rank = [0.0] * num_ranks
+    out = []
     for info in layout:
         n = info.layers * counts.layer
         if info.first:
@@ -245,6 +247,14 @@ def rank_parameters(model: ModelSpec, tensor_parallel: int, layout: Sequence[Sta
             shared = info.first and not model.untie_embeddings_and_output_weights
             if not shared:
                 n += counts.word_embedding
+        out.append(n)
+    return out
+
+
+def rank_parameters(model: ModelSpec, tensor_parallel: int, layout: Sequence[StageInfo], num_ranks: int) -> list[float]:
+    """Parameters each rank holds (per TP rank): the sum of its stages' (:func:`stage_parameters`)."""
+    per_rank = [0.0] * num_ranks
+    for info, n in zip(layout, stage_parameters(model, tensor_parallel, layout), strict=True):
         per_rank[info.rank] += n
     return per_rank
 
@@ -383,3 +393,64 @@ def rank_memory(
         RankMemory(rank=r, parameters=n, weights=w, gradients=g, optimizer=o, activations=peaks[r], transient=transient)
         for r, (n, w, g, o) in enumerate(static)
     ]
+
+
+# ---- FSDP inside the pipeline ----------------------------------------------------------------------
+def fsdp_rank_memory(
+    setup: TrainingSetup,
+    data_parallel: int,
+    plan: CollectivePlan,
+    stage_params: Sequence[float],
+    activations: Sequence[RankMemory],
+) -> list[RankMemory]:
+    """Per-rank memory with FSDP inside the pipeline (``--pipeline-fsdp``), from the collective plan
+    the lowering derives (:func:`~megatron_pp_ext.schedules.collectives.derive_collectives` with the
+    schedule's declared gathered-chunk limit) and ``activations`` (the plain model's rows, whose
+    activations and transient are kept).
+
+    * Sharded state: a rank's ``P`` parameters keep ``(param + grad + optimizer) / d`` bytes each
+      (:func:`bytes_per_parameter` without the distributed optimizer, divided by ``d``).
+    * Gathered parameters: a chunk's full parameters (``param`` bytes each) from its ``unshard`` to its
+      ``reshard``, at most the declared limit of chunks at once.
+    * Full gradient buffers: as :class:`megatron_pp_ext.runtime.fsdp.ShardedChunk` does, a chunk's
+      full-size gradient buffer (``grad`` bytes per parameter) is allocated at its first gradient op
+      of the iteration and freed when its reduce-scatter is waited for, in the finalize step at the end
+      of the iteration: once every chunk had a backward, the rank holds all of them.
+
+    The working set counted is the peak, over the rank's ops, of gathered parameters plus live full
+    gradient buffers; it is added to ``weights`` (gathered) and ``gradients`` (full buffers) at that peak.
+    """
+    d = max(1, int(data_parallel))
+    pb, gb, ob = bytes_per_parameter(setup.precision, False, 1)
+    schedule = plan.schedule
+    out = []
+    for rank, ops in enumerate(schedule.ops):
+        by_gap = plan.on_rank(rank)
+        gathered: set[int] = set()
+        grads: set[int] = set()
+        best = (0.0, 0.0)
+        for i, op in enumerate(ops):
+            for c in by_gap.get(i, ()):
+                if c.kind == CollectiveKind.UNSHARD:
+                    gathered.add(c.stage)
+                elif c.kind == CollectiveKind.RESHARD:
+                    gathered.discard(c.stage)
+            if op.kind in (OpKind.B, OpKind.W, OpKind.BW):
+                grads.add(op.stage)
+            held = (pb * sum(stage_params[s] for s in gathered), gb * sum(stage_params[s] for s in grads))
+            if sum(held) > sum(best):
+                best = held
+        base = activations[rank]
+        n = base.parameters
+        out.append(
+            RankMemory(
+                rank=rank,
+                parameters=n,
+                weights=n * pb / d + best[0],
+                gradients=n * gb / d + best[1],
+                optimizer=n * ob / d,
+                activations=base.activations,
+                transient=base.transient,
+            )
+        )
+    return out

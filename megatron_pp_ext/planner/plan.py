@@ -49,6 +49,7 @@ from ..schedules.lowering import LoweredSchedule
 from ..schedules.schedule import Schedule
 from .costs import CostModel, model_flops_per_iteration
 from .dp_stream import ReductionProfile, exposed_dp_time, reduction_profile
+from .fsdp import RUNTIME_NOTE, FsdpSimulator, fsdp_options
 from .memory import (
     GIB,
     ActivationProfile,
@@ -56,9 +57,11 @@ from .memory import (
     StageInfo,
     TrainingSetup,
     activation_profile,
+    fsdp_rank_memory,
     rank_memory,
     split_layers,
     stage_layout,
+    stage_parameters,
 )
 from .models import ModelSpec
 from .timing import TimingProgram
@@ -107,6 +110,8 @@ class SearchSpace:
     memory_limits: tuple[str, ...] = ()  # extra memory limits ("p", "2p", "12") for memory-aware schedules
     layer_split: str = "auto"  # auto | even | embedding-loss
     max_tp: int | None = None  # default: GPUs per node
+    fsdp: tuple[bool, ...] | None = None  # FSDP off / on per candidate (planner/fsdp.py); default: off only
+    unit_sizes: tuple[int, ...] | None = None  # zeropp's unit sizes U; default: every divisor of m
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,8 @@ class Config:
     v_flag: int | None = None  # megatron's virtual pipeline size to pass (None: schedule default)
     memory_limit: str | None = None
     costs_flag: str | None = None  # --pipeline-costs for cost-aware schedules
+    unit_size: int | None = None  # --pipeline-unit-size (zeropp; None: the schedule's default)
+    fsdp: bool = False  # --pipeline-fsdp
 
     @property
     def id(self) -> str:
@@ -133,6 +140,8 @@ class Config:
         return (
             f"{name}-t{self.tp}p{self.pp}d{self.dp}-b{self.micro_batch}m{self.num_microbatches}"
             f"-v{self.chunks}-{self.recompute}"
+            + (f"-u{self.unit_size}" if self.unit_size is not None else "")
+            + ("-fsdp" if self.fsdp else "")
         )
 
     @property
@@ -159,6 +168,7 @@ class PlanRow:
     extrapolated: bool = False
     approximate: bool = False  # extrapolated although the anchors were not on a line (m > 8p)
     rank: int = 0
+    gathers: int = 0  # FSDP all-gathers per iteration (worst rank)
 
     @property
     def peak_memory(self) -> float:
@@ -199,6 +209,11 @@ class PlanRow:
             "extrapolated": self.extrapolated,
             "approximate": self.approximate,
         }
+        if c.unit_size is not None:
+            out["unit_size"] = c.unit_size
+        if c.fsdp:
+            out["fsdp"] = True
+            out["gathers_per_iteration"] = self.gathers
         if per_rank:
             out["memory_per_rank"] = [m.to_json_dict() for m in self.memory]
         return out
@@ -385,6 +400,7 @@ class Planner:
         self._reductions: dict[tuple[Any, ...], ReductionProfile] = {}
         self.stats: Counter[str] = Counter()
         self.disk_cache = ScheduleCache(cache_dir) if cache_dir is not None else None
+        self.fsdp_sim = FsdpSimulator()
 
     # ---- enumeration ----------------------------------------------------------------------------
     def shapes(self) -> Iterator[tuple[int, int, int, int, int]]:
@@ -422,9 +438,16 @@ class Planner:
 
     # ---- schedules ------------------------------------------------------------------------------
     def _build(
-        self, name: str, p: int, m: int, v: int | None, memory_limit: str | None, costs_key: tuple[float, ...] | None
+        self,
+        name: str,
+        p: int,
+        m: int,
+        v: int | None,
+        memory_limit: str | None,
+        costs_key: tuple[float, ...] | None,
+        unit: int | None = None,
     ) -> _Built:
-        key = (name, p, m, v, memory_limit, costs_key)
+        key = _build_key(name, p, m, v, memory_limit, costs_key, unit)
         hit = self._built.get(key)
         if hit is not None:
             return hit
@@ -441,6 +464,8 @@ class Planner:
             kwargs: dict[str, object] = {"v": v, "memory_limit": _resolve_limit(memory_limit, p)}
             if costs_key is not None:
                 kwargs["costs"] = Costs(costs_key[0], costs_key[1], costs_key[2], None, costs_key[3])
+            if unit is not None:
+                kwargs["unit_size"] = unit
             started = time.perf_counter()
             try:
                 schedule = info.build(p, m, **kwargs)
@@ -515,17 +540,22 @@ class Planner:
                             if limit is None:  # a schedule without a memory limit parameter refuses those
                                 inapplicable.setdefault(name, Counter())[item] += 1
                             continue
+                        shards = fsdp_options(name, t, d, self.model, self.space.fsdp or (False,))
+                        if isinstance(shards, str):
+                            inapplicable.setdefault(name, Counter())[shards] += 1
+                            continue
                         for recompute in self.space.recompute:
-                            evaluated += 1
-                            row = self._evaluate(item, t, p, d, b, m, recompute)
-                            if isinstance(row, str):
-                                inapplicable.setdefault(name, Counter())[row] += 1
-                            elif isinstance(row, float):
-                                over += 1
-                                label = name + (f"@{limit}" if limit else "")
-                                over_best[label] = min(over_best.get(label, math.inf), row)
-                            else:
-                                rows.append(row)
+                            for fsdp in shards:
+                                evaluated += 1
+                                row = self._evaluate(item, t, p, d, b, m, recompute, fsdp)
+                                if isinstance(row, str):
+                                    inapplicable.setdefault(name, Counter())[row] += 1
+                                elif isinstance(row, float):
+                                    over += 1
+                                    label = name + (f"@{limit}" if limit else "")
+                                    over_best[label] = min(over_best.get(label, math.inf), row)
+                                else:
+                                    rows.append(row)
         bar.close()
         rows.sort(key=lambda r: (-r.samples_per_second, r.peak_memory))
         for i, row in enumerate(rows, 1):
@@ -538,7 +568,7 @@ class Planner:
             inapplicable=inapplicable,
             elapsed=time.perf_counter() - start,
             cpu=time.process_time() - cpu_start,
-            stats=dict(self.stats),
+            stats={**self.stats, "FSDP simulations": self.fsdp_sim.simulations},
             budget_bytes=self.budget_bytes,
         )
 
@@ -617,6 +647,40 @@ class Planner:
             out.append(_Variant(name, v, limit, costs_key, chunks, tuple(split), sched, builds))
         if not out:
             out.append(f"no chunk count in {self.space.virtual} applies")
+        if info.takes("unit_size"):
+            return self._unit_variants(out, name, p, m, limit, costs_key)
+        return out
+
+    def _unit_variants(
+        self,
+        variants: list[_Variant | str],
+        name: str,
+        p: int,
+        m: int,
+        limit: str | None,
+        costs_key: tuple[float, ...] | None,
+    ) -> list[_Variant | str]:
+        """Each variant once per unit size ``U`` (``SearchSpace.unit_sizes``, default every divisor of
+        ``m``): ``U = m`` is the schedule's default (simulated at the anchors), any other ``U`` is
+        built and simulated at ``m`` itself (its units do not scale with the anchors)."""
+        sizes = [u for u in (self.space.unit_sizes or divisors(m)) if 1 <= u <= m and m % u == 0]
+        out: list[_Variant | str] = []
+        for var in variants:
+            if isinstance(var, str):
+                out.append(var)
+                continue
+            for unit in sizes:
+                if unit == m:
+                    out.append(replace(var, unit=m))
+                    continue
+                built = self._build(name, p, m, var.v, limit, costs_key, unit)
+                if built.schedule is None:
+                    out.append(_short(built.error))
+                    continue
+                key = _build_key(name, p, m, var.v, limit, costs_key, unit)
+                out.append(replace(var, unit=unit, unit_arg=unit, schedule=built.schedule, builds=[(m, built, key)]))
+        if not out:
+            out.append(f"no unit size divides m={m} in {self.space.unit_sizes}")
         return out
 
     def _generator_costs(self, t: int, p: int, d: int, b: int) -> tuple[float, float, float, float]:
@@ -630,8 +694,8 @@ class Planner:
         return (1.0, round(bb / f, 1), round(w / f, 1), _quantise_comm(comm / (f * layers)))
 
     def _exact(self, var: _Variant, p: int, m: int) -> list[tuple[int, _Built, tuple[Any, ...]]] | str:
-        key = (var.name, p, m, var.v, var.limit, var.costs_key)
-        built = self._build(var.name, p, m, var.v, var.limit, var.costs_key)
+        key = _build_key(var.name, p, m, var.v, var.limit, var.costs_key, var.unit_arg)
+        built = self._build(var.name, p, m, var.v, var.limit, var.costs_key, var.unit_arg)
         if built.schedule is None:
             return _short(built.error)
         self.stats["exact fallbacks"] += 1
@@ -735,8 +799,11 @@ class Planner:
         value = _affine_at([mm for mm, _, _ in builds], values, m, math.inf)
         return min(max(0.0, float(values[-1] if value is None else value)), max(per_rank, default=0.0))
 
-    def _evaluate(self, var: _Variant, t: int, p: int, d: int, b: int, m: int, recompute: str) -> PlanRow | float | str:
-        """A row, the worst rank's memory (bytes) if over the budget, or why ``m`` itself is refused."""
+    def _evaluate(
+        self, var: _Variant, t: int, p: int, d: int, b: int, m: int, recompute: str, fsdp: bool = False
+    ) -> PlanRow | float | str:
+        """A row, the worst rank's memory (bytes) if over the budget, or why ``m`` itself is refused.
+        ``fsdp``: parameters sharded inside the pipeline (memory and time from planner/fsdp.py)."""
         schedule = var.schedule
         layout = stage_layout(schedule.placement, var.split)
         builds = var.builds
@@ -752,6 +819,13 @@ class Planner:
                     return builds
                 memory = self._memory(builds, layout, var.split, t, d, b, recompute, m)
             assert memory is not None
+        stage_params: list[float] = []
+        if fsdp:
+            _, last_built, last_key = builds[-1]
+            assert last_built.schedule is not None
+            stage_params = stage_parameters(self.model, t, layout)
+            plan = self.fsdp_sim.plan(last_key, last_built.schedule)
+            memory = fsdp_rank_memory(self.setup, d, plan, stage_params, memory)
         worst = max(mem.total for mem in memory)
         if worst > self.budget_bytes:
             return worst
@@ -772,10 +846,15 @@ class Planner:
         makespan, busy, span = times
         extrapolated = len(builds) > 1
         params = [mem.parameters for mem in memory]
-        dp_time = self._exposed_dp(builds, layout, costs, [self.costs.dp_time(n, t, d) for n in params], m)
-        if schedule.placement.style == "bidirectional":
-            dp_time += max(self.costs.replica_sync_time(n, t, p) for n in params)
-        opt_time = max(self.costs.optimizer_time(n, d) for n in params)
+        gathers = 0
+        if fsdp:
+            dp_time, gathers = self._fsdp_time(builds, costs, stage_params, t, d, m, makespan)
+            opt_time = max(self.costs.optimizer_time(n / d, 1) for n in params)  # each rank updates its shard
+        else:
+            dp_time = self._exposed_dp(builds, layout, costs, [self.costs.dp_time(n, t, d) for n in params], m)
+            if schedule.placement.style == "bidirectional":
+                dp_time += max(self.costs.replica_sync_time(n, t, p) for n in params)
+            opt_time = max(self.costs.optimizer_time(n, d) for n in params)
         iteration = makespan + dp_time + opt_time
         flops = model_flops_per_iteration(self.model, self.global_batch)
         peak = self.costs.device.tflops(self.setup.precision) * 1e12
@@ -794,6 +873,8 @@ class Planner:
             v_flag=var.v,
             memory_limit=var.limit,
             costs_flag=",".join(f"{x:g}" for x in var.costs_key) if var.costs_key else None,
+            unit_size=var.unit,
+            fsdp=fsdp,
         )
         return PlanRow(
             config=config,
@@ -810,7 +891,47 @@ class Planner:
             memory=memory,
             extrapolated=extrapolated,
             approximate=approximate,
+            gathers=gathers,
         )
+
+    def _fsdp_time(
+        self,
+        builds: Sequence[tuple[int, _Built, tuple[Any, ...]]],
+        costs: Costs,
+        stage_params: Sequence[float],
+        t: int,
+        d: int,
+        m: int,
+        makespan: float,
+    ) -> tuple[float, int]:
+        """``(exposed FSDP time, gathers per iteration)`` at ``m``: the simulator's iteration with its
+        data-parallel stream minus the compute-only makespan (extrapolated from the anchors)."""
+        stage_bytes = [n * self.setup.param_bytes for n in stage_params]
+        bandwidth = self.costs.dp_bandwidth(t, d)
+        timings = []
+        for _, built, key in builds:
+            assert built.schedule is not None and built.lowered is not None
+            timings.append(self.fsdp_sim.time(key, built.schedule, built.lowered, costs, stage_bytes, d, bandwidth))
+        if len(timings) == 1:
+            iteration, gathers = timings[0].iteration, timings[0].gathers
+        else:
+            ms = [mm for mm, _, _ in builds]
+            iteration = float(_affine_at(ms, [x.iteration for x in timings], m, math.inf) or timings[-1].iteration)
+            gathers = round(_affine_at(ms, [float(x.gathers) for x in timings], m, math.inf) or timings[-1].gathers)
+        return max(0.0, iteration - makespan), int(gathers)
+
+
+def _build_key(
+    name: str,
+    p: int,
+    m: int,
+    v: int | None,
+    limit: str | None,
+    costs_key: tuple[float, ...] | None,
+    unit: int | None = None,
+) -> tuple[Any, ...]:
+    """A generated schedule's cache key (the unit size only when one is given)."""
+    return (name, p, m, v, limit, costs_key) + ((unit,) if unit is not None else ())
 
 
 @dataclass
@@ -823,6 +944,8 @@ class _Variant:
     split: tuple[int, ...]
     schedule: Schedule  # the largest simulated one (placement, chunks)
     builds: list[tuple[int, _Built, tuple[Any, ...]]]  # (m, validated schedule, cache key): 1 or 2 anchors
+    unit: int | None = None  # unit size U of the row (zeropp), None for schedules without one
+    unit_arg: int | None = None  # the unit size passed to the generator (None: its default, U = m)
 
 
 def _affine_at(xs: Sequence[int], ys: Sequence[float], x: int, tolerance: float = 0.05) -> float | None:
@@ -887,11 +1010,15 @@ def config_args(config: Config, setup: TrainingSetup, global_batch: int) -> list
         args += ["--pipeline-memory-limit", config.memory_limit]
     if config.costs_flag:
         args += ["--pipeline-costs", config.costs_flag]
+    if config.unit_size is not None:
+        args += ["--pipeline-unit-size", str(config.unit_size)]
+    if config.fsdp:
+        args.append("--pipeline-fsdp")
     if config.uneven:
         args += ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
     if setup.uses_sp(config.tp):
         args.append("--sequence-parallel")
-    if setup.distributed_optimizer:
+    if setup.distributed_optimizer and not config.fsdp:  # FSDP shards the optimizer state itself
         args.append("--use-distributed-optimizer")
     if config.recompute == "selective":
         args += ["--recompute-granularity", "selective"]
@@ -960,18 +1087,28 @@ TABLE_HEADER = (
     "peak GiB (rank)",
     "bubble",
     "sync bubble",
+    "fsdp",
+    "gathers",
+    "DP exposed ms",
 )
+
+
+def row_label(config: Config) -> str:
+    """A row's schedule as the table shows it: name, ``@memory limit``, ``/U`` unit size."""
+    if config.pp == 1:
+        return NO_PIPELINE
+    label = config.schedule + (f"@{config.memory_limit}" if config.memory_limit else "")
+    return label + (f"/U{config.unit_size}" if config.unit_size is not None else "")
 
 
 def table_rows(rows: Sequence[PlanRow]) -> list[list[str]]:
     out = []
     for r in rows:
         c = r.config
-        name = NO_PIPELINE if c.pp == 1 else c.schedule + (f"@{c.memory_limit}" if c.memory_limit else "")
         out.append(
             [
                 str(r.rank),
-                name,
+                row_label(c),
                 str(c.tp),
                 str(c.pp),
                 str(c.dp),
@@ -987,6 +1124,9 @@ def table_rows(rows: Sequence[PlanRow]) -> list[list[str]]:
                 f"{r.peak_memory / GIB:.1f} ({r.peak_rank})",
                 f"{r.bubble_rate:.4f}",
                 f"{r.sync_bubble_rate:.4f}",
+                "fsdp" if c.fsdp else "-",
+                str(r.gathers) if c.fsdp else "-",
+                f"{r.dp_time * 1e3:.3g}",
             ]
         )
     return out
@@ -1009,8 +1149,12 @@ def summary_lines(result: PlanResult, planner: Planner) -> list[str]:
         f"model {planner.model.name} ({planner.model.num_parameters() / 1e9:.2f}B parameters), "
         f"{planner.num_gpus} GPUs, global batch {planner.global_batch}; {planner.costs.describe()}",
         "m~ = extrapolated from three shorter simulations (m~? = approximately); peak = worst rank's weights + grads + "
-        "optimizer + activations; bubble = zero-bubble paper's (per-rank span), sync bubble = global makespan",
+        "optimizer + activations; bubble = zero-bubble paper's (per-rank span), sync bubble = global makespan; "
+        "DP exposed = data-parallel time the iteration adds after the pipeline (fsdp: gather stalls + reduce drain, "
+        "simulated; /U = zeropp's unit size",
     ]
+    if any(r.config.fsdp for r in result.rows):
+        lines.append(RUNTIME_NOTE)
     fitting = {r.config.schedule + (f"@{r.config.memory_limit}" if r.config.memory_limit else "") for r in result.rows}
     for label, peak in sorted(result.over_budget_best.items()):
         if label not in fitting:
@@ -1110,6 +1254,14 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--virtual", type=_int_list, default=(1, 2, 3, 4), help="chunks per rank for loop placements")
     s.add_argument("--recompute", type=_str_list, default=("none", "selective", "full"))
     s.add_argument("--schedule-memory-limits", type=_str_list, default=(), help="also try these (e.g. p,2p)")
+    s.add_argument(
+        "--fsdp",
+        choices=("off", "on", "both"),
+        default=None,
+        help="FSDP inside the pipeline (--pipeline-fsdp) per candidate, for schedules that declare it (TP=1, untied "
+        "embeddings, DP >= 2): off (default; 'both' with --schedules auto), on (only sharded rows where allowed), both",
+    )
+    s.add_argument("--unit-sizes", type=_int_list, help="zeropp unit sizes U to try (default: every divisor of m)")
     s.add_argument("--layer-split", choices=("auto", "even", "embedding-loss"), default="auto")
     s.add_argument(
         "--cache",
@@ -1117,6 +1269,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="directory caching slow schedule generators' output across runs (default %(default)s)",
     )
     s.add_argument("--no-cache", action="store_true", help="do not read or write the schedule cache")
+
+
+_FSDP_CHOICES = {"off": (False,), "on": (True,), "both": (False, True)}
 
 
 def planner_from_args(args: argparse.Namespace) -> Planner:
@@ -1176,6 +1331,8 @@ def planner_from_args(args: argparse.Namespace) -> Planner:
         schedules=None if auto else args.schedules,
         memory_limits=tuple(args.schedule_memory_limits),
         layer_split=args.layer_split,
+        fsdp=_FSDP_CHOICES[args.fsdp] if getattr(args, "fsdp", None) else None,
+        unit_sizes=getattr(args, "unit_sizes", None),
     )
     if auto:  # every schedule and parameter (planner/auto.py)
         from .auto import auto_space
@@ -1217,6 +1374,10 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=cmd_plan)
 
 
+def _csv_cell(value: Any) -> Any:
+    return "/".join(map(str, value)) if isinstance(value, list) else value
+
+
 def print_models() -> None:
     from .models import models_table
 
@@ -1244,11 +1405,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.csv:
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
-        keys = [k for k in rows[0].to_json_dict(per_rank=False)] if rows else ["id"]
+        keys = list(dict.fromkeys(k for row in rows for k in row.to_json_dict(per_rank=False))) or ["id"]
         writer.writerow(keys)
         for row in rows:
             d = row.to_json_dict(per_rank=False)
-            writer.writerow([d[k] if not isinstance(d[k], list) else "/".join(map(str, d[k])) for k in keys])
+            writer.writerow([_csv_cell(d.get(k, "")) for k in keys])
         print(out.getvalue(), end="")
         return 0
     if tuple(args.schedules or ()) == ("auto",):

@@ -59,3 +59,21 @@ def test_budget_needs_auto_and_cpu_auto_needs_a_budget() -> None:
         validate_arguments(
             make_args(["--pipeline-schedule", "auto", "--cpu", "--pipeline-memory-budget", "1e-6"], **TINY)
         )
+
+
+def test_auto_runs_the_unit_size_it_evaluated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When auto's choice is a zeropp row of unit size U, the run builds zeropp with that U (not its default)."""
+    from megatron_pp_ext.planner import auto
+
+    real = auto.decide
+
+    def zeropp_u2_only(planner: auto.Planner) -> auto.AutoDecision:
+        decision = real(planner)
+        decision.result.rows = [r for r in decision.result.rows if r.config.unit_size == 2]
+        return decision
+
+    monkeypatch.setattr(auto, "decide", zeropp_u2_only)
+    args = make_args(["--pipeline-schedule", "auto", "--cpu", "--pipeline-memory-budget", "4"], **TINY)
+    config = validate_arguments(args)
+    assert config.schedule == "zeropp" and config.unit_size == 2
+    assert config.build(4, 8).params["unit_size"] == 2
