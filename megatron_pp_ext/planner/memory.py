@@ -29,7 +29,7 @@ parallelism else 1):
 * inside (divided by ``t``): Q, K, V and the output projection input ``a*s*b*(2q + 2kv)``, the
   MLP's first linear output and activation output ``a*s*b*f*(2 + 1 if SwiGLU)``;
 * core attention, divided by ``t``: ``b*heads*s^2 * (2a + 1)`` (softmax output, dropout mask
-  and output) with the unfused implementation, nothing (only a ``4*b*heads*s`` softmax
+  and output; ``a`` alone without attention dropout) with the unfused implementation, nothing (only a ``4*b*heads*s`` softmax
   statistic) with flash attention or selective recompute (which recomputes exactly this part);
 * full recompute keeps only each layer's input, ``sp * a*s*b*h``, and re-materialises one
   layer's activations during its backward (counted once per rank as a transient).
@@ -156,8 +156,10 @@ def layer_activation_bytes(
     inside = a * s * b * (2 * model.q_size + 2 * model.kv_size) + a * s * b * model.ffn * up
     core = 0.0
     if setup.attention == "unfused" and recompute == "none":
-        mask = 1 if model.attention_dropout > 0 else 0
-        core = b * model.num_attention_heads * s * s * (2 * a + mask)
+        # softmax output; with attention dropout also its mask and output (without it there is none:
+        # the CPU probe in benchmarks/bench_wgrad_memory.py measures exactly one s^2 tensor then)
+        dropout = a + 1 if model.attention_dropout > 0 else 0
+        core = b * model.num_attention_heads * s * s * (a + dropout)
     elif setup.attention == "flash":
         core = 4.0 * b * model.num_attention_heads * s  # softmax log-sum-exp statistic
     return outside + (inside + core) / t

@@ -267,20 +267,20 @@ def replay(
     pos, clock, first, busy, live, peak = [0] * p, eng.clock, eng.first, eng.busy, eng.live, eng.peak
     waiting: list[list[int]] = [[] for _ in range(p)]  # ranks blocked on what rank q will produce
     todo = list(range(p - 1, -1, -1))
+    kind_w, kind_f = OpKind.W, OpKind.F
     while todo:
         r = todo.pop()
         row, table, k, t = rows[r], eng._table[r], pos[r], clock[r]
+        lv, pk, bz = live[r], peak[r], busy[r]
         n = len(row)
         while k < n:
-            op = row[k]
-            kind = op.kind
-            if kind is OpKind.W:
-                duration = w_time[op.stage]
-                live[r] -= w_frees
+            kind, st, i = row[k]
+            if kind is kind_w:
+                duration = w_time[st]
+                lv -= w_frees
             else:
-                which = chunk_of[op.stage] + (0 if kind is OpKind.F else v)
+                which = chunk_of[st] + (0 if kind is kind_f else v)
                 _, _, duration, ends, inputs, hop = table[which]
-                i = op.microbatch
                 if inputs is not None:
                     end = inputs[i]
                     if end < 0:  # wait for the producer's rank (its own rank: the order deadlocks)
@@ -291,17 +291,18 @@ def replay(
                     if end + hop > t:
                         t = end + hop
                 ends[i] = t + duration
-                if kind is OpKind.F:
-                    live[r] += 1
-                    if live[r] > peak[r]:
-                        peak[r] = live[r]
+                if kind is kind_f:
+                    lv += 1
+                    if lv > pk:
+                        pk = lv
                 elif b_frees:
-                    live[r] -= b_frees
+                    lv -= b_frees
             if k == 0:
                 first[r] = t
             t += duration
-            busy[r] += duration
+            bz += duration
             k += 1
+        live[r], peak[r], busy[r] = lv, pk, bz
         pos[r], clock[r] = k, t
         todo.extend(waiting[r])
         waiting[r].clear()
