@@ -5,6 +5,8 @@ Pure and fast: schedules up to p=8, m=32 with the zero-bubble paper's profiled 1
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from megatron_pp_ext.analysis import Costs, simulate
@@ -148,3 +150,39 @@ def test_post_validated_zb_auto_beats_zb_h2_at_m_3p(p: int, w: float) -> None:
     m = 3 * p
     auto = generate("zb-auto", p, m, costs=PAPER_1_5B, memory_limit=2 * p, objective="span", w_memory=w)
     assert pv_time(auto, PAPER_1_5B) < pv_time(generate("zb-h2", p, m), PAPER_1_5B) - 1.0  # ms
+
+
+# ---- the planner's W share and the command line --------------------------------------------------------
+def test_w_memory_fraction_from_the_model_shape() -> None:
+    from megatron_pp_ext.planner.memory import TrainingSetup, w_memory_fraction, wgrad_held_bytes
+    from megatron_pp_ext.planner.models import ModelSpec, get_model
+
+    model = get_model("zb-1.5b")
+    unfused = TrainingSetup(attention="unfused")
+    assert w_memory_fraction(model, 1, unfused, "none") == pytest.approx(W_1_5B)  # paper Table 1, bf16
+    assert w_memory_fraction(model, 1, unfused, "selective") == pytest.approx(32 / 34)  # no 5as term kept
+    assert w_memory_fraction(model, 1, unfused, "full") == 1.0  # capped
+    # the CPU probe's layer (benchmarks/bench_wgrad_memory.py): 16 elements of h per token, fp32
+    probe = ModelSpec("probe", 1, 256, 8, 128, hidden_dropout=0.0, attention_dropout=0.0)
+    fp32 = TrainingSetup(precision="fp32", attention="unfused")
+    assert wgrad_held_bytes(probe, 2, 1, fp32) == 4 * 128 * 2 * 16 * 256
+
+
+def test_cli_post_validation_defaults_to_span(capsys: pytest.CaptureFixture[str]) -> None:
+    from megatron_pp_ext.cli import main
+
+    argv = ["simulate", "zb-auto", "-p", "8", "-m", "24", "--costs", "18.522,18.086,9.337,0.601"]
+    argv += ["--memory-limit", "2p", "--w-memory", "0.3664", "--iterations", "3"]
+    assert main([*argv, "--post-validation", "--json"]) == 0
+    span = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--json"]) == 0  # makespan objective, synchronous steps
+    sync = json.loads(capsys.readouterr().out)
+    assert span["bubble_rate"] <= 0.0434 < sync["bubble_rate"]
+    assert span["iterations"]["post_validation"] and not sync["iterations"]["post_validation"]
+    assert span["iterations"]["iteration_time"] < sync["iterations"]["iteration_time"]
+    for bad, flag in (("0", "--w-memory"), ("1.2", "--w-memory"), ("0", "--iterations"), ("-1", "--step-time")):
+        with pytest.raises(SystemExit) as exc:
+            main(["simulate", "zb-auto", "-p", "4", "-m", "8", flag, bad])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert flag in err[-1]
