@@ -168,6 +168,12 @@ def _schedule_from_args(args: argparse.Namespace) -> Schedule:
     )
 
 
+def _step_times(text: str) -> float | list[float]:
+    """``--step-time``: one time >= 0, or one per rank, comma-separated."""
+    values = [argtypes.nonnegative_float(part) for part in text.split(",")]
+    return values[0] if len(values) == 1 else values
+
+
 def _auto_unit_size(args: argparse.Namespace) -> Schedule:
     """``zeropp --pipeline-unit-size auto``: pick U with the simulator; the table goes to stderr."""
     from .analysis.zeropp_auto import choose_unit_size
@@ -385,8 +391,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     dp_options = _dp_options(args, schedule)
     if not 0.0 <= args.overlap <= 1.0:
         raise CliError(f"--overlap must be in [0, 1], got {args.overlap}")
+    if isinstance(args.step_time, list) and len(args.step_time) != schedule.num_ranks:
+        raise CliError(
+            f"--step-time lists {len(args.step_time)} times: give one, or one per rank ({schedule.num_ranks})"
+        )
     repeat = {"iterations": args.iterations, "post_validation": args.post_validation, "step_time": args.step_time}
-    if dp_options and (args.iterations > 1 or args.post_validation or args.step_time):
+    if dp_options and (args.iterations > 1 or args.post_validation or args.step_time != 0.0):
         raise CliError("--iterations / --post-validation / --step-time are simulated without --dp only")
     w_retained = 1.0 if args.w_memory is None else args.w_memory
     if dp_options:
@@ -709,10 +719,10 @@ def build_parser(load_verify: bool = False) -> argparse.ArgumentParser:
     )
     sim.add_argument(
         "--step-time",
-        type=argtypes.nonnegative_float,
+        type=_step_times,
         default=0.0,
-        metavar="T",
-        help="optimizer step time per rank between iterations (default 0)",
+        metavar="T[,T...]",
+        help="optimizer step time between iterations: one for every rank or one per rank (default 0)",
     )
     dp = sim.add_argument_group("data parallelism (a collective stream per rank; --costs then read as ms)")
     dp.add_argument("--dp", type=int, default=None, metavar="N", help="data-parallel size (ranks per stage), >= 2")

@@ -313,7 +313,10 @@ def _check_iterations(
     """The checked iteration settings, or None for one plain iteration (the default)."""
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
         raise ValueError(f"iterations must be an integer >= 1, got {iterations!r}")
-    steps = expand_cost("step_time", check_cost("step_time", step_time), p)
+    checked = check_cost("step_time", step_time)
+    if isinstance(checked, tuple) and len(checked) != p:
+        raise ValueError(f"step_time lists {len(checked)} per-rank times, the schedule has {p} ranks")
+    steps = expand_cost("step_time", checked, p)
     if iterations == 1 and not post_validation and not any(steps):
         return None
     return iterations, bool(post_validation), steps

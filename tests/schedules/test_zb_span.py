@@ -186,3 +186,19 @@ def test_cli_post_validation_defaults_to_span(capsys: pytest.CaptureFixture[str]
         assert exc.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert flag in err[-1]
+
+
+def test_cli_step_time_per_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    from megatron_pp_ext.cli import main
+
+    argv = ["simulate", "zb-h2", "-p", "4", "-m", "12", "--iterations", "3", "--json", "--step-time"]
+    assert main([*argv, "0,0,0,2"]) == 0
+    last = json.loads(capsys.readouterr().out)["iterations"]
+    assert last["step"] == [0, 0, 0, 2]
+    makespan = max(last["ends"][0])
+    # rank 3's step hides under the forwards it waits for in the next iteration; rank 0's does not
+    assert last["iteration_time"] == pytest.approx(makespan)
+    assert main([*argv, "2,0,0,0"]) == 0
+    assert json.loads(capsys.readouterr().out)["iterations"]["iteration_time"] == pytest.approx(makespan + 2)
+    assert main([*argv, "1,2,3"]) == 2
+    assert "--step-time" in capsys.readouterr().err.strip().splitlines()[-1]
