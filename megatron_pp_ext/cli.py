@@ -68,18 +68,25 @@ def generate_schedule(
     block_file: str | None = None,
     microbatch_group_size: int | None = None,
     unit_size: int | str | None = None,
+    objective: str | None = None,
+    w_memory: float | None = None,
 ) -> Schedule:
-    """Generate a registered schedule. ``costs`` goes only to cost-aware schedules (those that
-    declare ``costs``; for the others they only time the simulation); ``v``, ``memory_limit`` and
-    ``block_file`` go to all, and the declarations refuse what a schedule cannot honour."""
+    """Generate a registered schedule. ``costs`` and ``w_memory`` go only to the schedules that
+    declare them (for the others they only shape the simulation); ``v``, ``memory_limit``,
+    ``block_file`` and ``objective`` go to all, and the declarations refuse what a schedule cannot
+    honour."""
     info = registry.get(name)
     kwargs: dict[str, object] = {"v": v, "memory_limit": memory_limit, "block_file": block_file}
     if microbatch_group_size is not None:
         kwargs["microbatch_group_size"] = microbatch_group_size
     if unit_size is not None:
         kwargs["unit_size"] = unit_size
+    if objective is not None:
+        kwargs["objective"] = objective
     if costs is not None and info.takes("costs"):
         kwargs["costs"] = costs
+    if w_memory is not None and w_memory != 1.0 and info.takes("w_memory"):
+        kwargs["w_memory"] = w_memory
     return info.build(p, m, **kwargs)
 
 
@@ -109,6 +116,21 @@ def _add_source_args(parser: argparse.ArgumentParser, file_option: bool = True) 
         help="zeropp: micro-batches per scheduling unit (default m); 'auto' picks it with the simulator "
         "(and --memory-limit, in 1F1B stage activations M_a; the data-parallel flags when given)",
     )
+    parser.add_argument(
+        "--objective",
+        choices=("span", "makespan"),
+        default=None,
+        help="zb-auto: minimise the iteration time with optimizer post-validation (span: the longest per-rank "
+        "span bounds it) or with a synchronous step (makespan); default span with --post-validation, else makespan",
+    )
+    parser.add_argument(
+        "--w-memory",
+        type=argtypes.positive_fraction,
+        default=None,
+        metavar="FRACTION",
+        help="share of an activation a pending W keeps after its B, in (0, 1] (zero-bubble paper Table 1: "
+        "M_W/M_B); the memory count and zb-auto's limit use it; default 1 (the whole activation until W)",
+    )
     if file_option:
         parser.add_argument("--schedule-file", metavar="CSV", help="load the schedule from a CSV file instead")
 
@@ -128,6 +150,9 @@ def _schedule_from_args(args: argparse.Namespace) -> Schedule:
         raise CliError(f"schedule {args.name!r} needs -p (ranks) and -m (micro-batches)")
     if getattr(args, "unit_size", None) == "auto" and registry.get(args.name).name == "zeropp":
         return _auto_unit_size(args)
+    objective = getattr(args, "objective", None)
+    if objective is None and getattr(args, "post_validation", False) and registry.get(args.name).takes("objective"):
+        objective = "span"
     return generate_schedule(
         args.name,
         args.p,
@@ -138,7 +163,15 @@ def _schedule_from_args(args: argparse.Namespace) -> Schedule:
         getattr(args, "block_file", None),
         getattr(args, "microbatch_group_size", None),
         getattr(args, "unit_size", None),
+        objective,
+        getattr(args, "w_memory", None),
     )
+
+
+def _step_times(text: str) -> float | list[float]:
+    """``--step-time``: one time >= 0, or one per rank, comma-separated."""
+    values = [argtypes.nonnegative_float(part) for part in text.split(",")]
+    return values[0] if len(values) == 1 else values
 
 
 def _auto_unit_size(args: argparse.Namespace) -> Schedule:
@@ -358,10 +391,27 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     dp_options = _dp_options(args, schedule)
     if not 0.0 <= args.overlap <= 1.0:
         raise CliError(f"--overlap must be in [0, 1], got {args.overlap}")
+    if isinstance(args.step_time, list) and len(args.step_time) != schedule.num_ranks:
+        raise CliError(
+            f"--step-time lists {len(args.step_time)} times: give one, or one per rank ({schedule.num_ranks})"
+        )
+    repeat = {"iterations": args.iterations, "post_validation": args.post_validation, "step_time": args.step_time}
+    if dp_options and (args.iterations > 1 or args.post_validation or args.step_time != 0.0):
+        raise CliError("--iterations / --post-validation / --step-time are simulated without --dp only")
+    w_retained = 1.0 if args.w_memory is None else args.w_memory
     if dp_options:
-        result = simulate(schedule, parse_costs(args.costs), lowered=validate(schedule), **dp_options)
+        result = simulate(
+            schedule, parse_costs(args.costs), lowered=validate(schedule), w_retained_fraction=w_retained, **dp_options
+        )
     else:
-        result = simulate(schedule, parse_costs(args.costs), lowered=validate(schedule), overlap=args.overlap)
+        result = simulate(
+            schedule,
+            parse_costs(args.costs),
+            lowered=validate(schedule),
+            overlap=args.overlap,
+            w_retained_fraction=w_retained,
+            **repeat,  # type: ignore[arg-type]
+        )
     if args.json:
         data = result.to_json_dict()
         block = building_block_of(schedule)
@@ -373,6 +423,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if result.data_parallel is not None:
         print()
         print(data_parallel_summary(result))
+    if result.iterations is not None:
+        it = result.iterations
+        sync = "optimizer post-validation (no step synchronisation)" if it.post_validation else "synchronous step"
+        note = "" if it.count > 1 else " (one iteration: give --iterations >= 2 for the steady state)"
+        print()
+        print(f"iterations      {it.count} back to back, {sync}; per iteration {_num(it.time)}{note}")
     if args.show:
         print()
         print(schedule.table())
@@ -647,6 +703,26 @@ def build_parser(load_verify: bool = False) -> argparse.ArgumentParser:
         metavar="F",
         help="overlap factor of the schedule's forward-and-backward pairs (dualpipev): a pair takes "
         "max + (1-F) x min; 0 (default) = one after the other",
+    )
+    sim.add_argument(
+        "--iterations",
+        type=argtypes.positive_int,
+        default=1,
+        metavar="N",
+        help="simulate N back-to-back iterations and report the time per iteration in steady state",
+    )
+    sim.add_argument(
+        "--post-validation",
+        action="store_true",
+        help="no global synchronisation before the optimizer step (the zero-bubble paper's optimizer "
+        "post-validation): a rank begins its next iteration once its own ops and its inputs allow",
+    )
+    sim.add_argument(
+        "--step-time",
+        type=_step_times,
+        default=0.0,
+        metavar="T[,T...]",
+        help="optimizer step time between iterations: one for every rank or one per rank (default 0)",
     )
     dp = sim.add_argument_group("data parallelism (a collective stream per rank; --costs then read as ms)")
     dp.add_argument("--dp", type=int, default=None, metavar="N", help="data-parallel size (ranks per stage), >= 2")

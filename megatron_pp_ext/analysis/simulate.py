@@ -56,10 +56,18 @@ from ..schedules.ir import Op, OpKind
 from ..schedules.lowering import LoweredSchedule
 from ..schedules.op_arrays import KIND_B, KIND_BW, KIND_F, KIND_W, op_arrays
 from ..schedules.schedule import Schedule
-from ..schedules.timing import op_start_times, op_start_times_with_stream
+from ..schedules.timing import op_start_times, op_start_times_with_stream, repeat_iterations
 from .validate import DeadlockError, validate
 
-__all__ = ["DEFAULT_W_RETAINED_FRACTION", "Costs", "DataParallelResult", "SimResult", "collective_time", "simulate"]
+__all__ = [
+    "DEFAULT_W_RETAINED_FRACTION",
+    "Costs",
+    "DataParallelResult",
+    "IterationResult",
+    "SimResult",
+    "collective_time",
+    "simulate",
+]
 
 #: Fraction of a stage's activation that stays alive after its ``B`` until its ``W``.
 #: 1.0 counts an activation as live from ``F`` until its last backward op (``W`` or ``BW``)
@@ -96,6 +104,7 @@ class SimResult:
     ops: tuple[tuple[Op, ...], ...] = field(repr=False, default=())
     durations: _Durations | None = field(repr=False, compare=False, default=None)
     data_parallel: DataParallelResult | None = None  # with dp / collectives only
+    iterations: IterationResult | None = None  # with iterations > 1 or post_validation only
 
     @cached_property
     def timeline(self) -> list[tuple[int, str, float, float]]:
@@ -135,7 +144,29 @@ class SimResult:
             out["timeline"] = [[rank, op, r(s), r(e)] for rank, op, s, e in self.timeline]
         if self.data_parallel is not None:
             out["data_parallel"] = self.data_parallel.to_json_dict(digits)
+        if self.iterations is not None:
+            out["iterations"] = self.iterations.to_json_dict(digits)
         return out
+
+
+@dataclass
+class IterationResult:
+    """Back-to-back iterations (:func:`~megatron_pp_ext.schedules.timing.repeat_iterations`)."""
+
+    count: int  # iterations simulated
+    post_validation: bool  # no global synchronisation before the optimizer step
+    step: list[float]  # per rank: optimizer step time
+    ends: list[list[float]]  # per iteration, per rank: end of its last op
+    time: float  # per iteration, steady state: what a user gets
+
+    def to_json_dict(self, digits: int = 6) -> dict[str, object]:
+        return {
+            "count": self.count,
+            "post_validation": self.post_validation,
+            "step": [round(x, digits) for x in self.step],
+            "iteration_time": round(self.time, digits),
+            "ends": [[round(x, digits) for x in row] for row in self.ends],
+        }
 
 
 @dataclass
@@ -215,6 +246,9 @@ def simulate(
     dp_bandwidth: float | None = None,
     param_bytes: PerStage | None = None,
     overlap: float = 0.0,
+    iterations: int = 1,
+    post_validation: bool = False,
+    step_time: float | list[float] = 0.0,
 ) -> SimResult:
     """Simulate ``schedule`` (validated and lowered unless ``lowered`` is given).
 
@@ -236,6 +270,12 @@ def simulate(
     (default: gradient reduction only), ``dp_bandwidth`` in bytes per time unit of ``costs`` and
     ``param_bytes`` the bytes of one stage's parameters (one number or one per global stage; its
     gradients are counted the same size). Needs ``comm="async"``.
+
+    ``iterations`` (>= 1), ``post_validation``, ``step_time`` (optimizer step per rank, one number or
+    one per rank): time that many back-to-back iterations (``result.iterations``, see
+    :func:`~megatron_pp_ext.schedules.timing.repeat_iterations`): with a global synchronisation
+    before every optimizer step, or without it (optimizer post-validation), a rank then starting
+    its next iteration as soon as its own ops and its inputs allow. Without data parallelism only.
     """
     costs = Costs.unit() if costs is None else costs
     if comm not in COMM_MODELS:
@@ -246,6 +286,9 @@ def simulate(
         raise ValueError(f"overlap must be a number in [0, 1], got {overlap!r}")
     if overlap and schedule.overlap_pairs and (comm != "async" or collectives is not None or dp != 1):
         raise ValueError("overlap pairs are timed with comm='async' and without data-parallel collectives only")
+    repeat = _check_iterations(iterations, post_validation, step_time, schedule.num_ranks)
+    if repeat is not None and (collectives is not None or dp != 1):
+        raise ValueError("iterations / post_validation are simulated without data-parallel collectives only")
     if lowered is None:
         lowered = validate(schedule)
     elif lowered.schedule is not schedule and lowered.schedule != schedule:
@@ -256,9 +299,47 @@ def simulate(
     elif dp_bandwidth is not None or param_bytes is not None:
         raise ValueError("dp_bandwidth and param_bytes describe data parallelism: give dp (> 1) or collectives too")
     with cyclic_gc_paused():
-        return _simulate(
+        result = _simulate(
             schedule, costs, lowered, activation_bytes, w_retained_fraction, message_bytes, comm, dp_setup, overlap
         )
+        if repeat is not None:
+            result.iterations = _repeat(schedule, costs, lowered, comm, overlap, *repeat)
+        return result
+
+
+def _check_iterations(
+    iterations: int, post_validation: bool, step_time: float | list[float], p: int
+) -> tuple[int, bool, list[float]] | None:
+    """The checked iteration settings, or None for one plain iteration (the default)."""
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise ValueError(f"iterations must be an integer >= 1, got {iterations!r}")
+    checked = check_cost("step_time", step_time)
+    if isinstance(checked, tuple) and len(checked) != p:
+        raise ValueError(f"step_time lists {len(checked)} per-rank times, the schedule has {p} ranks")
+    steps = expand_cost("step_time", checked, p)
+    if iterations == 1 and not post_validation and not any(steps):
+        return None
+    return iterations, bool(post_validation), steps
+
+
+def _repeat(
+    schedule: Schedule,
+    costs: Costs,
+    lowered: LoweredSchedule,
+    comm: str,
+    overlap: float,
+    iterations: int,
+    post_validation: bool,
+    steps: list[float],
+) -> IterationResult:
+    per_op = _op_durations(schedule, _Durations(costs, schedule.num_stages))
+    t_comm = float(costs.t_comm)
+
+    def run_once(start: list[float]) -> list[float]:
+        return op_start_times(lowered, per_op, t_comm, blocking=comm == "blocking", overlap=overlap, start=start)[1]
+
+    out = repeat_iterations(run_once, schedule.num_ranks, iterations, post_validation=post_validation, step=steps)
+    return IterationResult(iterations, post_validation, steps, out.ends, out.time)
 
 
 class _DPSetup:

@@ -29,8 +29,9 @@ parallelism else 1):
 * inside (divided by ``t``): Q, K, V and the output projection input ``a*s*b*(2q + 2kv)``, the
   MLP's first linear output and activation output ``a*s*b*f*(2 + 1 if SwiGLU)``;
 * core attention, divided by ``t``: ``b*heads*s^2 * (2a + 1)`` (softmax output, dropout mask
-  and output) with the unfused implementation, nothing (only a ``4*b*heads*s`` softmax
-  statistic) with flash attention or selective recompute (which recomputes exactly this part);
+  and output; ``a`` alone without attention dropout) with the unfused implementation, nothing
+  (only a ``4*b*heads*s`` softmax statistic) with flash attention or selective recompute
+  (which recomputes exactly this part);
 * full recompute keeps only each layer's input, ``sp * a*s*b*h``, and re-materialises one
   layer's activations during its backward (counted once per rank as a transient).
 
@@ -40,6 +41,12 @@ For bf16, ``f = 4h``, no GQA, dropout on and unfused attention this is the paper
 The first stage also keeps the token ids (8 bytes each) and the embedding dropout mask; the
 last stage keeps the final norm input and output and the fp32 softmax of the cross entropy
 (``4*s*b*V/t`` bytes).
+
+What a pending ``W`` keeps (zero-bubble paper, Table 1: ``M_W = 32 sbh`` per layer in 2-byte
+elements against ``M_B = sb(34h + 5as)``): each deferred linear's input and output gradient,
+``a*s*b*(2 sp h + q/t + f/t)`` inputs (QKV and first MLP linear outside the TP region, output
+projection and second MLP linear inside) plus ``a*s*b*((q + 2kv)/t + 2 sp h + g f/t)`` output
+gradients (``g`` = 2 with SwiGLU); :func:`w_memory_fraction` is ``M_W / M_B``, capped at 1.
 
 How many micro-batches are alive on each rank comes from the schedule itself (the simulator's
 accounting: F adds a stage's activation, B frees ``1 - w_retained_fraction`` of it, W the rest,
@@ -75,6 +82,8 @@ __all__ = [
     "split_layers",
     "stage_layout",
     "stage_parameters",
+    "w_memory_fraction",
+    "wgrad_held_bytes",
 ]
 
 GIB = 1024**3
@@ -151,11 +160,36 @@ def layer_activation_bytes(
     inside = a * s * b * (2 * model.q_size + 2 * model.kv_size) + a * s * b * model.ffn * up
     core = 0.0
     if setup.attention == "unfused" and recompute == "none":
-        mask = 1 if model.attention_dropout > 0 else 0
-        core = b * model.num_attention_heads * s * s * (2 * a + mask)
+        # softmax output; with attention dropout also its mask and output (without it there is none:
+        # the CPU probe in benchmarks/bench_wgrad_memory.py measures exactly one s^2 tensor then)
+        dropout = a + 1 if model.attention_dropout > 0 else 0
+        core = b * model.num_attention_heads * s * s * (a + dropout)
     elif setup.attention == "flash":
         core = 4.0 * b * model.num_attention_heads * s  # softmax log-sum-exp statistic
     return outside + (inside + core) / t
+
+
+def wgrad_held_bytes(model: ModelSpec, micro_batch: int, tensor_parallel: int, setup: TrainingSetup) -> float:
+    """Bytes one layer's pending ``W`` keeps for one micro-batch (module doc): the deferred linears'
+    inputs and output gradients."""
+    t = int(tensor_parallel)
+    a = setup.activation_bytes
+    s, b, h = model.seq_length, int(micro_batch), model.hidden_size
+    sp = 1.0 / t if setup.uses_sp(t) else 1.0
+    gate = 2 if model.swiglu else 1
+    inputs = 2 * sp * h + (model.q_size + model.ffn) / t
+    grads = (model.q_size + 2 * model.kv_size) / t + 2 * sp * h + gate * model.ffn / t
+    return a * s * b * (inputs + grads)
+
+
+def w_memory_fraction(model: ModelSpec, tensor_parallel: int, setup: TrainingSetup, recompute: str = "none") -> float:
+    """Share of a layer's activation a pending ``W`` keeps: ``M_W / M_B`` (paper Table 1), at most 1.
+
+    Under full recompute ``B`` re-materialises the layer and the ``W`` then holds more than the
+    checkpoint the forward kept: the share is capped at 1 (this undercounts that case)."""
+    held = wgrad_held_bytes(model, 1, tensor_parallel, setup)
+    kept = layer_activation_bytes(model, 1, tensor_parallel, setup, recompute)
+    return min(1.0, held / kept) if kept > 0 else 1.0
 
 
 def embedding_activation_bytes(model: ModelSpec, micro_batch: int, tensor_parallel: int, setup: TrainingSetup) -> float:

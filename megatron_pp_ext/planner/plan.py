@@ -62,6 +62,7 @@ from .memory import (
     split_layers,
     stage_layout,
     stage_parameters,
+    w_memory_fraction,
 )
 from .models import ModelSpec
 from .timing import TimingProgram
@@ -83,6 +84,8 @@ def _simulator_comm_model() -> str:
 
 SIM_COMM = _simulator_comm_model()
 SIM_KWARGS: dict[str, Any] = {"comm": SIM_COMM} if "comm" in inspect.signature(simulate).parameters else {}
+#: Back-to-back iterations timed per configuration with ``--post-validation`` (steady state).
+POST_VALIDATION_ITERATIONS = 3
 
 
 NO_PIPELINE = "none (pp=1)"  # how a configuration without pipeline parallelism is listed
@@ -378,6 +381,8 @@ class Planner:
         memory_reserve_gib: float = 2.0,
         space: SearchSpace | None = None,
         cache_dir: str | Path | None = None,
+        w_memory: float | None = None,
+        post_validation: bool = False,
     ) -> None:
         if num_gpus < 1:
             raise ValueError(f"number of GPUs must be >= 1, got {num_gpus}")
@@ -388,6 +393,11 @@ class Planner:
         self.global_batch = int(global_batch)
         self.costs = cost_model
         self.setup: TrainingSetup = cost_model.setup
+        # what a pending W keeps, for the schedules that count it (zb-auto); None = whole activations
+        self.w_memory = None if w_memory is None or w_memory == 1.0 else float(w_memory)
+        # optimizer post-validation: an iteration takes the simulator's back-to-back time without the
+        # step synchronisation (schedules.timing.repeat_iterations), and zb-auto minimises it
+        self.post_validation = bool(post_validation)
         budget = cost_model.device.memory_gib if memory_budget_gib is None else memory_budget_gib
         self.budget_bytes = (budget - memory_reserve_gib) * GIB
         self.space = space or SearchSpace()
@@ -448,6 +458,12 @@ class Planner:
         unit: int | None = None,
     ) -> _Built:
         key = _build_key(name, p, m, v, memory_limit, costs_key, unit)
+        w_memory = self.w_memory if self.w_memory is not None and registry.get(name).takes("w_memory") else None
+        if w_memory is not None:
+            key += (("w_memory", w_memory),)
+        objective = "span" if self.post_validation and registry.get(name).takes("objective") else None
+        if objective is not None:
+            key += (("objective", objective),)
         hit = self._built.get(key)
         if hit is not None:
             return hit
@@ -466,6 +482,10 @@ class Planner:
                 kwargs["costs"] = Costs(costs_key[0], costs_key[1], costs_key[2], None, costs_key[3])
             if unit is not None:
                 kwargs["unit_size"] = unit
+            if w_memory is not None:
+                kwargs["w_memory"] = w_memory
+            if objective is not None:
+                kwargs["objective"] = objective
             started = time.perf_counter()
             try:
                 schedule = info.build(p, m, **kwargs)
@@ -503,23 +523,40 @@ class Planner:
         if sim is None:
             f, b, w, c = ckey
             built.uses += 1
-            if built.timing is None and built.uses >= COMPILE_AFTER:
-                built.timing = TimingProgram(built.lowered, SIM_COMM, built.starts)
-                built.starts = None
-            if built.timing is not None:
-                bw = tuple(x + y for x, y in zip(b, w, strict=True))
-                timing = built.timing.run_tables((f, b, w, bw), c)
-                sim = _Sim(timing.makespan, max(timing.busy), max(timing.span))
+            if self.post_validation:  # iteration time = back-to-back time without the step synchronisation
+                result = simulate(
+                    built.schedule,
+                    Costs(f, b, w, None, c),
+                    lowered=built.lowered,
+                    iterations=POST_VALIDATION_ITERATIONS,
+                    post_validation=True,
+                    **SIM_KWARGS,
+                )
+                assert result.iterations is not None
+                sim = _Sim(result.iterations.time, max(result.busy), max(result.span))
             else:
-                result = simulate(built.schedule, Costs(f, b, w, None, c), lowered=built.lowered, **SIM_KWARGS)
-                sim = _Sim(result.makespan, max(result.busy), max(result.span))
-                if min(min(f), min(b), min(w)) > 0:  # its start times order the ops topologically
-                    built.starts = result.starts
+                sim = self._simulate_once(built, f, b, w, c)
             self._sims[skey] = sim
             self.stats["simulations"] += 1
         else:
             self.stats["simulation cache hits"] += 1
         return sim.makespan * scale, sim.busy_max * scale, sim.span_max * scale
+
+    @staticmethod
+    def _simulate_once(built: _Built, f: Any, b: Any, w: Any, c: float) -> _Sim:
+        """One iteration with a synchronous step; compiled once a schedule is timed often."""
+        assert built.schedule is not None and built.lowered is not None
+        if built.timing is None and built.uses >= COMPILE_AFTER:
+            built.timing = TimingProgram(built.lowered, SIM_COMM, built.starts)
+            built.starts = None
+        if built.timing is not None:
+            bw = tuple(x + y for x, y in zip(b, w, strict=True))
+            timing = built.timing.run_tables((f, b, w, bw), c)
+            return _Sim(timing.makespan, max(timing.busy), max(timing.span))
+        result = simulate(built.schedule, Costs(f, b, w, None, c), lowered=built.lowered, **SIM_KWARGS)
+        if min(min(f), min(b), min(w)) > 0:  # its start times order the ops topologically
+            built.starts = result.starts
+        return _Sim(result.makespan, max(result.busy), max(result.span))
 
     # ---- evaluation -----------------------------------------------------------------------------
     def run(self, progress: bool | None = None, stream: TextIO | None = None) -> PlanResult:
@@ -1241,6 +1278,21 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument(
         "--w-retained", type=fraction, default=1.0, help="share of an activation a B keeps until its W (1.0 = papers')"
     )
+    c.add_argument(
+        "--post-validation",
+        action="store_true",
+        help="optimizer post-validation (no synchronisation before the step): an iteration takes the simulated "
+        "back-to-back time per iteration, and zb-auto minimises it (--objective span)",
+    )
+    c.add_argument(
+        "--w-memory",
+        type=_w_memory_arg,
+        default=None,
+        metavar="auto|FRACTION",
+        help="share of an activation a pending W keeps, in (0, 1]; 'auto' derives it from the model shape, "
+        "attention and recompute setting (zero-bubble paper Table 1: M_W/M_B); sets --w-retained and "
+        "zb-auto's memory accounting (default: --w-retained, zb-auto counting whole activations)",
+    )
     s = parser.add_argument_group("search space (comma-separated lists; default: everything valid)")
     s.add_argument(
         "--schedules",
@@ -1313,6 +1365,11 @@ def planner_from_args(args: argparse.Namespace) -> Planner:
         attention=args.attention or ("unfused" if cpu else "flash"),
         w_retained_fraction=args.w_retained,
     )
+    w_memory = getattr(args, "w_memory", None)
+    if w_memory == "auto":  # one share per plan: the smallest TP searched, the first recompute setting
+        w_memory = w_memory_fraction(model, min(args.tp or (1,)), setup, (args.recompute or ("none",))[0])
+    if w_memory is not None:
+        setup = replace(setup, w_retained_fraction=float(w_memory))
     cost_model = CostModel(model, device, setup, efficiency=args.efficiency, dp_overlap=args.dp_overlap)
     gpus = args.gpus or model.default_gpus
     batch = args.global_batch or model.default_global_batch
@@ -1347,7 +1404,16 @@ def planner_from_args(args: argparse.Namespace) -> Planner:
         memory_reserve_gib=args.memory_reserve,
         space=space,
         cache_dir=None if args.no_cache else args.cache,
+        w_memory=None if w_memory is None else float(w_memory),
+        post_validation=bool(getattr(args, "post_validation", False)),
     )
+
+
+def _w_memory_arg(text: str) -> str | float:
+    """``--w-memory``: ``auto`` or a share in (0, 1]."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    return positive_fraction(text)
 
 
 def select_rows(result: PlanResult, best_per_schedule: bool, top: int | None) -> list[PlanRow]:

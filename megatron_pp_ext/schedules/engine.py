@@ -10,8 +10,9 @@ A generator decides *which* op a rank runs next; the engine keeps everything els
   another rank arrives ``T_comm`` after its producer ends, a local hand-off at once. That is the
   simulator's ``comm="async"`` model (:mod:`.timing`, what the executor does), so the times a
   generator decides with are the times the simulator reports.
-* **memory** as the simulator counts it by default: an ``F`` adds one activation of its stage on
-  its rank, the matching ``W`` frees it (``B`` frees nothing).
+* **memory** as the simulator counts it: an ``F`` adds one activation of its stage on its rank; with
+  ``w_memory`` = 1 (default) the matching ``W`` frees it and ``B`` frees nothing; with a fraction ``f``
+  (what a pending ``W`` really keeps, zero-bubble paper Table 1) ``B`` frees ``1 - f`` and ``W`` the rest.
 
 The decisions are the generator's (its *policy*): which ready op runs next, when a ``W`` goes in,
 when the warm-up stops admitting forwards. :meth:`Engine.earliest_first` is the plain driver (each
@@ -47,12 +48,14 @@ def backward(chunk: int, v: int) -> int:
 @dataclass(frozen=True)
 class Timing:
     """What a built order takes on the engine's clock: makespan, per-rank spans (first op start to
-    last op end), busy time and peak live activations (in stage activations)."""
+    last op end), busy time, peak live activations (in stage activations) and per-rank end of the
+    last op (``ends``)."""
 
     makespan: float
     spans: tuple[float, ...]
     busy: tuple[float, ...]
-    peaks: tuple[int, ...]
+    peaks: tuple[float, ...]
+    ends: tuple[float, ...] = ()
 
     @property
     def key(self) -> tuple[float, float, int]:
@@ -76,11 +79,20 @@ class Engine:
     """
 
     __slots__ = (
-        "_inputs", "_table", "b_end", "busy", "clock", "count", "f_end", "first", "last_stage", "live", "m",
-        "next", "p", "peak", "pending_w", "rank_of", "record", "rows", "sc", "stage_of", "total", "v",
+        "_b_frees", "_inputs", "_table", "_w_frees", "b_end", "busy", "clock", "count", "f_end", "first",
+        "last_stage", "live", "m", "next", "p", "peak", "pending_w", "rank_of", "record", "rows", "sc", "stage_of",
+        "total", "v",
     )  # fmt: skip
 
-    def __init__(self, placement: Placement, m: int, costs: StageCosts, record: bool = True) -> None:
+    def __init__(
+        self,
+        placement: Placement,
+        m: int,
+        costs: StageCosts,
+        record: bool = True,
+        w_memory: float = 1.0,
+        start: Sequence[float] | None = None,
+    ) -> None:
         p = placement.num_ranks
         v = placement.num_stages // p
         self.p, self.v, self.m, self.sc = p, v, m, costs
@@ -93,9 +105,12 @@ class Engine:
         self.b_end = [[-1.0] * m for _ in range(placement.num_stages)]
         self.next = [[0] * (2 * v) for _ in range(p)]
         self.pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]
-        self.live = [0] * p
-        self.peak = [0] * p
-        self.clock = [0.0] * p
+        # w_memory = 1 keeps the counts integral (the default accounting, identical to before)
+        self._w_frees: float = 1 if w_memory == 1 else float(w_memory)
+        self._b_frees: float = 0 if w_memory == 1 else 1.0 - float(w_memory)
+        self.live: list[float] = [0] * p
+        self.peak: list[float] = [0] * p
+        self.clock = [0.0] * p if start is None else [float(x) for x in start]
         self.first = [-1.0] * p
         self.busy = [0.0] * p
         self.rows: list[list[Op]] = [[] for _ in range(p)]
@@ -178,6 +193,8 @@ class Engine:
                 self.peak[r] = live
         else:
             self.pending_w[r].append((s, k))
+            if self._b_frees:
+                self.live[r] -= self._b_frees
 
     def w_duration(self, r: int) -> float:
         """Duration of rank ``r``'s oldest deferred ``W`` (it must have one)."""
@@ -195,7 +212,7 @@ class Engine:
         self.count[r] += 1
         if self.record:
             self.rows[r].append(_op(Op, (_KIND_W, s, k)))
-        self.live[r] -= 1
+        self.live[r] -= self._w_frees
 
     def earliest_first(self, choose: Callable[[int], tuple[float, int, int | None] | None]) -> bool:
         """The plain list-scheduling driver: each rank proposes ``choose(r) = (start, priority, pass)``
@@ -227,33 +244,43 @@ class Engine:
 
     def timing(self) -> Timing:
         spans = tuple(self.clock[r] - max(self.first[r], 0.0) for r in range(self.p))
-        return Timing(max(self.clock), spans, tuple(self.busy), tuple(self.peak))
+        return Timing(max(self.clock), spans, tuple(self.busy), tuple(self.peak), tuple(self.clock))
 
 
-def replay(placement: Placement, m: int, costs: StageCosts, rows: Sequence[Sequence[Op]]) -> Timing:
+def replay(
+    placement: Placement,
+    m: int,
+    costs: StageCosts,
+    rows: Sequence[Sequence[Op]],
+    *,
+    w_memory: float = 1.0,
+    start: Sequence[float] | None = None,
+) -> Timing:
     """Time a fixed per-rank order on the engine's clock (each op as early as its rank and input
-    allow); the engine's tables, run inline (it is the inner loop of every candidate's timing)."""
-    eng = Engine(placement, m, costs, record=False)
+    allow); the engine's tables, run inline (it is the inner loop of every candidate's timing).
+    ``start``: when each rank is free to begin (default 0); ``w_memory``: see :class:`Engine`."""
+    eng = Engine(placement, m, costs, record=False, w_memory=w_memory, start=start)
+    w_frees, b_frees = eng._w_frees, eng._b_frees
     p, v = eng.p, eng.v
     chunk_of = [c for _, c in placement.locations]
     w_time = costs.w
     pos, clock, first, busy, live, peak = [0] * p, eng.clock, eng.first, eng.busy, eng.live, eng.peak
     waiting: list[list[int]] = [[] for _ in range(p)]  # ranks blocked on what rank q will produce
     todo = list(range(p - 1, -1, -1))
+    kind_w, kind_f = OpKind.W, OpKind.F
     while todo:
         r = todo.pop()
         row, table, k, t = rows[r], eng._table[r], pos[r], clock[r]
+        lv, pk, bz = live[r], peak[r], busy[r]
         n = len(row)
         while k < n:
-            op = row[k]
-            kind = op.kind
-            if kind is OpKind.W:
-                duration = w_time[op.stage]
-                live[r] -= 1
+            kind, st, i = row[k]
+            if kind is kind_w:
+                duration = w_time[st]
+                lv -= w_frees
             else:
-                which = chunk_of[op.stage] + (0 if kind is OpKind.F else v)
+                which = chunk_of[st] + (0 if kind is kind_f else v)
                 _, _, duration, ends, inputs, hop = table[which]
-                i = op.microbatch
                 if inputs is not None:
                     end = inputs[i]
                     if end < 0:  # wait for the producer's rank (its own rank: the order deadlocks)
@@ -264,15 +291,18 @@ def replay(placement: Placement, m: int, costs: StageCosts, rows: Sequence[Seque
                     if end + hop > t:
                         t = end + hop
                 ends[i] = t + duration
-                if kind is OpKind.F:
-                    live[r] += 1
-                    if live[r] > peak[r]:
-                        peak[r] = live[r]
+                if kind is kind_f:
+                    lv += 1
+                    if lv > pk:
+                        pk = lv
+                elif b_frees:
+                    lv -= b_frees
             if k == 0:
                 first[r] = t
             t += duration
-            busy[r] += duration
+            bz += duration
             k += 1
+        live[r], peak[r], busy[r] = lv, pk, bz
         pos[r], clock[r] = k, t
         todo.extend(waiting[r])
         waiting[r].clear()

@@ -10,13 +10,13 @@ of its own input; ``blocking=True``: a rank waits at each batch of receives the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from .lowering import LoweredSchedule
 
-__all__ = ["StreamTimes", "op_start_times", "op_start_times_with_stream"]
+__all__ = ["Iterations", "StreamTimes", "op_start_times", "op_start_times_with_stream", "repeat_iterations"]
 
 _NOT_SENT, _AWAITED = -1.0, -2.0
 
@@ -28,9 +28,11 @@ def op_start_times(
     *,
     blocking: bool = False,
     overlap: float = 0.0,
+    start: Sequence[float] | None = None,
 ) -> tuple[list[list[float]], list[float]]:
     """``(starts, last_end)``: per rank the start of each op in rank order, and the end of its
-    last op (0 for an empty rank). ``durations[r][i]`` is the duration of op ``i`` of rank ``r``.
+    last op (its start clock for an empty rank). ``durations[r][i]`` is the duration of op ``i`` of
+    rank ``r``; ``start[r]`` when rank ``r`` is free to begin (default 0: one iteration alone).
 
     ``overlap`` (0..1, non-blocking receives only): the schedule's overlap pairs run as one step
     that starts once both inputs are there, takes ``max + (1 - overlap) * min`` of the two
@@ -43,7 +45,8 @@ def op_start_times(
     p = len(durations)
     arrival = [_NOT_SENT] * plan.num_messages
     starts: list[list[float]] = [[] for _ in range(p)]
-    clock = [0.0] * p
+    clock = [0.0] * p if start is None else [float(x) for x in start]
+    begin = clock[:]
     pc = [0] * p
     pairs = lowered.schedule.overlap_pairs if overlap else ()
     if pairs and blocking:
@@ -62,10 +65,61 @@ def op_start_times(
     if stuck:
         raise RuntimeError(f"simulation stuck: ranks {stuck} wait for messages that are never sent")
     if pairs:  # a rank's clock is the end of its last step
-        last_end = [clock[r] if starts[r] else 0.0 for r in range(p)]
+        last_end = [clock[r] if starts[r] else begin[r] for r in range(p)]
     else:
-        last_end = [row[-1] + dur[-1] if row else 0.0 for row, dur in zip(starts, durations, strict=True)]
+        last_end = [row[-1] + dur[-1] if row else b for row, dur, b in zip(starts, durations, begin, strict=True)]
     return starts, last_end
+
+
+class Iterations(NamedTuple):
+    """What :func:`repeat_iterations` found."""
+
+    ends: list[list[float]]  # per iteration, per rank: end of the rank's last op
+    ready: list[float]  # per iteration: when every rank has stepped and may begin the next one
+    time: float  # time per iteration in steady state (what a user gets)
+
+
+def repeat_iterations(
+    run_once: Callable[[list[float]], Sequence[float]],
+    num_ranks: int,
+    iterations: int,
+    *,
+    post_validation: bool = False,
+    step: Sequence[float] | None = None,
+) -> Iterations:
+    """Time ``iterations`` back-to-back iterations of one schedule.
+
+    ``run_once(start)`` times one iteration whose ranks are free to begin at ``start[r]`` and
+    returns the end of each rank's last op (one iteration's messages are all consumed within it,
+    so iterations only meet through their ranks' clocks). ``step[r]``: rank ``r``'s optimizer step
+    time (default 0). Without post-validation every iteration ends with a global synchronisation
+    before the step (the gradient-norm / found-inf reductions of a synchronous optimizer), so rank
+    ``r`` begins the next one at ``max(ends) + step[r]``; with it (the zero-bubble paper's optimizer
+    post-validation) at its own ``ends[r] + step[r]``, its dependencies permitting.
+
+    ``time``: ``(ready[N-1] - ready[0]) / (N - 1)`` for ``N >= 2`` iterations (steady state: the
+    first iteration's ramp-up is not counted), ``ready[0]`` for one, where ``ready[k]`` is the time
+    every rank has finished iteration ``k`` and its step.
+    """
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise ValueError(f"iterations must be an integer >= 1, got {iterations!r}")
+    steps = [0.0] * num_ranks if step is None else [float(x) for x in step]
+    if len(steps) != num_ranks:
+        raise ValueError(f"step lists {len(steps)} per-rank times, the schedule has {num_ranks} ranks")
+    begin = [0.0] * num_ranks
+    ends: list[list[float]] = []
+    ready: list[float] = []
+    for _ in range(iterations):
+        end = [float(x) for x in run_once(begin)]
+        ends.append(end)
+        if post_validation:
+            begin = [e + s for e, s in zip(end, steps, strict=True)]
+        else:
+            barrier = max(end, default=0.0)
+            begin = [barrier + s for s in steps]
+        ready.append(max(begin, default=0.0))
+    time = ready[0] if iterations == 1 else (ready[-1] - ready[0]) / (iterations - 1)
+    return Iterations(ends, ready, time)
 
 
 def _run_async(

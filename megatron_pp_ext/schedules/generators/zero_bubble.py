@@ -17,7 +17,12 @@ channels never move a receive.
 * ``zb-auto``: a greedy list scheduler over the given costs (``T_F``, ``T_B``, ``T_W`` per stage
   and ``T_comm`` per hop) that never holds more than ``memory_limit`` activations on a rank. It
   tries a few policy variants (:data:`DEFAULT_VARIANTS`), plus the handcrafted schedules when they
-  fit the limit, and keeps the one with the smallest makespan (then the smallest per-rank span).
+  fit the limit, and keeps the best under its ``objective``: ``makespan`` (default: the iteration
+  time with a synchronous optimizer step; then the smallest per-rank span) or ``span`` (the
+  iteration time with optimizer post-validation, :func:`..timing.repeat_iterations`, which the
+  longest per-rank span bounds; that objective also tries the paper's own heuristic,
+  :mod:`.zb_rounds`). ``w_memory``: the fraction of an activation a pending ``W`` keeps (paper
+  Table 1, ``M_W / M_B``; 1 = the whole activation until ``W``, the default).
 
 The greedy passes run on the list-scheduling engine (:mod:`..engine`): its clock is the simulator's
 async model and its memory count the simulator's default (an ``F`` adds one activation on its rank,
@@ -41,7 +46,9 @@ from ..ir import B, F, Op, OpKind, W
 from ..placement import loop_placement
 from ..registry import ScheduleInfo, register
 from ..schedule import Schedule, build_schedule
+from ..timing import repeat_iterations
 from .common import ScheduleParameterError, StageCosts, stage_costs
+from .zb_rounds import ROUND_VARIANTS, rounds_order
 
 __all__ = [
     "DEFAULT_VARIANTS",
@@ -85,8 +92,11 @@ ZB_AUTO = Capabilities(
         why="every rank holds at least one micro-batch's activation of its stage from F to W",
     ),
     costs=True,
-    keywords=("variants",),
+    keywords=("variants", "objective", "w_memory"),
 )
+OBJECTIVES = ("makespan", "span")
+#: Back-to-back iterations the ``span`` objective times each candidate over (post-validation).
+SPAN_ITERATIONS = 3
 
 
 def _memory_limit(limit: float | None, p: int, m: int) -> int:
@@ -98,9 +108,36 @@ def _memory_limit(limit: float | None, p: int, m: int) -> int:
 
 
 # ---- timing of a fixed order (the engine's clock: the simulator's async model) ------------------------
-def time_order(rows: Sequence[Row], m: int, sc: StageCosts) -> Timing:
+def time_order(rows: Sequence[Row], m: int, sc: StageCosts, w_memory: float = 1.0) -> Timing:
     """Time per-rank rows (loop placement, v=1) on the engine's clock (:func:`..engine.replay`)."""
-    return replay(loop_placement(len(rows)), m, sc, rows)
+    return replay(loop_placement(len(rows)), m, sc, rows, w_memory=w_memory)
+
+
+def peak_activations(rows: Sequence[Row], w_memory: float = 1.0) -> float:
+    """Worst rank's peak live activations of fixed rows (the engine's accounting)."""
+    worst = 0.0
+    for row in rows:
+        live = peak = 0.0
+        for op in row:
+            if op.kind is _KF:
+                live += 1
+                if live > peak:
+                    peak = live
+            else:
+                live -= w_memory if op.kind is _KW else 1.0 - w_memory
+        worst = max(worst, peak)
+    return worst
+
+
+def post_validated_time(rows: Sequence[Row], m: int, sc: StageCosts, iterations: int = SPAN_ITERATIONS) -> float:
+    """Time per iteration of ``rows`` run back to back with optimizer post-validation (no step
+    synchronisation), on the engine's clock: the notion the simulator's ``iterations`` report."""
+    placement = loop_placement(len(rows))
+
+    def run_once(start: list[float]) -> tuple[float, ...]:
+        return replay(placement, m, sc, rows, start=start).ends
+
+    return repeat_iterations(run_once, len(rows), iterations, post_validation=True).time
 
 
 def pair_receives(rows: Sequence[Row]) -> list[Row]:
@@ -247,7 +284,9 @@ DEFAULT_VARIANTS: tuple[GreedyVariant, ...] = (
 )
 
 
-def _greedy(p: int, m: int, sc: StageCosts, limit: int, variant: GreedyVariant) -> tuple[list[Row], Timing]:
+def _greedy(
+    p: int, m: int, sc: StageCosts, limit: float, variant: GreedyVariant, w_memory: float = 1.0
+) -> tuple[list[Row], Timing]:
     """One list-scheduling pass on the engine (:class:`..engine.Engine`): ranks decide in order of
     their clocks; an op starts when its rank is free and its input is there; B before F before W,
     with the variant's slack rules, never more than ``limit`` activations held.
@@ -256,7 +295,8 @@ def _greedy(p: int, m: int, sc: StageCosts, limit: int, variant: GreedyVariant) 
     waits until a neighbour schedules something, then decides at its own clock: timings stay
     exact because an op's start only depends on ops scheduled before it.
     """
-    eng = Engine(loop_placement(p), m, sc)
+    eng = Engine(loop_placement(p), m, sc, w_memory=w_memory)
+    room = limit - 1 + 1e-9  # an F fits while the live activations are at most this
     tf, tb, tw, c = sc.f, sc.b, sc.w, sc.comm
     clock, nxt, pending, count, total = eng.clock, eng.next, eng.pending_w, eng.count, eng.total
     w_slack = [variant.w_slack * x for x in tw]
@@ -266,6 +306,12 @@ def _greedy(p: int, m: int, sc: StageCosts, limit: int, variant: GreedyVariant) 
     else:
         a, b = variant.warmup
         cap = [max(1, min(m, a * (p - r) + b)) for r in range(p)]
+    f_in = [eng._inputs[r][_F] for r in range(p)]  # (end times of the input, hop) per rank
+    b_in: list[tuple[list[float], float]] = []
+    for r in range(p):
+        ends_b, hop_b = eng._inputs[r][_B]
+        assert ends_b is not None  # a backward always has an input (its own F on the last stage)
+        b_in.append((ends_b, hop_b))
     heap = [(0.0, r) for r in range(p)]
     queued = [True] * p
     remaining = 3 * p * m
@@ -276,23 +322,28 @@ def _greedy(p: int, m: int, sc: StageCosts, limit: int, variant: GreedyVariant) 
         i_f, i_b = nxt[r]
         # Next B: known arrival rb, or unknown with lower bound lb_b; inf when not possible yet.
         rb = lb_b = _INF
-        if i_b < i_f:
-            at = eng.arrival(r, _B)
-            if at is not None:
-                rb = at
+        if i_b < i_f:  # eng.arrival(r, _B), inline (the hot path)
+            ends, hop = b_in[r]
+            end = ends[i_b]
+            if end >= 0:
+                rb = end + hop
             else:
                 lb_b = clock[r + 1] + tb[r + 1] + c
             if rb <= t:
                 return _B, t
         # Next F, if allowed: micro-batches left, warm-up cap before the first B, memory.
         rf = lb_f = _INF
-        mem_ok = eng.live[r] < limit
-        if i_f < m and (i_b > 0 or i_f < cap[r]):
-            at = eng.arrival(r, _F)
-            if at is not None:
-                rf = at
+        mem_ok = eng.live[r] <= room
+        if i_f < m and (i_b > 0 or i_f < cap[r]):  # eng.arrival(r, _F), inline
+            ends_f, hop = f_in[r]
+            if ends_f is None:
+                rf = 0.0
             else:
-                lb_f = clock[r - 1] + tf[r - 1] + c
+                end = ends_f[i_f]
+                if end >= 0:
+                    rf = end + hop
+                else:
+                    lb_f = clock[r - 1] + tf[r - 1] + c
         has_w = bool(pending[r])
         if rf <= t:
             if mem_ok:
@@ -369,36 +420,79 @@ def zb_auto(
     costs: object = None,
     memory_limit: float | None = None,
     variants: Sequence[GreedyVariant] | None = None,
+    objective: str | None = None,
+    w_memory: float | None = None,
 ) -> Schedule:
     """Cost-aware zero-bubble schedule under an activation memory limit.
 
     ``costs``: any object with ``t_f``, ``t_b``, ``t_w`` (a number or one per stage) and ``t_comm``
     (default unit costs, no communication cost). ``memory_limit``: activations a rank may hold at
     once, in units of one stage's activation for one micro-batch (default ``2p``; ``>= 1``).
-    ``variants``: the greedy policies to try (default :data:`DEFAULT_VARIANTS`).
+    ``variants``: the greedy policies to try (default :data:`DEFAULT_VARIANTS`). ``objective``:
+    ``makespan`` (default) or ``span`` (module doc). ``w_memory`` (``0 < f <= 1``, default 1): the
+    share of an activation a pending ``W`` keeps; ``B`` frees the rest (the limit counts so).
 
     The result's ``params`` record the winning candidate (``candidate``) and its predicted
-    ``makespan``.
+    ``makespan`` (and, when not the defaults, ``objective``, ``w_memory`` and the predicted
+    ``iteration_time`` with post-validation).
     """
     limit = _memory_limit(memory_limit, p, m)
     sc = stage_costs(costs, p)
+    objective = "makespan" if objective is None else objective
+    if objective not in OBJECTIVES:
+        raise ScheduleParameterError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    w = 1.0 if w_memory is None else check_w_memory(w_memory)
     tried = DEFAULT_VARIANTS if variants is None else tuple(variants)
     if not tried:
         raise ScheduleParameterError("variants must list at least one GreedyVariant")
-    candidates: list[tuple[tuple[float, float, int], int, str, list[Row]]] = []
+    span = objective == "span"
+    candidates: list[tuple[tuple[float, ...], int, str, list[Row]]] = []
+
+    def add(name: str, rows: list[Row], timing: Timing) -> None:
+        key: tuple[float, ...] = timing.key
+        if span:
+            key = (round(post_validated_time(rows, m, sc), 9), round(max(timing.spans), 9), *key)
+        candidates.append((key, len(candidates), name, rows))
+
     for handcrafted, order in (("zb-h1", zb_h1_order), ("zb-h2", zb_h2_order)):
+        if handcrafted == "zb-h2" and min(2 * p - 1, m) > limit:
+            continue  # its rank 0 runs 2p-1 warm-up forwards before any backward: it cannot fit
         rows = order(p, m)
-        timing = time_order(rows, m, sc)
-        if max(timing.peaks) <= limit:
-            candidates.append((timing.key, len(candidates), handcrafted, rows))
-    for variant in tried:
-        rows, timing = _greedy(p, m, sc, limit, variant)
+        if peak_activations(rows, w) <= limit + 1e-9:  # a fixed order's memory needs no timing
+            add(handcrafted, rows, time_order(rows, m, sc, w))
+    passes = [(v.name, lambda v=v: _greedy(p, m, sc, limit, v, w)) for v in tried]
+    if span:
+        passes += [(v.name, lambda v=v: rounds_order(p, m, sc, limit, v, w)) for v in ROUND_VARIANTS]
+    for name, run in passes:
+        try:
+            rows, timing = run()
+        except ValueError:  # a round-based pass that cannot fit the limit
+            continue
         paired = pair_receives(rows)
         if paired != rows:
-            rows, timing = paired, time_order(paired, m, sc)
-        candidates.append((timing.key, len(candidates), variant.name, rows))
+            if span:  # the async clock (the executor's) does not need the pairing: keep both
+                add(name, rows, timing)
+            rows, timing = paired, time_order(paired, m, sc, w)
+        add(name, rows, timing)
     key, _, name, rows = min(candidates)
-    return build_schedule("zb-auto", loop_placement(p), m, rows, memory_limit=limit, candidate=name, makespan=key[0])
+    extra: dict[str, object] = {}
+    if span:
+        extra = {"objective": objective, "iteration_time": key[0]}
+    if w != 1.0:
+        extra["w_memory"] = w
+    makespan = key[2] if span else key[0]
+    return build_schedule(
+        "zb-auto", loop_placement(p), m, rows, memory_limit=limit, candidate=name, makespan=makespan, **extra
+    )
+
+
+def check_w_memory(value: object) -> float:
+    """``w_memory`` as a float in ``(0, 1]``, or :class:`ScheduleParameterError`."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 < value <= 1.0:
+        raise ScheduleParameterError(
+            f"w_memory (share of an activation a pending W keeps) must be in (0, 1], got {value!r}"
+        )
+    return float(value)
 
 
 register(
