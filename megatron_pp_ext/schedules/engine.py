@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from .costs import StageCosts
 from .ir import Op, OpKind
 from .placement import Placement
+from .timing import time_ops
 
 __all__ = ["Engine", "Timing", "backward", "forward", "replay"]
 
@@ -231,51 +232,58 @@ class Engine:
 
 
 def replay(placement: Placement, m: int, costs: StageCosts, rows: Sequence[Sequence[Op]]) -> Timing:
-    """Time a fixed per-rank order on the engine's clock (each op as early as its rank and input
-    allow); the engine's tables, run inline (it is the inner loop of every candidate's timing)."""
-    eng = Engine(placement, m, costs, record=False)
-    p, v = eng.p, eng.v
-    chunk_of = [c for _, c in placement.locations]
-    w_time = costs.w
-    pos, clock, first, busy, live, peak = [0] * p, eng.clock, eng.first, eng.busy, eng.live, eng.peak
-    waiting: list[list[int]] = [[] for _ in range(p)]  # ranks blocked on what rank q will produce
-    todo = list(range(p - 1, -1, -1))
-    while todo:
-        r = todo.pop()
-        row, table, k, t = rows[r], eng._table[r], pos[r], clock[r]
-        n = len(row)
-        while k < n:
-            op = row[k]
-            kind = op.kind
-            if kind is OpKind.W:
-                duration = w_time[op.stage]
-                live[r] -= 1
+    """Time a fixed per-rank order with the timing core (:func:`.timing.time_ops`, the simulator's
+    async model): the engine's clock, each op as early as its rank and input allow. Every output is
+    a message (to the consumer's rank, ``T_comm`` later; a local hand-off to the same rank at once),
+    so an order whose rank waits for something it runs later is refused."""
+    p, stages = placement.num_ranks, placement.num_stages
+    rank_of = [rank for rank, _ in placement.locations]
+    last = stages - 1
+    # message (stage, micro-batch, is-backward) -> id (2 (stage m + mb) + is-backward); its receiver
+    dst = [0] * (2 * stages * m)
+    for s in range(stages):
+        to_f, to_b = rank_of[s + 1] if s < last else rank_of[s], rank_of[s - 1] if s > 0 else rank_of[s]
+        dst[2 * s * m : 2 * (s + 1) * m : 2] = [to_f] * m
+        dst[2 * s * m + 1 : 2 * (s + 1) * m : 2] = [to_b] * m
+    hop = costs.comm
+    latency = [0.0 if dst[mid] == rank_of[mid // (2 * m)] else hop for mid in range(len(dst))]
+    tf, tb, tw = costs.f, costs.b, costs.w
+    durations, waits, sends = [], [], []
+    live_delta = []
+    for row in rows:
+        dur, wait, send = [], [], []
+        for kind, s, i in row:
+            if kind is _KIND_F:
+                dur.append(tf[s])
+                wait.append((2 * ((s - 1) * m + i),) if s > 0 else None)
+                send.append(2 * (s * m + i))
+            elif kind is _KIND_W:
+                dur.append(tw[s])
+                wait.append(None)
+                send.append(-1)
             else:
-                which = chunk_of[op.stage] + (0 if kind is OpKind.F else v)
-                _, _, duration, ends, inputs, hop = table[which]
-                i = op.microbatch
-                if inputs is not None:
-                    end = inputs[i]
-                    if end < 0:  # wait for the producer's rank (its own rank: the order deadlocks)
-                        q = eng.rank_of[eng.producer(r, which)]  # type: ignore[index]
-                        if q != r:
-                            waiting[q].append(r)
-                        break
-                    if end + hop > t:
-                        t = end + hop
-                ends[i] = t + duration
-                if kind is OpKind.F:
-                    live[r] += 1
-                    if live[r] > peak[r]:
-                        peak[r] = live[r]
-            if k == 0:
-                first[r] = t
-            t += duration
-            busy[r] += duration
-            k += 1
-        pos[r], clock[r] = k, t
-        todo.extend(waiting[r])
-        waiting[r].clear()
-    if any(pos[r] < len(rows[r]) for r in range(p)):
-        raise AssertionError("replay: the order deadlocks")
-    return eng.timing()
+                dur.append(tb[s])
+                wait.append((2 * ((s + 1) * m + i) + 1,) if s < last else (2 * (s * m + i),))
+                send.append(2 * (s * m + i) + 1 if s > 0 else -1)
+        durations.append(dur)
+        waits.append(wait)
+        sends.append(send)
+        live_delta.append([1 if op.kind is _KIND_F else -1 if op.kind is _KIND_W else 0 for op in row])
+    try:
+        times = time_ops(durations, waits, sends, dst, latency)
+    except RuntimeError:
+        raise AssertionError("replay: the order deadlocks") from None
+    peaks, busy = [], []
+    for delta, dur in zip(live_delta, durations, strict=True):
+        live = peak = 0
+        for x in delta:
+            live += x
+            if live > peak:
+                peak = live
+        peaks.append(peak)
+        total = 0.0
+        for d in dur:  # in order, as the rank runs them (not sum(): its rounding may differ)
+            total += d
+        busy.append(total)
+    spans = tuple(end - row[0] if row else 0.0 for row, end in zip(times.starts, times.last_end, strict=True))
+    return Timing(max(times.last_end, default=0.0), spans, tuple(busy), tuple(peaks))
