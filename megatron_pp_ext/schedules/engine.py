@@ -20,6 +20,8 @@ rank proposes its next op, the earliest runs); :func:`replay` times a fixed orde
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -77,8 +79,8 @@ class Engine:
     """
 
     __slots__ = (
-        "_inputs", "_table", "b_end", "busy", "clock", "count", "f_end", "first", "last_stage", "live", "m",
-        "next", "p", "peak", "pending_w", "rank_of", "record", "rows", "sc", "stage_of", "total", "v",
+        "_inputs", "_table", "b_end", "busy", "clock", "count", "f_end", "first", "idle", "last_stage", "live",
+        "m", "next", "p", "peak", "pending_w", "rank_of", "record", "rows", "sc", "stage_of", "total", "v",
     )  # fmt: skip
 
     def __init__(self, placement: Placement, m: int, costs: StageCosts, record: bool = True) -> None:
@@ -99,6 +101,7 @@ class Engine:
         self.clock = [0.0] * p
         self.first = [-1.0] * p
         self.busy = [0.0] * p
+        self.idle = [0.0] * p  # per rank, waits after its first op
         self.rows: list[list[Op]] = [[] for _ in range(p)]
         self.count = [0] * p  # ops run per rank
         self.total = 3 * v * m  # ops of a rank
@@ -168,6 +171,8 @@ class Engine:
         self.next[r][which] = k + 1
         if self.first[r] < 0:
             self.first[r] = start
+        else:
+            self.idle[r] += start - self.clock[r]
         ends[k] = self.clock[r] = start + duration
         self.busy[r] += duration
         self.count[r] += 1
@@ -179,6 +184,15 @@ class Engine:
                 self.peak[r] = live
         else:
             self.pending_w[r].append((s, k))
+
+    def run_asap(self, r: int, which: int) -> bool:
+        """Run rank ``r``'s next ``which`` pass as soon as its rank is free and its input is there;
+        False if it has none left or its input is not made yet."""
+        arrival = self.arrival(r, which)
+        if arrival is None:
+            return False
+        self.run(r, which, max(self.clock[r], arrival))
+        return True
 
     def w_duration(self, r: int) -> float:
         """Duration of rank ``r``'s oldest deferred ``W`` (it must have one)."""
@@ -223,6 +237,55 @@ class Engine:
             choice[r] = choose(r)
         return all(self.done(r) for r in range(p))
 
+    def by_clock(self, decide: Callable[[int, bool], float | None]) -> None:
+        """The event-driven driver: ranks decide in order of their clocks. ``decide(r, force)`` runs
+        at most one op on rank ``r`` at its clock and returns when to ask again (None: when a
+        producer has run). A rank that ran an op wakes the rank its output feeds, one hop later.
+        When every rank waits, each unfinished rank is asked again with ``force`` (earliest clock
+        first) until one runs or says when, and the driver goes on; it stops when none can."""
+        p, total, inf = self.p, self.total, math.inf
+        wake = [0.0] * p  # when each rank next decides; inf = waits for a producer
+        heap = [(0.0, r) for r in range(p)]
+
+        def step(r: int, force: bool) -> bool:
+            """Let rank r decide at its clock; True if it ran an op or will decide again."""
+            before = self.count[r]
+            again = decide(r, force)
+            if self.count[r] > before:
+                q = self.receiver(r, self.rows[r][-1])
+                if q is not None and self.count[q] < total:
+                    when = max(self.clock[q], self.clock[r] + self.sc.comm)
+                    if when < wake[q]:
+                        wake[q] = when
+                        heapq.heappush(heap, (when, q))
+                again = self.clock[r]
+            if self.count[r] >= total or again is None:
+                wake[r] = inf
+                return self.count[r] > before
+            wake[r] = max(again, self.clock[r])
+            heapq.heappush(heap, (wake[r], r))
+            return True
+
+        while True:
+            while heap:
+                t, r = heapq.heappop(heap)
+                if t != wake[r]:
+                    continue  # superseded
+                self.clock[r] = max(self.clock[r], t)
+                step(r, False)
+            waiting = sorted((r for r in range(p) if self.count[r] < total), key=lambda x: self.clock[x])
+            if not waiting or not any(step(r, True) for r in waiting):
+                break
+
+    def receiver(self, r: int, op: Op) -> int | None:
+        """The rank waiting for ``op``'s output, if another rank."""
+        if op.kind is _KIND_W:
+            return None
+        nxt = op.stage + 1 if op.kind is _KIND_F else op.stage - 1
+        if not 0 <= nxt <= self.last_stage or self.rank_of[nxt] == r:
+            return None
+        return self.rank_of[nxt]
+
     def done(self, r: int) -> bool:
         return self.count[r] >= self.total
 
@@ -236,7 +299,7 @@ def replay(placement: Placement, m: int, costs: StageCosts, rows: Sequence[Seque
     async model): the engine's clock, each op as early as its rank and input allow. Every output is
     a message (to the consumer's rank, ``T_comm`` later; a local hand-off to the same rank at once),
     so an order whose rank waits for something it runs later is refused."""
-    p, stages = placement.num_ranks, placement.num_stages
+    stages = placement.num_stages
     rank_of = [rank for rank, _ in placement.locations]
     last = stages - 1
     # message (stage, micro-batch, is-backward) -> id (2 (stage m + mb) + is-backward); its receiver
