@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from .costs import StageCosts
 from .ir import Op, OpKind
 from .placement import Placement
-from .timing import time_ops
+from .timing import OpTimes, time_ops
 
-__all__ = ["Engine", "Timing", "backward", "forward", "replay"]
+__all__ = ["Engine", "Timing", "backward", "forward", "input_of", "order_times", "output_of", "pass_op", "replay"]
 
 _KIND_F, _KIND_W = OpKind.F, OpKind.W
 _op = tuple.__new__  # Op(kind, stage, microbatch) without the NamedTuple constructor's overhead
@@ -45,6 +45,36 @@ def forward(chunk: int, v: int) -> int:
 def backward(chunk: int, v: int) -> int:
     """Pass index of the input-gradient backward of ``chunk`` on a rank with ``v`` chunks."""
     return v + chunk
+
+
+def pass_op(stages: Sequence[int], which: int, k: int, weight: bool = False) -> Op:
+    """The op of pass ``which`` for micro-batch ``k`` on a rank holding ``stages`` (one per chunk);
+    ``weight``: the deferred ``W`` of that (backward) pass."""
+    v = len(stages)
+    kind = _KIND_F if which < v else _KIND_W if weight else OpKind.B
+    return _op(Op, (kind, stages[which % v], k))
+
+
+def input_of(op: Op, last_stage: int) -> Op | None:
+    """The op whose output ``op`` consumes (None: the data loader's): a forward the previous stage's,
+    a backward the next stage's (the last stage's its own forward), a ``W`` its own ``B``."""
+    kind, s, _ = op
+    if kind is _KIND_F:
+        return op._replace(stage=s - 1) if s > 0 else None
+    if kind is _KIND_W:
+        return op._replace(kind=OpKind.B)
+    return op._replace(stage=s + 1) if s < last_stage else op._replace(kind=_KIND_F)
+
+
+def output_of(op: Op, last_stage: int) -> Op | None:
+    """The op that consumes ``op``'s output across a stage boundary or the turn of the last stage
+    (None for a ``W`` and the first stage's backward)."""
+    kind, s, _ = op
+    if kind is _KIND_F:
+        return op._replace(stage=s + 1) if s < last_stage else op._replace(kind=OpKind.B)
+    if kind is _KIND_W:
+        return None
+    return op._replace(stage=s - 1) if s > 0 else None
 
 
 @dataclass(frozen=True)
@@ -279,12 +309,8 @@ class Engine:
 
     def receiver(self, r: int, op: Op) -> int | None:
         """The rank waiting for ``op``'s output, if another rank."""
-        if op.kind is _KIND_W:
-            return None
-        nxt = op.stage + 1 if op.kind is _KIND_F else op.stage - 1
-        if not 0 <= nxt <= self.last_stage or self.rank_of[nxt] == r:
-            return None
-        return self.rank_of[nxt]
+        out = output_of(op, self.last_stage)
+        return None if out is None or self.rank_of[out.stage] == r else self.rank_of[out.stage]
 
     def done(self, r: int) -> bool:
         return self.count[r] >= self.total
@@ -294,11 +320,11 @@ class Engine:
         return Timing(max(self.clock), spans, tuple(self.busy), tuple(self.peak))
 
 
-def replay(placement: Placement, m: int, costs: StageCosts, rows: Sequence[Sequence[Op]]) -> Timing:
+def order_times(placement: Placement, m: int, costs: StageCosts, rows: Sequence[Sequence[Op]]) -> OpTimes:
     """Time a fixed per-rank order with the timing core (:func:`.timing.time_ops`, the simulator's
-    async model): the engine's clock, each op as early as its rank and input allow. Every output is
-    a message (to the consumer's rank, ``T_comm`` later; a local hand-off to the same rank at once),
-    so an order whose rank waits for something it runs later is refused."""
+    async model): each op as early as its rank and input allow. Every output is a message (to the
+    consumer's rank, ``T_comm`` later; a local hand-off to the same rank at once), so an order in
+    which a rank waits for something it runs later raises ``RuntimeError``."""
     stages = placement.num_stages
     rank_of = [rank for rank, _ in placement.locations]
     last = stages - 1
@@ -312,9 +338,10 @@ def replay(placement: Placement, m: int, costs: StageCosts, rows: Sequence[Seque
     latency = [0.0 if dst[mid] == rank_of[mid // (2 * m)] else hop for mid in range(len(dst))]
     tf, tb, tw = costs.f, costs.b, costs.w
     durations, waits, sends = [], [], []
-    live_delta = []
     for row in rows:
-        dur, wait, send = [], [], []
+        dur: list[float] = []
+        wait: list[tuple[int, ...] | None] = []
+        send: list[int] = []
         for kind, s, i in row:
             if kind is _KIND_F:
                 dur.append(tf[s])
@@ -331,22 +358,32 @@ def replay(placement: Placement, m: int, costs: StageCosts, rows: Sequence[Seque
         durations.append(dur)
         waits.append(wait)
         sends.append(send)
-        live_delta.append([1 if op.kind is _KIND_F else -1 if op.kind is _KIND_W else 0 for op in row])
+    return time_ops(durations, waits, sends, dst, latency)
+
+
+def replay(placement: Placement, m: int, costs: StageCosts, rows: Sequence[Sequence[Op]]) -> Timing:
+    """The :class:`Timing` of a fixed per-rank order on the engine's clock (:func:`order_times`)."""
     try:
-        times = time_ops(durations, waits, sends, dst, latency)
+        times = order_times(placement, m, costs, rows)
     except RuntimeError:
         raise AssertionError("replay: the order deadlocks") from None
+    tf, tb, tw = costs.f, costs.b, costs.w
     peaks, busy = [], []
-    for delta, dur in zip(live_delta, durations, strict=True):
+    for row in rows:
         live = peak = 0
-        for x in delta:
-            live += x
-            if live > peak:
-                peak = live
-        peaks.append(peak)
         total = 0.0
-        for d in dur:  # in order, as the rank runs them (not sum(): its rounding may differ)
-            total += d
+        for kind, s, _ in row:  # busy time in order, as the rank runs them (sum()'s rounding may differ)
+            if kind is _KIND_F:
+                total += tf[s]
+                live += 1
+                if live > peak:
+                    peak = live
+            elif kind is _KIND_W:
+                total += tw[s]
+                live -= 1
+            else:
+                total += tb[s]
+        peaks.append(peak)
         busy.append(total)
     spans = tuple(end - row[0] if row else 0.0 for row, end in zip(times.starts, times.last_end, strict=True))
     return Timing(max(times.last_end, default=0.0), spans, tuple(busy), tuple(peaks))
