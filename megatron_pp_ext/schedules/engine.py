@@ -325,6 +325,23 @@ def order_times(placement: Placement, m: int, costs: StageCosts, rows: Sequence[
     async model): each op as early as its rank and input allow. Every output is a message (to the
     consumer's rank, ``T_comm`` later; a local hand-off to the same rank at once), so an order in
     which a rank waits for something it runs later raises ``RuntimeError``."""
+    return _time_order(placement, m, costs, rows)[0]
+
+
+def replay(placement: Placement, m: int, costs: StageCosts, rows: Sequence[Sequence[Op]]) -> Timing:
+    """The :class:`Timing` of a fixed per-rank order on the engine's clock (:func:`order_times`)."""
+    try:
+        times, busy, peaks = _time_order(placement, m, costs, rows)
+    except RuntimeError:
+        raise AssertionError("replay: the order deadlocks") from None
+    spans = tuple(end - row[0] if row else 0.0 for row, end in zip(times.starts, times.last_end, strict=True))
+    return Timing(max(times.last_end, default=0.0), spans, tuple(busy), tuple(peaks))
+
+
+def _time_order(
+    placement: Placement, m: int, costs: StageCosts, rows: Sequence[Sequence[Op]]
+) -> tuple[OpTimes, list[float], list[int]]:
+    """:func:`order_times`, plus per rank its busy time and peak live activations."""
     stages = placement.num_stages
     rank_of = [rank for rank, _ in placement.locations]
     last = stages - 1
@@ -336,54 +353,35 @@ def order_times(placement: Placement, m: int, costs: StageCosts, rows: Sequence[
         dst[2 * s * m + 1 : 2 * (s + 1) * m : 2] = [to_b] * m
     hop = costs.comm
     latency = [0.0 if dst[mid] == rank_of[mid // (2 * m)] else hop for mid in range(len(dst))]
-    tf, tb, tw = costs.f, costs.b, costs.w
-    durations, waits, sends = [], [], []
+    # per op kind and stage: (duration, id of its input message for micro-batch 0 or -1, the same for
+    # its output, live activations it adds)
+    table = {
+        _KIND_F: [(costs.f[s], 2 * (s - 1) * m if s > 0 else -1, 2 * s * m, 1) for s in range(stages)],
+        _KIND_W: [(costs.w[s], -1, -1, -1) for s in range(stages)],
+    }
+    table[OpKind.B] = table[OpKind.BW] = [
+        (costs.b[s], 2 * (s + 1) * m + 1 if s < last else 2 * s * m, 2 * s * m + 1 if s > 0 else -1, 0)
+        for s in range(stages)
+    ]
+    durations, waits, sends, busy, peaks = [], [], [], [], []
     for row in rows:
         dur: list[float] = []
-        wait: list[tuple[int, ...] | None] = []
+        wait: list[int] = []
         send: list[int] = []
+        total, live, peak = 0.0, 0, 0
         for kind, s, i in row:
-            if kind is _KIND_F:
-                dur.append(tf[s])
-                wait.append((2 * ((s - 1) * m + i),) if s > 0 else None)
-                send.append(2 * (s * m + i))
-            elif kind is _KIND_W:
-                dur.append(tw[s])
-                wait.append(None)
-                send.append(-1)
-            else:
-                dur.append(tb[s])
-                wait.append((2 * ((s + 1) * m + i) + 1,) if s < last else (2 * (s * m + i),))
-                send.append(2 * (s * m + i) + 1 if s > 0 else -1)
+            d, need, out, grows = table[kind][s]
+            dur.append(d)
+            wait.append(need + 2 * i if need >= 0 else -1)
+            send.append(out + 2 * i if out >= 0 else -1)
+            total += d  # in order, as the rank runs them (sum()'s rounding may differ)
+            if grows:
+                live += grows
+                if live > peak:
+                    peak = live
         durations.append(dur)
         waits.append(wait)
         sends.append(send)
-    return time_ops(durations, waits, sends, dst, latency)
-
-
-def replay(placement: Placement, m: int, costs: StageCosts, rows: Sequence[Sequence[Op]]) -> Timing:
-    """The :class:`Timing` of a fixed per-rank order on the engine's clock (:func:`order_times`)."""
-    try:
-        times = order_times(placement, m, costs, rows)
-    except RuntimeError:
-        raise AssertionError("replay: the order deadlocks") from None
-    tf, tb, tw = costs.f, costs.b, costs.w
-    peaks, busy = [], []
-    for row in rows:
-        live = peak = 0
-        total = 0.0
-        for kind, s, _ in row:  # busy time in order, as the rank runs them (sum()'s rounding may differ)
-            if kind is _KIND_F:
-                total += tf[s]
-                live += 1
-                if live > peak:
-                    peak = live
-            elif kind is _KIND_W:
-                total += tw[s]
-                live -= 1
-            else:
-                total += tb[s]
-        peaks.append(peak)
         busy.append(total)
-    spans = tuple(end - row[0] if row else 0.0 for row, end in zip(times.starts, times.last_end, strict=True))
-    return Timing(max(times.last_end, default=0.0), spans, tuple(busy), tuple(peaks))
+        peaks.append(peak)
+    return time_ops(durations, waits, sends, dst, latency), busy, peaks

@@ -5,7 +5,7 @@ messages it waits for have arrived; a message is sent right after the op that ma
 arrives its latency later. :func:`time_ops` is that loop, once; the options change what an op
 waits for and what a rank runs besides its ops:
 
-* ``waits[r][k]``: the messages op ``k`` of rank ``r`` waits for. Its own input only is the
+* ``waits[r][k]``: what op ``k`` of rank ``r`` waits for. Its own input message only is the
   ``comm="async"`` model (what the executor does, what the list-scheduling engine decides with);
   every receive of the batch the lowering placed before it is the ``comm="blocking"`` model.
 * ``pairs``: overlap pairs (two ops run as one step that takes ``max + (1 - overlap) * min``).
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["OpTimes", "StreamTimes", "op_start_times", "op_start_times_with_stream", "time_ops"]
 
 _NOT_SENT, _AWAITED = -1.0, -2.0
-Waits = Sequence[Sequence[tuple[int, ...] | None]]
+Groups = Sequence[Sequence[tuple[int, ...] | None]]
 
 
 class OpTimes(NamedTuple):
@@ -46,11 +46,12 @@ StreamTimes = OpTimes  # the name :func:`op_start_times_with_stream` returned be
 
 def time_ops(
     durations: Sequence[Sequence[float]],
-    waits: Waits,
-    sends: Sequence[Sequence[int]],
+    waits: Sequence[Sequence[int]] | Groups,
+    sends: Sequence[Sequence[int]] | Groups,
     dst: Sequence[int],
     latency: Sequence[float],
     *,
+    groups: bool = False,
     pairs: Sequence[Sequence[int]] = (),
     overlap: float = 0.0,
     collectives: Sequence[Sequence[tuple[int, float]]] | None = None,
@@ -58,17 +59,24 @@ def time_ops(
 ) -> OpTimes:
     """Start of every op, per rank (module doc).
 
-    ``durations[r][k]``: op ``k`` of rank ``r``. ``waits[r][k]``: ids of the messages it waits for
-    (None: none). ``sends[r][k]``: id of the message sent right after it (-1: none). ``dst[mid]``:
-    the rank receiving message ``mid``; ``latency[mid]``: from its send to its arrival.
-    ``pairs[r]``: the first op of each overlap pair of rank ``r``, run as one step with ``overlap``
-    (0..1) of the shorter op hidden under the longer; both outputs leave at the step's end.
+    ``durations[r][k]``: op ``k`` of rank ``r``. ``waits[r][k]``: the id of the one message it waits
+    for (-1: none); ``sends[r][k]``: the id of the message sent right after it (-1: none). With
+    ``groups`` both hold tuples of ids (None: none): every message the op waits for, every one sent
+    after it. ``dst[mid]``: the rank receiving message ``mid``; ``latency[mid]``: from its send to
+    its arrival. ``pairs[r]``: the first op of each overlap pair of rank ``r``, run as one step with
+    ``overlap`` (0..1) of the shorter op hidden under the longer (:func:`_pair_steps`).
     ``collectives[r]``: ``(gap, duration)`` in issue order (gap ``i`` = just before op ``i``), issued
     when the rank reaches the gap and run one after another on the rank's stream, overlapping
     compute; ``gates[r][k]``: index in ``collectives[r]`` of the one op ``k`` waits for, -1 for none.
 
     Raises ``RuntimeError`` if some rank waits for a message that is never sent.
     """
+    if overlap and any(pairs):
+        if collectives is not None:
+            raise ValueError("overlap pairs are not timed with a collective stream")
+        steps = _pair_steps(durations, waits, sends, groups, pairs, overlap)
+        times = time_ops(*steps, dst, latency, groups=True)
+        return times._replace(starts=[_unpair(row, firsts) for row, firsts in zip(times.starts, pairs, strict=True)])
     p = len(durations)
     arrival = [_NOT_SENT] * len(dst)
     starts: list[list[float]] = [[] for _ in range(p)]
@@ -79,19 +87,12 @@ def time_ops(
     free = [0.0] * p  # when each rank's collective stream is free
     clock = [0.0] * p
     pc = [0] * p
-    paired = [bytearray(len(row)) for row in durations] if overlap and any(pairs) else None
-    if paired is not None:
-        for rank, row in enumerate(pairs):
-            for i in row:
-                paired[rank][i] = 1
-    no_colls: Sequence[tuple[int, float]] = ()
     stack = list(range(p - 1, -1, -1))
     while stack:
         rank = stack.pop()
         dur, wait, sent = durations[rank], waits[rank], sends[rank]
-        colls = collectives[rank] if collectives is not None else no_colls
+        colls = collectives[rank] if collectives is not None else None
         gate = gates[rank] if gates is not None else None
-        pair = paired[rank] if paired is not None else None
         n = len(dur)
         k, t = pc[rank], clock[rank]
         add_start = starts[rank].append
@@ -107,41 +108,40 @@ def time_ops(
                     c += 1
             if k >= n:
                 break
-            width = 2 if pair is not None and pair[k] else 1
-            ready, blocked = t, False
-            for j in range(k, k + width):
-                group = wait[j]
-                if group is not None:
-                    for mid in group:
-                        at = arrival[mid]
-                        if at < 0:  # not sent yet: its sender resumes this rank
-                            arrival[mid] = _AWAITED
-                            blocked = True
-                        elif at > ready:
-                            ready = at
-            if blocked:
-                break
+            need = wait[k]
+            if groups:
+                missing = False
+                for mid in need or ():  # type: ignore[union-attr]
+                    at = arrival[mid]
+                    if at < 0:  # not sent yet: its sender resumes this rank
+                        arrival[mid] = _AWAITED
+                        missing = True
+                    elif at > t:
+                        t = at
+                if missing:
+                    break
+            elif need >= 0:  # type: ignore[operator]
+                at = arrival[need]  # type: ignore[index]
+                if at < 0:  # not sent yet: its sender resumes this rank
+                    arrival[need] = _AWAITED  # type: ignore[index]
+                    break
+                if at > t:
+                    t = at
             if gate is not None:
                 g = gate[k]
-                if g >= 0 and end[rank][g] > ready:
-                    stall[rank] += end[rank][g] - ready
-                    ready = end[rank][g]
-            t = ready
+                if g >= 0 and end[rank][g] > t:
+                    stall[rank] += end[rank][g] - t
+                    t = end[rank][g]
             add_start(t)
-            if width == 2:
-                a, b = dur[k], dur[k + 1]
-                add_start(t)
-                t += max(a, b) + (1.0 - overlap) * min(a, b)
-            else:
-                t += dur[k]
-            for j in range(k, k + width):
-                mid = sent[j]
-                if mid >= 0:
+            t += dur[k]
+            out = sent[k]
+            if groups or out >= 0:  # type: ignore[operator]
+                for mid in (out or ()) if groups else (out,):  # type: ignore[operator]
                     if arrival[mid] == _AWAITED:
                         stack.append(dst[mid])
                     if arrival[mid] < 0:
                         arrival[mid] = t + latency[mid]
-            k += width
+            k += 1
         pc[rank], clock[rank] = k, t
     stuck = [r for r in range(p) if pc[r] < len(durations[r])]
     if stuck:
@@ -150,9 +150,57 @@ def time_ops(
     return OpTimes(starts, last_end, issue, begin, end, stall)
 
 
-def _own_input(lowered: LoweredSchedule) -> list[list[tuple[int, ...] | None]]:
-    """Per op, the one message that brings its input (the async model's wait)."""
-    return [[None if mid < 0 else (mid,) for mid in row] for row in lowered.timing_plan.inputs_of_ops]
+def _as_group(x: object, groups: bool) -> tuple[int, ...]:
+    if groups:
+        return x or ()  # type: ignore[return-value]
+    return (x,) if x >= 0 else ()  # type: ignore[operator,return-value]
+
+
+def _pair_steps(
+    durations: Sequence[Sequence[float]],
+    waits: Sequence[Sequence[int]] | Groups,
+    sends: Sequence[Sequence[int]] | Groups,
+    groups: bool,
+    pairs: Sequence[Sequence[int]],
+    overlap: float,
+) -> tuple[list[list[float]], list[list[tuple[int, ...]]], list[list[tuple[int, ...]]]]:
+    """Per rank, its ops as steps: an overlap pair (ops ``i``, ``i+1``) is one step that starts once
+    both inputs are there, takes ``max + (1 - overlap) * min`` of the two durations and sends both
+    outputs at its end; other ops are steps of their own. Waits and sends as groups."""
+    out_d: list[list[float]] = []
+    out_w: list[list[tuple[int, ...]]] = []
+    out_s: list[list[tuple[int, ...]]] = []
+    for rank, dur in enumerate(durations):
+        first = set(pairs[rank]) if rank < len(pairs) else set()
+        d: list[float] = []
+        w: list[tuple[int, ...]] = []
+        s: list[tuple[int, ...]] = []
+        k = 0
+        while k < len(dur):
+            width = 2 if k in first else 1
+            if width == 2:
+                a, b = dur[k], dur[k + 1]
+                d.append(max(a, b) + (1.0 - overlap) * min(a, b))
+            else:
+                d.append(dur[k])
+            w.append(tuple(mid for j in range(k, k + width) for mid in _as_group(waits[rank][j], groups)))
+            s.append(tuple(mid for j in range(k, k + width) for mid in _as_group(sends[rank][j], groups)))
+            k += width
+        out_d.append(d)
+        out_w.append(w)
+        out_s.append(s)
+    return out_d, out_w, out_s
+
+
+def _unpair(step_starts: list[float], firsts: Sequence[int]) -> list[float]:
+    """Op starts from step starts: both ops of a pair start with their step."""
+    out: list[float] = []
+    first = set(firsts)
+    for start in step_starts:
+        out.append(start)
+        if len(out) - 1 in first:
+            out.append(start)
+    return out
 
 
 def op_start_times(
@@ -176,9 +224,14 @@ def op_start_times(
     pairs = lowered.schedule.overlap_pairs if overlap else ()
     if pairs and blocking:
         raise ValueError("overlap pairs are timed with non-blocking receives only")
-    waits = plan.receive_groups if blocking else _own_input(lowered)
     latency = [t_comm] * plan.num_messages
-    times = time_ops(durations, waits, plan.sends_after_ops, plan.dst_rank, latency, pairs=pairs, overlap=overlap)
+    if blocking:  # every receive of the batch before an op, as groups (sends too)
+        sends = [[(mid,) if mid >= 0 else None for mid in row] for row in plan.sends_after_ops]
+        times = time_ops(durations, plan.receive_groups, sends, plan.dst_rank, latency, groups=True)
+    else:
+        times = time_ops(
+            durations, plan.inputs_of_ops, plan.sends_after_ops, plan.dst_rank, latency, pairs=pairs, overlap=overlap
+        )
     return times.starts, times.last_end
 
 
@@ -195,7 +248,7 @@ def op_start_times_with_stream(
     latency = [t_comm] * plan.num_messages
     return time_ops(
         durations,
-        _own_input(lowered),
+        plan.inputs_of_ops,
         plan.sends_after_ops,
         plan.dst_rank,
         latency,
