@@ -135,12 +135,16 @@ def time_ops(
             add_start(t)
             t += dur[k]
             out = sent[k]
-            if groups or out >= 0:  # type: ignore[operator]
-                for mid in (out or ()) if groups else (out,):  # type: ignore[operator]
-                    if arrival[mid] == _AWAITED:
-                        stack.append(dst[mid])
-                    if arrival[mid] < 0:
+            if groups:
+                for mid in out or ():  # type: ignore[union-attr]
+                    if arrival[mid] < 0:  # sent once; a rank waiting for it resumes
+                        if arrival[mid] == _AWAITED:
+                            stack.append(dst[mid])
                         arrival[mid] = t + latency[mid]
+            elif out >= 0 and arrival[out] < 0:  # type: ignore[operator,index]
+                if arrival[out] == _AWAITED:  # type: ignore[index]
+                    stack.append(dst[out])  # type: ignore[index]
+                arrival[out] = t + latency[out]  # type: ignore[index]
             k += 1
         pc[rank], clock[rank] = k, t
     stuck = [r for r in range(p) if pc[r] < len(durations[r])]
