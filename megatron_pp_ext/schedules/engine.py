@@ -8,14 +8,19 @@ A generator decides *which* op a rank runs next; the engine keeps everything els
   Rows are built as :class:`~.ir.Op` lists, the schedule IR itself.
 * **one clock**: an op starts when its rank is free and its input has arrived; an input made on
   another rank arrives ``T_comm`` after its producer ends, a local hand-off at once. That is the
-  simulator's ``comm="async"`` model (:mod:`.timing`, what the executor does), so the times a
-  generator decides with are the times the simulator reports.
+  simulator's ``comm="async"`` model, so the times a generator decides with are the times the
+  simulator reports. A finished order is timed by the one timing core (:func:`.timing.time_ops`,
+  which the simulator uses too) through :func:`order_times` / :func:`replay`; while an order is
+  being built, :meth:`Engine.arrival` and :meth:`Engine.run` apply the same rule one op at a time
+  (``tests/schedules/test_engine.py`` checks the two agree to the bit).
 * **memory** as the simulator counts it by default: an ``F`` adds one activation of its stage on
   its rank, the matching ``W`` frees it (``B`` frees nothing).
 
 The decisions are the generator's (its *policy*): which ready op runs next, when a ``W`` goes in,
-when the warm-up stops admitting forwards. :meth:`Engine.earliest_first` is the plain driver (each
-rank proposes its next op, the earliest runs); :func:`replay` times a fixed order with the same clock.
+when the warm-up stops admitting forwards. Two drivers: :meth:`Engine.earliest_first` (each rank
+proposes its next op, the earliest runs) and :meth:`Engine.by_clock` (ranks decide in order of their
+clocks, waking the rank their output feeds); :func:`pass_op`, :func:`input_of` and :func:`output_of`
+translate between passes, ops and their neighbours.
 """
 
 from __future__ import annotations

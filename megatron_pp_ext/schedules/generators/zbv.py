@@ -15,9 +15,8 @@ needs them or a wait leaves room, rebuilt with each rank's idle time from the pr
 its allowance while that helps. With the default limit it is exactly zero bubble at
 ``T_F = T_B = T_W`` once ``m >= 2p - 1`` (checked for p = 2..32) with peak exactly ``p`` M_a,
 and the search stops there, as nothing can end sooner. Otherwise it also tries a greedy list
-scheduler (backwards as soon as their inputs arrive, then chunk-1 forwards, a new micro-batch
-while memory allows, deferred ``W`` passes in idle time) and the paper's handcrafted ZB-V as
-fixed-priority list schedules. ``params["ideal_bubble_rate"]`` is the bubble when every pass
+scheduler (:mod:`.zbv_greedy`) and the paper's handcrafted ZB-V as fixed-priority list schedules
+(:func:`handcrafted`). ``params["ideal_bubble_rate"]`` is the bubble when every pass
 starts as soon as its input exists, ``params["predicted_bubble_rate"]`` the one the lowered
 program gives (what the simulator and the runtime see).
 
@@ -133,13 +132,6 @@ def handcrafted(p: int, m: int, sc: StageCosts, limit: int, spec: str) -> tuple[
     return eng.rows, eng.timing()
 
 
-def _timing_of_lowered(schedule: Schedule, sc: StageCosts) -> VZBTiming:
-    """Time the order the way the runtime runs its lowered program: the engine's clock
-    (:func:`..engine.replay`) is the simulator's default ``comm="async"`` model, in which a compute
-    op waits for its own input only, so the lowering's message batches cost nothing extra."""
-    return replay(schedule.placement, schedule.num_microbatches, sc, schedule.ops)
-
-
 def _candidate(p: int, m: int, sc: StageCosts, limit: int, policy: Policy) -> tuple[list[list[Op]], VZBTiming] | None:
     """One policy's per-rank orders and ideal timing, or None if it stalls."""
     if policy.rounds:
@@ -180,7 +172,7 @@ def v_zb_order(
         rows, ideal = made
         if best is not None and (policy.rounds or policy.handcrafted) and round(ideal.makespan, 9) > best[0][0]:
             continue  # it times every pass as early as its input allows: lowered, it can only end later
-        timing = _timing_of_lowered(build_schedule("v-zb", placement, m, rows), sc)
+        timing = replay(placement, m, sc, rows)  # the simulator's async model: as the lowered program runs
         key = (round(timing.makespan, 9), round(max(timing.spans), 9))
         if best is None or key < best[0]:
             best = (key, rows, timing, ideal, policy)
