@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     from .lowering import LoweredSchedule
 
-__all__ = ["OpTimes", "StreamTimes", "op_start_times", "op_start_times_with_stream", "time_ops"]
+__all__ = ["OpTimes", "op_start_times", "op_start_times_with_stream", "time_ops"]
 
 _NOT_SENT, _AWAITED = -1.0, -2.0
 Groups = Sequence[Sequence[tuple[int, ...] | None]]
@@ -39,9 +39,6 @@ class OpTimes(NamedTuple):
     begin: list[list[float]]  # when it started on the stream
     end: list[list[float]]  # when it finished
     stall: list[float]  # time ops waited for a collective beyond their input and their rank
-
-
-StreamTimes = OpTimes  # the name :func:`op_start_times_with_stream` returned before the core was shared
 
 
 def time_ops(
