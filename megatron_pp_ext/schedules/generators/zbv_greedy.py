@@ -27,7 +27,10 @@ class Policy(NamedTuple):
 
     ordered: bool  # keep messages between neighbours in one order (see :class:`Greedy`)
     lazy_w: bool  # run a deferred W in an idle gap only if it ends before the next input arrives
-    prefer_chunk0: bool  # with both backwards ready (same micro-batch), run the chunk-0 one first
+    #: with both backwards ready for the same micro-batch, run the chunk-0 one first. It never decides: when
+    #: both may run, the chunk-0 backward's micro-batch is the older (it trails the chunk-1 one), which
+    #: orders them first (benchmarks/RESULTS.md); kept as the recorded policy's field
+    prefer_chunk0: bool
     #: non-empty: the handcrafted ZB-V list schedule (:func:`.zbv.handcrafted`) with this pass
     #: priority (``F``/``B`` of chunk 0/1 and ``W``, best first), ``+cap`` = warm-up-sized F0 lead
     handcrafted: str = ""
