@@ -9,13 +9,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import argtypes
+from .schedule_args import (  # noqa: F401  (parse_memory_limit: re-exported for callers of the CLI's helpers)
+    PROG,
+    CliError,
+    add_source_args,
+    dp_options,
+    generate_schedule,
+    parse_costs,
+    parse_memory_limit,
+    schedule_from_args,
+)
 from .schedules import registry
 from .schedules.ir import ScheduleError
 from .schedules.schedule import Schedule
@@ -24,178 +33,14 @@ if TYPE_CHECKING:
     from .analysis.simulate import Costs, SimResult
     from .schedules.lowering import LoweredSchedule
 
-PROG = "megatron-pp"
 EXIT_INVALID = 1
 EXIT_USAGE = 2
-
-
-class CliError(ValueError):
-    """Bad command-line input; printed as ``megatron-pp: error: ...`` with exit code 2."""
-
-
-# ---- argument parsing helpers --------------------------------------------------------------
-_MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(p?)\s*$", re.IGNORECASE)
-
-
-def parse_memory_limit(text: str | None, p: int) -> int | float | None:
-    """``"12"`` -> 12, ``"2p"`` -> 2*p, ``"1.5p"`` -> 1.5*p (activations; integral values as int)."""
-    if text is None:
-        return None
-    match = _MEMORY_RE.match(text)
-    if match is None:
-        raise CliError(f"--memory-limit must be a number or a multiple of p such as 2p, got {text!r}")
-    value = float(match.group(1)) * (p if match.group(2) else 1)
-    if value <= 0:
-        raise CliError(f"--memory-limit must be > 0, got {text!r}")
-    return int(value) if value.is_integer() else value
-
-
-def parse_costs(text: str | None) -> Costs | None:
-    if text is None:
-        return None
-    from .analysis.simulate import Costs
-
-    return Costs.parse(text)
-
-
-def generate_schedule(
-    name: str,
-    p: int,
-    m: int,
-    v: int | None = None,
-    costs: Costs | None = None,
-    memory_limit: object = None,
-    block_file: str | None = None,
-    microbatch_group_size: int | None = None,
-    unit_size: int | str | None = None,
-    objective: str | None = None,
-    w_memory: float | None = None,
-) -> Schedule:
-    """Generate a registered schedule. ``costs`` and ``w_memory`` go only to the schedules that
-    declare them (for the others they only shape the simulation); ``v``, ``memory_limit``,
-    ``block_file`` and ``objective`` go to all, and the declarations refuse what a schedule cannot
-    honour."""
-    info = registry.get(name)
-    kwargs: dict[str, object] = {"v": v, "memory_limit": memory_limit, "block_file": block_file}
-    if microbatch_group_size is not None:
-        kwargs["microbatch_group_size"] = microbatch_group_size
-    if unit_size is not None:
-        kwargs["unit_size"] = unit_size
-    if objective is not None:
-        kwargs["objective"] = objective
-    if costs is not None and info.takes("costs"):
-        kwargs["costs"] = costs
-    if w_memory is not None and w_memory != 1.0 and info.takes("w_memory"):
-        kwargs["w_memory"] = w_memory
-    return info.build(p, m, **kwargs)
-
-
-def _add_source_args(parser: argparse.ArgumentParser, file_option: bool = True) -> None:
-    parser.add_argument("name", nargs="?", help="registered schedule name (see `megatron-pp list`)")
-    parser.add_argument("-p", type=argtypes.positive_int, help="pipeline-parallel size (ranks)")
-    parser.add_argument("-m", type=argtypes.positive_int, help="micro-batches per iteration")
-    parser.add_argument("-v", type=argtypes.positive_int, default=None, help="virtual stages (chunks) per rank")
-    parser.add_argument("--costs", metavar="F,B,W,COMM", help="per-stage op times and per-hop comm time")
-    parser.add_argument(
-        "--memory-limit", metavar="N|Np", help="activation memory limit, a number or a multiple of p (e.g. 2p)"
-    )
-    parser.add_argument("--block-file", metavar="JSON", help="building block of v-block (default: the V-Half block)")
-    parser.add_argument(
-        "--microbatch-group-size",
-        type=argtypes.positive_int,
-        default=None,
-        metavar="G",
-        help="micro-batches per group (interleaved-1f1b; bfs: per breadth-first group, default m)",
-    )
-    parser.add_argument(
-        "--pipeline-unit-size",
-        dest="unit_size",
-        type=argtypes.unit_size,
-        default=None,
-        metavar="N|auto",
-        help="zeropp: micro-batches per scheduling unit (default m); 'auto' picks it with the simulator "
-        "(and --memory-limit, in 1F1B stage activations M_a; the data-parallel flags when given)",
-    )
-    parser.add_argument(
-        "--objective",
-        choices=("span", "makespan"),
-        default=None,
-        help="zb-auto: minimise the iteration time with optimizer post-validation (span: the longest per-rank "
-        "span bounds it) or with a synchronous step (makespan); default span with --post-validation, else makespan",
-    )
-    parser.add_argument(
-        "--w-memory",
-        type=argtypes.positive_fraction,
-        default=None,
-        metavar="FRACTION",
-        help="share of an activation a pending W keeps after its B, in (0, 1] (zero-bubble paper Table 1: "
-        "M_W/M_B); the memory count and zb-auto's limit use it; default 1 (the whole activation until W)",
-    )
-    if file_option:
-        parser.add_argument("--schedule-file", metavar="CSV", help="load the schedule from a CSV file instead")
-
-
-def _schedule_from_args(args: argparse.Namespace) -> Schedule:
-    if getattr(args, "schedule_file", None):
-        if args.name:
-            raise CliError(f"give either a schedule name ({args.name!r}) or --schedule-file, not both")
-        schedule = Schedule.load(args.schedule_file)
-        for flag, given, actual in (("-p", args.p, schedule.num_ranks), ("-m", args.m, schedule.num_microbatches)):
-            if given is not None and given != actual:
-                raise CliError(f"{flag} {given} disagrees with {args.schedule_file} ({actual})")
-        return schedule
-    if not args.name:
-        raise CliError("give a schedule name (see `megatron-pp list`) or --schedule-file")
-    if args.p is None or args.m is None:
-        raise CliError(f"schedule {args.name!r} needs -p (ranks) and -m (micro-batches)")
-    if getattr(args, "unit_size", None) == "auto" and registry.get(args.name).name == "zeropp":
-        return _auto_unit_size(args)
-    objective = getattr(args, "objective", None)
-    if objective is None and getattr(args, "post_validation", False) and registry.get(args.name).takes("objective"):
-        objective = "span"
-    return generate_schedule(
-        args.name,
-        args.p,
-        args.m,
-        args.v,
-        parse_costs(args.costs),
-        parse_memory_limit(args.memory_limit, args.p),
-        getattr(args, "block_file", None),
-        getattr(args, "microbatch_group_size", None),
-        getattr(args, "unit_size", None),
-        objective,
-        getattr(args, "w_memory", None),
-    )
 
 
 def _step_times(text: str) -> float | list[float]:
     """``--step-time``: one time >= 0, or one per rank, comma-separated."""
     values = [argtypes.nonnegative_float(part) for part in text.split(",")]
     return values[0] if len(values) == 1 else values
-
-
-def _auto_unit_size(args: argparse.Namespace) -> Schedule:
-    """``zeropp --pipeline-unit-size auto``: pick U with the simulator; the table goes to stderr."""
-    from .analysis.zeropp_auto import choose_unit_size
-
-    costs = parse_costs(args.costs)
-    dp: dict[str, Any] = {}
-    if getattr(args, "dp_bandwidth", None) is not None:  # simulate: collectives timed on the DP stream
-        provisional = generate_schedule("zeropp", args.p, args.m, args.v, costs, unit_size=args.m)
-        options = _dp_options(args, provisional)
-        if options:
-            dp = {
-                "dp": options["dp"],
-                "dp_bandwidth": options["dp_bandwidth"],
-                "param_bytes": options["param_bytes"],
-                "fsdp": options["collectives"].fsdp_max_unsharded is not None,
-            }
-    choice = choose_unit_size(
-        args.p, args.m, v=args.v, costs=costs, memory_limit=parse_memory_limit(args.memory_limit, args.p), **dp
-    )
-    print(choice.table(), file=sys.stderr)
-    print(f"zeropp: chose --pipeline-unit-size {choice.best.unit_size}", file=sys.stderr)
-    return choice.schedule
 
 
 def _simulate(schedule: Schedule, costs: Costs | None, lowered: LoweredSchedule | None = None) -> SimResult:
@@ -289,73 +134,6 @@ def building_block_of(schedule: Schedule) -> dict[str, object] | None:
 
 
 # ---- data parallelism (simulate --dp ...) ---------------------------------------------------------
-_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d*)?(?:e\d+)?|\.\d+)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
-_BYTE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-#: With --dp, --costs times are milliseconds: a collective of B bytes at X GB/s takes B / (X * 1e6) ms.
-BYTES_PER_MS_PER_GBPS = 1e6
-
-
-def parse_bytes(text: str, flag: str) -> float:
-    """``"300M"`` -> 3e8, ``"1.5G"`` -> 1.5e9, ``"4096"`` -> 4096 (decimal units; a trailing B is ignored)."""
-    match = _BYTES_RE.match(text)
-    if match is None or float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()] <= 0:
-        raise CliError(f"{flag} must be a number of bytes > 0, optionally with K, M, G or T (e.g. 300M), got {text!r}")
-    return float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()]
-
-
-def _dp_options(args: argparse.Namespace, schedule: Schedule) -> dict[str, Any]:
-    """``simulate()`` keywords for the data-parallel flags (empty without --dp), or CliError."""
-    from .schedules.collectives import policy_for
-
-    given = [
-        flag
-        for flag, value in (
-            ("--dp-bandwidth", args.dp_bandwidth),
-            ("--param-bytes", args.param_bytes),
-            ("--fsdp", args.fsdp or None),
-            ("--fsdp-max-unsharded", args.fsdp_max_unsharded),
-            ("--distributed-optimizer", args.distributed_optimizer or None),
-        )
-        if value is not None
-    ]
-    if args.dp is None:
-        if given:
-            raise CliError(f"{given[0]} describes data parallelism: give --dp N (data-parallel size) too")
-        return {}
-    if args.dp < 2:
-        raise CliError(f"--dp must be an integer >= 2 (data-parallel ranks per pipeline stage), got {args.dp}")
-    missing = [
-        flag
-        for flag, value in (("--dp-bandwidth", args.dp_bandwidth), ("--param-bytes", args.param_bytes))
-        if value is None
-    ]
-    if missing:
-        raise CliError(f"--dp {args.dp} needs {' and '.join(missing)} (collective times come from bytes and bandwidth)")
-    try:
-        gbps = float(args.dp_bandwidth)
-    except ValueError:
-        gbps = -1.0
-    if not gbps > 0 or gbps == float("inf"):
-        raise CliError(f"--dp-bandwidth must be a number of GB/s > 0, got {args.dp_bandwidth!r}")
-    if args.fsdp_max_unsharded is not None and not args.fsdp:
-        raise CliError("--fsdp-max-unsharded needs --fsdp")
-    if args.fsdp_max_unsharded is not None and args.fsdp_max_unsharded < 1:
-        raise CliError(f"--fsdp-max-unsharded must be >= 1 (chunks gathered at once), got {args.fsdp_max_unsharded}")
-    policy = policy_for(
-        schedule,
-        fsdp=args.fsdp,
-        distributed_optimizer=args.distributed_optimizer,
-        fsdp_max_unsharded=args.fsdp_max_unsharded,
-    )
-    return {
-        "collectives": policy,
-        "dp": args.dp,
-        "dp_bandwidth": gbps * BYTES_PER_MS_PER_GBPS,
-        # one rank's share of the model (1/p of it) split evenly across the chunks holding it
-        "param_bytes": parse_bytes(args.param_bytes, "--param-bytes") / schedule.placement.stages_per_rank_per_replica,
-    }
-
-
 def data_parallel_summary(result: SimResult) -> str:
     """The --dp part of the simulate report: exposed data-parallel time per rank, chunk reductions."""
     dp = result.data_parallel
@@ -387,8 +165,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from .analysis.simulate import simulate
     from .analysis.validate import validate
 
-    schedule = _schedule_from_args(args)
-    dp_options = _dp_options(args, schedule)
+    schedule = schedule_from_args(args)
+    options = dp_options(args, schedule)
     if not 0.0 <= args.overlap <= 1.0:
         raise CliError(f"--overlap must be in [0, 1], got {args.overlap}")
     if isinstance(args.step_time, list) and len(args.step_time) != schedule.num_ranks:
@@ -396,12 +174,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             f"--step-time lists {len(args.step_time)} times: give one, or one per rank ({schedule.num_ranks})"
         )
     repeat = {"iterations": args.iterations, "post_validation": args.post_validation, "step_time": args.step_time}
-    if dp_options and (args.iterations > 1 or args.post_validation or args.step_time != 0.0):
+    if options and (args.iterations > 1 or args.post_validation or args.step_time != 0.0):
         raise CliError("--iterations / --post-validation / --step-time are simulated without --dp only")
     w_retained = 1.0 if args.w_memory is None else args.w_memory
-    if dp_options:
+    if options:
         result = simulate(
-            schedule, parse_costs(args.costs), lowered=validate(schedule), w_retained_fraction=w_retained, **dp_options
+            schedule, parse_costs(args.costs), lowered=validate(schedule), w_retained_fraction=w_retained, **options
         )
     else:
         result = simulate(
@@ -596,7 +374,7 @@ def cmd_draw(args: argparse.Namespace) -> int:
 
     if args.html:
         return cmd_draw_html(args)
-    schedule = _schedule_from_args(args)
+    schedule = schedule_from_args(args)
     result = _simulate(schedule, parse_costs(args.costs))
     try:
         out = draw(result, schedule, args.output)
@@ -693,7 +471,7 @@ def build_parser(load_verify: bool = False) -> argparse.ArgumentParser:
     sub.add_parser("list", help="registered schedules").set_defaults(func=cmd_list)
 
     sim = sub.add_parser("simulate", help="generate (or load), validate and simulate a schedule")
-    _add_source_args(sim)
+    add_source_args(sim)
     sim.add_argument("--json", action="store_true", help="print the result as JSON")
     sim.add_argument("--show", action="store_true", help="also print every rank's op list")
     sim.add_argument(
@@ -768,7 +546,7 @@ def build_parser(load_verify: bool = False) -> argparse.ArgumentParser:
     val.set_defaults(func=cmd_validate)
 
     drw = sub.add_parser("draw", help="Gantt chart of a simulated schedule")
-    _add_source_args(drw)
+    add_source_args(drw)
     drw.add_argument("-o", "--output", required=True, help="output file, .png or .svg (.html with --html)")
     drw.add_argument(
         "--html",

@@ -8,19 +8,26 @@ A generator decides *which* op a rank runs next; the engine keeps everything els
   Rows are built as :class:`~.ir.Op` lists, the schedule IR itself.
 * **one clock**: an op starts when its rank is free and its input has arrived; an input made on
   another rank arrives ``T_comm`` after its producer ends, a local hand-off at once. That is the
-  simulator's ``comm="async"`` model (:mod:`.timing`, what the executor does), so the times a
-  generator decides with are the times the simulator reports.
+  simulator's ``comm="async"`` model, so the times a generator decides with are the times the
+  simulator reports. A finished order is timed by the one timing core (:func:`.timing.time_ops`,
+  which the simulator uses too) through :func:`order_times` / :func:`replay`; while an order is
+  being built, :meth:`Engine.arrival` and :meth:`Engine.run` apply the same rule one op at a time
+  (``tests/schedules/test_engine.py`` checks the two agree to the bit).
 * **memory** as the simulator counts it: an ``F`` adds one activation of its stage on its rank; with
   ``w_memory`` = 1 (default) the matching ``W`` frees it and ``B`` frees nothing; with a fraction ``f``
   (what a pending ``W`` really keeps, zero-bubble paper Table 1) ``B`` frees ``1 - f`` and ``W`` the rest.
 
 The decisions are the generator's (its *policy*): which ready op runs next, when a ``W`` goes in,
-when the warm-up stops admitting forwards. :meth:`Engine.earliest_first` is the plain driver (each
-rank proposes its next op, the earliest runs); :func:`replay` times a fixed order with the same clock.
+when the warm-up stops admitting forwards. Two drivers: :meth:`Engine.earliest_first` (each rank
+proposes its next op, the earliest runs) and :meth:`Engine.by_clock` (ranks decide in order of their
+clocks, waking the rank their output feeds); :func:`pass_op`, :func:`input_of` and :func:`output_of`
+translate between passes, ops and their neighbours.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,8 +35,9 @@ from dataclasses import dataclass
 from .costs import StageCosts
 from .ir import Op, OpKind
 from .placement import Placement
+from .timing import OpTimes, time_ops
 
-__all__ = ["Engine", "Timing", "backward", "forward", "replay"]
+__all__ = ["Engine", "Timing", "backward", "forward", "input_of", "order_times", "output_of", "pass_op", "replay"]
 
 _KIND_F, _KIND_W = OpKind.F, OpKind.W
 _op = tuple.__new__  # Op(kind, stage, microbatch) without the NamedTuple constructor's overhead
@@ -43,6 +51,36 @@ def forward(chunk: int, v: int) -> int:
 def backward(chunk: int, v: int) -> int:
     """Pass index of the input-gradient backward of ``chunk`` on a rank with ``v`` chunks."""
     return v + chunk
+
+
+def pass_op(stages: Sequence[int], which: int, k: int, weight: bool = False) -> Op:
+    """The op of pass ``which`` for micro-batch ``k`` on a rank holding ``stages`` (one per chunk);
+    ``weight``: the deferred ``W`` of that (backward) pass."""
+    v = len(stages)
+    kind = _KIND_F if which < v else _KIND_W if weight else OpKind.B
+    return _op(Op, (kind, stages[which % v], k))
+
+
+def input_of(op: Op, last_stage: int) -> Op | None:
+    """The op whose output ``op`` consumes (None: the data loader's): a forward the previous stage's,
+    a backward the next stage's (the last stage's its own forward), a ``W`` its own ``B``."""
+    kind, s, _ = op
+    if kind is _KIND_F:
+        return op._replace(stage=s - 1) if s > 0 else None
+    if kind is _KIND_W:
+        return op._replace(kind=OpKind.B)
+    return op._replace(stage=s + 1) if s < last_stage else op._replace(kind=_KIND_F)
+
+
+def output_of(op: Op, last_stage: int) -> Op | None:
+    """The op that consumes ``op``'s output across a stage boundary or the turn of the last stage
+    (None for a ``W`` and the first stage's backward)."""
+    kind, s, _ = op
+    if kind is _KIND_F:
+        return op._replace(stage=s + 1) if s < last_stage else op._replace(kind=OpKind.B)
+    if kind is _KIND_W:
+        return None
+    return op._replace(stage=s - 1) if s > 0 else None
 
 
 @dataclass(frozen=True)
@@ -79,7 +117,7 @@ class Engine:
     """
 
     __slots__ = (
-        "_b_frees", "_inputs", "_table", "_w_frees", "b_end", "busy", "clock", "count", "f_end", "first",
+        "_b_frees", "_inputs", "_table", "_w_frees", "b_end", "busy", "clock", "count", "f_end", "first", "idle",
         "last_stage", "live", "m", "next", "p", "peak", "pending_w", "rank_of", "record", "rows", "sc", "stage_of",
         "total", "v",
     )  # fmt: skip
@@ -113,6 +151,7 @@ class Engine:
         self.clock = [0.0] * p if start is None else [float(x) for x in start]
         self.first = [-1.0] * p
         self.busy = [0.0] * p
+        self.idle = [0.0] * p  # per rank, waits after its first op
         self.rows: list[list[Op]] = [[] for _ in range(p)]
         self.count = [0] * p  # ops run per rank
         self.total = 3 * v * m  # ops of a rank
@@ -182,6 +221,8 @@ class Engine:
         self.next[r][which] = k + 1
         if self.first[r] < 0:
             self.first[r] = start
+        else:
+            self.idle[r] += start - self.clock[r]
         ends[k] = self.clock[r] = start + duration
         self.busy[r] += duration
         self.count[r] += 1
@@ -195,6 +236,15 @@ class Engine:
             self.pending_w[r].append((s, k))
             if self._b_frees:
                 self.live[r] -= self._b_frees
+
+    def run_asap(self, r: int, which: int) -> bool:
+        """Run rank ``r``'s next ``which`` pass as soon as its rank is free and its input is there;
+        False if it has none left or its input is not made yet."""
+        arrival = self.arrival(r, which)
+        if arrival is None:
+            return False
+        self.run(r, which, max(self.clock[r], arrival))
+        return True
 
     def w_duration(self, r: int) -> float:
         """Duration of rank ``r``'s oldest deferred ``W`` (it must have one)."""
@@ -239,12 +289,72 @@ class Engine:
             choice[r] = choose(r)
         return all(self.done(r) for r in range(p))
 
+    def by_clock(self, decide: Callable[[int, bool], float | None]) -> None:
+        """The event-driven driver: ranks decide in order of their clocks. ``decide(r, force)`` runs
+        at most one op on rank ``r`` at its clock and returns when to ask again (None: when a
+        producer has run). A rank that ran an op wakes the rank its output feeds, one hop later.
+        When every rank waits, each unfinished rank is asked again with ``force`` (earliest clock
+        first) until one runs or says when, and the driver goes on; it stops when none can."""
+        p, total, inf = self.p, self.total, math.inf
+        wake = [0.0] * p  # when each rank next decides; inf = waits for a producer
+        heap = [(0.0, r) for r in range(p)]
+
+        def step(r: int, force: bool) -> bool:
+            """Let rank r decide at its clock; True if it ran an op or will decide again."""
+            before = self.count[r]
+            again = decide(r, force)
+            if self.count[r] > before:
+                q = self.receiver(r, self.rows[r][-1])
+                if q is not None and self.count[q] < total:
+                    when = max(self.clock[q], self.clock[r] + self.sc.comm)
+                    if when < wake[q]:
+                        wake[q] = when
+                        heapq.heappush(heap, (when, q))
+                again = self.clock[r]
+            if self.count[r] >= total or again is None:
+                wake[r] = inf
+                return self.count[r] > before
+            wake[r] = max(again, self.clock[r])
+            heapq.heappush(heap, (wake[r], r))
+            return True
+
+        while True:
+            while heap:
+                t, r = heapq.heappop(heap)
+                if t != wake[r]:
+                    continue  # superseded
+                self.clock[r] = max(self.clock[r], t)
+                step(r, False)
+            waiting = sorted((r for r in range(p) if self.count[r] < total), key=lambda x: self.clock[x])
+            if not waiting or not any(step(r, True) for r in waiting):
+                break
+
+    def receiver(self, r: int, op: Op) -> int | None:
+        """The rank waiting for ``op``'s output, if another rank."""
+        out = output_of(op, self.last_stage)
+        return None if out is None or self.rank_of[out.stage] == r else self.rank_of[out.stage]
+
     def done(self, r: int) -> bool:
         return self.count[r] >= self.total
 
     def timing(self) -> Timing:
         spans = tuple(self.clock[r] - max(self.first[r], 0.0) for r in range(self.p))
         return Timing(max(self.clock), spans, tuple(self.busy), tuple(self.peak), tuple(self.clock))
+
+
+def order_times(
+    placement: Placement,
+    m: int,
+    costs: StageCosts,
+    rows: Sequence[Sequence[Op]],
+    *,
+    start: Sequence[float] | None = None,
+) -> OpTimes:
+    """Time a fixed per-rank order with the timing core (:func:`.timing.time_ops`, the simulator's
+    async model): each op as early as its rank and input allow. Every output is a message (to the
+    consumer's rank, ``T_comm`` later; a local hand-off to the same rank at once), so an order in
+    which a rank waits for something it runs later raises ``RuntimeError``."""
+    return _time_order(placement, m, costs, rows, start=start)[0]
 
 
 def replay(
@@ -256,56 +366,68 @@ def replay(
     w_memory: float = 1.0,
     start: Sequence[float] | None = None,
 ) -> Timing:
-    """Time a fixed per-rank order on the engine's clock (each op as early as its rank and input
-    allow); the engine's tables, run inline (it is the inner loop of every candidate's timing).
+    """The :class:`Timing` of a fixed per-rank order on the engine's clock (:func:`order_times`).
     ``start``: when each rank is free to begin (default 0); ``w_memory``: see :class:`Engine`."""
-    eng = Engine(placement, m, costs, record=False, w_memory=w_memory, start=start)
-    w_frees, b_frees = eng._w_frees, eng._b_frees
-    p, v = eng.p, eng.v
-    chunk_of = [c for _, c in placement.locations]
-    w_time = costs.w
-    pos, clock, first, busy, live, peak = [0] * p, eng.clock, eng.first, eng.busy, eng.live, eng.peak
-    waiting: list[list[int]] = [[] for _ in range(p)]  # ranks blocked on what rank q will produce
-    todo = list(range(p - 1, -1, -1))
-    kind_w, kind_f = OpKind.W, OpKind.F
-    while todo:
-        r = todo.pop()
-        row, table, k, t = rows[r], eng._table[r], pos[r], clock[r]
-        lv, pk, bz = live[r], peak[r], busy[r]
-        n = len(row)
-        while k < n:
-            kind, st, i = row[k]
-            if kind is kind_w:
-                duration = w_time[st]
-                lv -= w_frees
-            else:
-                which = chunk_of[st] + (0 if kind is kind_f else v)
-                _, _, duration, ends, inputs, hop = table[which]
-                if inputs is not None:
-                    end = inputs[i]
-                    if end < 0:  # wait for the producer's rank (its own rank: the order deadlocks)
-                        q = eng.rank_of[eng.producer(r, which)]  # type: ignore[index]
-                        if q != r:
-                            waiting[q].append(r)
-                        break
-                    if end + hop > t:
-                        t = end + hop
-                ends[i] = t + duration
-                if kind is kind_f:
-                    lv += 1
-                    if lv > pk:
-                        pk = lv
-                elif b_frees:
-                    lv -= b_frees
-            if k == 0:
-                first[r] = t
-            t += duration
-            bz += duration
-            k += 1
-        live[r], peak[r], busy[r] = lv, pk, bz
-        pos[r], clock[r] = k, t
-        todo.extend(waiting[r])
-        waiting[r].clear()
-    if any(pos[r] < len(rows[r]) for r in range(p)):
-        raise AssertionError("replay: the order deadlocks")
-    return eng.timing()
+    try:
+        times, busy, peaks = _time_order(placement, m, costs, rows, w_memory=w_memory, start=start)
+    except RuntimeError:
+        raise AssertionError("replay: the order deadlocks") from None
+    spans = tuple(end - row[0] if row else 0.0 for row, end in zip(times.starts, times.last_end, strict=True))
+    return Timing(max(times.last_end, default=0.0), spans, tuple(busy), tuple(peaks), tuple(times.last_end))
+
+
+def _time_order(
+    placement: Placement,
+    m: int,
+    costs: StageCosts,
+    rows: Sequence[Sequence[Op]],
+    *,
+    w_memory: float = 1.0,
+    start: Sequence[float] | None = None,
+) -> tuple[OpTimes, list[float], list[float]]:
+    """:func:`order_times`, plus per rank its busy time and peak live activations."""
+    stages = placement.num_stages
+    rank_of = [rank for rank, _ in placement.locations]
+    last = stages - 1
+    # message (stage, micro-batch, is-backward) -> id (2 (stage m + mb) + is-backward); its receiver
+    dst = [0] * (2 * stages * m)
+    for s in range(stages):
+        to_f, to_b = rank_of[s + 1] if s < last else rank_of[s], rank_of[s - 1] if s > 0 else rank_of[s]
+        dst[2 * s * m : 2 * (s + 1) * m : 2] = [to_f] * m
+        dst[2 * s * m + 1 : 2 * (s + 1) * m : 2] = [to_b] * m
+    hop = costs.comm
+    latency = [0.0 if dst[mid] == rank_of[mid // (2 * m)] else hop for mid in range(len(dst))]
+    # per op kind and stage: (duration, id of its input message for micro-batch 0 or -1, the same for
+    # its output, live activations it adds); w_memory as in :class:`Engine` (1: integral counts)
+    w_frees: float = 1 if w_memory == 1 else float(w_memory)
+    b_frees: float = 0 if w_memory == 1 else 1.0 - float(w_memory)
+    table: dict[OpKind, list[tuple[float, int, int, float]]] = {
+        _KIND_F: [(costs.f[s], 2 * (s - 1) * m if s > 0 else -1, 2 * s * m, 1) for s in range(stages)],
+        _KIND_W: [(costs.w[s], -1, -1, -w_frees) for s in range(stages)],
+    }
+    table[OpKind.B] = table[OpKind.BW] = [
+        (costs.b[s], 2 * (s + 1) * m + 1 if s < last else 2 * s * m, 2 * s * m + 1 if s > 0 else -1, -b_frees)
+        for s in range(stages)
+    ]
+    durations, waits, sends, busy, peaks = [], [], [], [], []
+    for row in rows:
+        dur: list[float] = []
+        wait: list[int] = []
+        send: list[int] = []
+        total, live, peak = 0.0, 0.0, 0.0
+        for kind, s, i in row:
+            d, need, out, grows = table[kind][s]
+            dur.append(d)
+            wait.append(need + 2 * i if need >= 0 else -1)
+            send.append(out + 2 * i if out >= 0 else -1)
+            total += d  # in order, as the rank runs them (sum()'s rounding may differ)
+            if grows:
+                live += grows
+                if live > peak:
+                    peak = live
+        durations.append(dur)
+        waits.append(wait)
+        sends.append(send)
+        busy.append(total)
+        peaks.append(peak)
+    return time_ops(durations, waits, sends, dst, latency, start=start), busy, peaks

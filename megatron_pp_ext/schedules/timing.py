@@ -1,11 +1,19 @@
-"""Start time of every op of a lowered schedule, given each op's duration.
+"""The one timing core: when each op of a per-rank order starts, under the simulator's model.
 
-The one timing core: :func:`megatron_pp_ext.analysis.simulate.simulate` reports from it and
-``v-zb`` chooses among its candidate orders with it. Every rank starts at 0 and runs its ops in
-order; a message is sent right after its producer (as the lowering places it) and arrives
-``t_comm`` later. ``blocking=False`` (what the executor does): an op waits only for the arrival
-of its own input; ``blocking=True``: a rank waits at each batch of receives the lowering placed
-(possibly early, see :mod:`.lowering`) until all of them have arrived.
+Every rank starts at 0 and runs its ops in order; an op starts when its rank is free and the
+messages it waits for have arrived; a message is sent right after the op that makes it and
+arrives its latency later. :func:`time_ops` is that loop, once; the options change what an op
+waits for and what a rank runs besides its ops:
+
+* ``waits[r][k]``: what op ``k`` of rank ``r`` waits for. Its own input message only is the
+  ``comm="async"`` model (what the executor does, what the list-scheduling engine decides with);
+  every receive of the batch the lowering placed before it is the ``comm="blocking"`` model.
+* ``pairs``: overlap pairs (two ops run as one step that takes ``max + (1 - overlap) * min``).
+* ``collectives`` / ``gates``: one collective stream per rank (data parallelism, FSDP).
+
+The callers are thin: :func:`op_start_times` and :func:`op_start_times_with_stream` time a lowered
+schedule for :func:`megatron_pp_ext.analysis.simulate.simulate`; :func:`~.engine.replay` times a
+generator's candidate order (its local hand-offs are messages of latency 0 to the same rank).
 """
 
 from __future__ import annotations
@@ -16,9 +24,195 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     from .lowering import LoweredSchedule
 
-__all__ = ["Iterations", "StreamTimes", "op_start_times", "op_start_times_with_stream", "repeat_iterations"]
+__all__ = [
+    "Iterations",
+    "OpTimes",
+    "op_start_times",
+    "op_start_times_with_stream",
+    "repeat_iterations",
+    "time_ops",
+]
 
 _NOT_SENT, _AWAITED = -1.0, -2.0
+Groups = Sequence[Sequence[tuple[int, ...] | None]]
+
+
+class OpTimes(NamedTuple):
+    """What :func:`time_ops` found, per rank."""
+
+    starts: list[list[float]]  # start of each op in rank order
+    last_end: list[float]  # end of the last op (0 for an empty rank)
+    issue: list[list[float]]  # per collective (in issue order): when the rank reached its gap
+    begin: list[list[float]]  # when it started on the stream
+    end: list[list[float]]  # when it finished
+    stall: list[float]  # time ops waited for a collective beyond their input and their rank
+
+
+def time_ops(
+    durations: Sequence[Sequence[float]],
+    waits: Sequence[Sequence[int]] | Groups,
+    sends: Sequence[Sequence[int]] | Groups,
+    dst: Sequence[int],
+    latency: Sequence[float],
+    *,
+    groups: bool = False,
+    pairs: Sequence[Sequence[int]] = (),
+    overlap: float = 0.0,
+    collectives: Sequence[Sequence[tuple[int, float]]] | None = None,
+    gates: Sequence[Sequence[int]] | None = None,
+    start: Sequence[float] | None = None,
+) -> OpTimes:
+    """Start of every op, per rank (module doc).
+
+    ``durations[r][k]``: op ``k`` of rank ``r``. ``waits[r][k]``: the id of the one message it waits
+    for (-1: none); ``sends[r][k]``: the id of the message sent right after it (-1: none). With
+    ``groups`` both hold tuples of ids (None: none): every message the op waits for, every one sent
+    after it. ``dst[mid]``: the rank receiving message ``mid``; ``latency[mid]``: from its send to
+    its arrival. ``pairs[r]``: the first op of each overlap pair of rank ``r``, run as one step with
+    ``overlap`` (0..1) of the shorter op hidden under the longer (:func:`_pair_steps`).
+    ``collectives[r]``: ``(gap, duration)`` in issue order (gap ``i`` = just before op ``i``), issued
+    when the rank reaches the gap and run one after another on the rank's stream, overlapping
+    compute; ``gates[r][k]``: index in ``collectives[r]`` of the one op ``k`` waits for, -1 for none.
+    ``start[r]``: when rank ``r`` is free to begin (default 0: one iteration alone); an empty rank
+    ends at its start.
+
+    Raises ``RuntimeError`` if some rank waits for a message that is never sent.
+    """
+    if overlap and any(pairs):
+        if collectives is not None:
+            raise ValueError("overlap pairs are not timed with a collective stream")
+        steps = _pair_steps(durations, waits, sends, groups, pairs, overlap)
+        times = time_ops(*steps, dst, latency, groups=True, start=start)
+        return times._replace(starts=[_unpair(row, firsts) for row, firsts in zip(times.starts, pairs, strict=True)])
+    p = len(durations)
+    arrival = [_NOT_SENT] * len(dst)
+    starts: list[list[float]] = [[] for _ in range(p)]
+    issue: list[list[float]] = [[] for _ in range(p)]
+    begin: list[list[float]] = [[] for _ in range(p)]
+    end: list[list[float]] = [[] for _ in range(p)]
+    stall = [0.0] * p
+    clock = [0.0] * p if start is None else [float(x) for x in start]
+    begin_at = clock[:]
+    free = clock[:]  # when each rank's collective stream is free
+    pc = [0] * p
+    stack = list(range(p - 1, -1, -1))
+    while stack:
+        rank = stack.pop()
+        dur, wait, sent = durations[rank], waits[rank], sends[rank]
+        colls = collectives[rank] if collectives is not None else None
+        gate = gates[rank] if gates is not None else None
+        n = len(dur)
+        k, t = pc[rank], clock[rank]
+        add_start = starts[rank].append
+        while True:
+            if colls:  # issue what the rank reached (once)
+                c = len(issue[rank])
+                while c < len(colls) and colls[c][0] <= k:
+                    at = free[rank] if free[rank] > t else t
+                    free[rank] = at + colls[c][1]
+                    issue[rank].append(t)
+                    begin[rank].append(at)
+                    end[rank].append(free[rank])
+                    c += 1
+            if k >= n:
+                break
+            need = wait[k]
+            if groups:
+                missing = False
+                for mid in need or ():  # type: ignore[union-attr]
+                    at = arrival[mid]
+                    if at < 0:  # not sent yet: its sender resumes this rank
+                        arrival[mid] = _AWAITED
+                        missing = True
+                    elif at > t:
+                        t = at
+                if missing:
+                    break
+            elif need >= 0:  # type: ignore[operator]
+                at = arrival[need]  # type: ignore[index]
+                if at < 0:  # not sent yet: its sender resumes this rank
+                    arrival[need] = _AWAITED  # type: ignore[index]
+                    break
+                if at > t:
+                    t = at
+            if gate is not None:
+                g = gate[k]
+                if g >= 0 and end[rank][g] > t:
+                    stall[rank] += end[rank][g] - t
+                    t = end[rank][g]
+            add_start(t)
+            t += dur[k]
+            out = sent[k]
+            if groups:
+                for mid in out or ():  # type: ignore[union-attr]
+                    if arrival[mid] < 0:  # sent once; a rank waiting for it resumes
+                        if arrival[mid] == _AWAITED:
+                            stack.append(dst[mid])
+                        arrival[mid] = t + latency[mid]
+            elif out >= 0 and arrival[out] < 0:  # type: ignore[operator,index]
+                if arrival[out] == _AWAITED:  # type: ignore[index]
+                    stack.append(dst[out])  # type: ignore[index]
+                arrival[out] = t + latency[out]  # type: ignore[index]
+            k += 1
+        pc[rank], clock[rank] = k, t
+    stuck = [r for r in range(p) if pc[r] < len(durations[r])]
+    if stuck:
+        raise RuntimeError(f"simulation stuck: ranks {stuck} wait for messages that are never sent")
+    last_end = [clock[r] if starts[r] else begin_at[r] for r in range(p)]
+    return OpTimes(starts, last_end, issue, begin, end, stall)
+
+
+def _as_group(x: object, groups: bool) -> tuple[int, ...]:
+    if groups:
+        return x or ()  # type: ignore[return-value]
+    return (x,) if x >= 0 else ()  # type: ignore[operator,return-value]
+
+
+def _pair_steps(
+    durations: Sequence[Sequence[float]],
+    waits: Sequence[Sequence[int]] | Groups,
+    sends: Sequence[Sequence[int]] | Groups,
+    groups: bool,
+    pairs: Sequence[Sequence[int]],
+    overlap: float,
+) -> tuple[list[list[float]], list[list[tuple[int, ...]]], list[list[tuple[int, ...]]]]:
+    """Per rank, its ops as steps: an overlap pair (ops ``i``, ``i+1``) is one step that starts once
+    both inputs are there, takes ``max + (1 - overlap) * min`` of the two durations and sends both
+    outputs at its end; other ops are steps of their own. Waits and sends as groups."""
+    out_d: list[list[float]] = []
+    out_w: list[list[tuple[int, ...]]] = []
+    out_s: list[list[tuple[int, ...]]] = []
+    for rank, dur in enumerate(durations):
+        first = set(pairs[rank]) if rank < len(pairs) else set()
+        d: list[float] = []
+        w: list[tuple[int, ...]] = []
+        s: list[tuple[int, ...]] = []
+        k = 0
+        while k < len(dur):
+            width = 2 if k in first else 1
+            if width == 2:
+                a, b = dur[k], dur[k + 1]
+                d.append(max(a, b) + (1.0 - overlap) * min(a, b))
+            else:
+                d.append(dur[k])
+            w.append(tuple(mid for j in range(k, k + width) for mid in _as_group(waits[rank][j], groups)))
+            s.append(tuple(mid for j in range(k, k + width) for mid in _as_group(sends[rank][j], groups)))
+            k += width
+        out_d.append(d)
+        out_w.append(w)
+        out_s.append(s)
+    return out_d, out_w, out_s
+
+
+def _unpair(step_starts: list[float], firsts: Sequence[int]) -> list[float]:
+    """Op starts from step starts: both ops of a pair start with their step."""
+    out: list[float] = []
+    first = set(firsts)
+    for start in step_starts:
+        out.append(start)
+        if len(out) - 1 in first:
+            out.append(start)
+    return out
 
 
 def op_start_times(
@@ -30,45 +224,36 @@ def op_start_times(
     overlap: float = 0.0,
     start: Sequence[float] | None = None,
 ) -> tuple[list[list[float]], list[float]]:
-    """``(starts, last_end)``: per rank the start of each op in rank order, and the end of its
-    last op (its start clock for an empty rank). ``durations[r][i]`` is the duration of op ``i`` of
-    rank ``r``; ``start[r]`` when rank ``r`` is free to begin (default 0: one iteration alone).
-
-    ``overlap`` (0..1, non-blocking receives only): the schedule's overlap pairs run as one step
-    that starts once both inputs are there, takes ``max + (1 - overlap) * min`` of the two
-    durations and sends both outputs at its end. With 0 (default) a pair runs as two plain ops.
+    """``(starts, last_end)`` of a lowered schedule (:func:`time_ops`): per rank the start of each
+    op in rank order, and the end of its last op (0 for an empty rank). ``blocking=False`` (what
+    the executor does): an op waits only for its own input; ``blocking=True``: a rank waits at each
+    batch of receives the lowering placed (possibly early, see :mod:`.lowering`) until all arrived.
+    ``overlap`` (0..1, non-blocking only): the schedule's overlap pairs run as one step each.
+    ``start[r]``: when rank ``r`` is free to begin (default 0: one iteration alone).
 
     Raises ``RuntimeError`` if some rank waits for a message that never comes (a lowering that
     :func:`~megatron_pp_ext.analysis.validate.validate` would reject).
     """
     plan = lowered.timing_plan
-    p = len(durations)
-    arrival = [_NOT_SENT] * plan.num_messages
-    starts: list[list[float]] = [[] for _ in range(p)]
-    clock = [0.0] * p if start is None else [float(x) for x in start]
-    begin = clock[:]
-    pc = [0] * p
     pairs = lowered.schedule.overlap_pairs if overlap else ()
     if pairs and blocking:
         raise ValueError("overlap pairs are timed with non-blocking receives only")
-    if pairs:
-        first = [bytearray(len(row)) for row in durations]
-        for rank, row in enumerate(pairs):
-            for i in row:
-                first[rank][i] = 1
-        inputs, sends, dst = plan.inputs_of_ops, plan.sends_after_ops, plan.dst_rank
-        _run_paired(durations, first, overlap, inputs, sends, dst, t_comm, arrival, starts, clock, pc)
+    latency = [t_comm] * plan.num_messages
+    if blocking:  # every receive of the batch before an op, as groups (sends too)
+        sends = [[(mid,) if mid >= 0 else None for mid in row] for row in plan.sends_after_ops]
+        times = time_ops(durations, plan.receive_groups, sends, plan.dst_rank, latency, groups=True, start=start)
     else:
-        run, waits = (_run_blocking, plan.receive_groups) if blocking else (_run_async, plan.inputs_of_ops)
-        run(durations, waits, plan.sends_after_ops, plan.dst_rank, t_comm, arrival, starts, clock, pc)  # type: ignore[operator]
-    stuck = [r for r in range(p) if pc[r] < len(durations[r])]
-    if stuck:
-        raise RuntimeError(f"simulation stuck: ranks {stuck} wait for messages that are never sent")
-    if pairs:  # a rank's clock is the end of its last step
-        last_end = [clock[r] if starts[r] else begin[r] for r in range(p)]
-    else:
-        last_end = [row[-1] + dur[-1] if row else b for row, dur, b in zip(starts, durations, begin, strict=True)]
-    return starts, last_end
+        times = time_ops(
+            durations,
+            plan.inputs_of_ops,
+            plan.sends_after_ops,
+            plan.dst_rank,
+            latency,
+            pairs=pairs,
+            overlap=overlap,
+            start=start,
+        )
+    return times.starts, times.last_end
 
 
 class Iterations(NamedTuple):
@@ -122,224 +307,23 @@ def repeat_iterations(
     return Iterations(ends, ready, time)
 
 
-def _run_async(
-    durations: Sequence[list[float]],
-    inputs: list[list[int]],
-    sent_after: list[list[int]],
-    dst: list[int],
-    t_comm: float,
-    arrival: list[float],
-    starts: list[list[float]],
-    clock: list[float],
-    pc: list[int],
-) -> None:
-    """Each op waits for its own input (``inputs[r][k]``: message id, -1 for none)."""
-    stack = list(range(len(durations) - 1, -1, -1))
-    while stack:
-        rank = stack.pop()
-        dur, wait, sends = durations[rank], inputs[rank], sent_after[rank]
-        n = len(dur)
-        k, t = pc[rank], clock[rank]
-        add_start = starts[rank].append
-        while k < n:
-            need = wait[k]
-            if need >= 0:
-                at = arrival[need]
-                if at < 0:  # not sent yet: its sender resumes this rank
-                    arrival[need] = _AWAITED
-                    break
-                if at > t:
-                    t = at
-            add_start(t)
-            t += dur[k]
-            mid = sends[k]
-            if mid >= 0:
-                if arrival[mid] == _AWAITED:
-                    stack.append(dst[mid])
-                if arrival[mid] < 0:
-                    arrival[mid] = t + t_comm
-            k += 1
-        pc[rank], clock[rank] = k, t
-
-
-def _run_paired(
-    durations: Sequence[list[float]],
-    first: list[bytearray],
-    overlap: float,
-    inputs: list[list[int]],
-    sent_after: list[list[int]],
-    dst: list[int],
-    t_comm: float,
-    arrival: list[float],
-    starts: list[list[float]],
-    clock: list[float],
-    pc: list[int],
-) -> None:
-    """:func:`_run_async` where ``first[r][k]`` marks an overlap pair (ops ``k``, ``k+1``) run as one step."""
-    stack = list(range(len(durations) - 1, -1, -1))
-    while stack:
-        rank = stack.pop()
-        dur, wait, sends, pair = durations[rank], inputs[rank], sent_after[rank], first[rank]
-        n = len(dur)
-        k, t = pc[rank], clock[rank]
-        while k < n:
-            width = 2 if pair[k] else 1
-            ready, blocked = t, False
-            for need in wait[k : k + width]:
-                if need >= 0:
-                    at = arrival[need]
-                    if at < 0:  # not sent yet: its sender resumes this rank
-                        arrival[need] = _AWAITED
-                        blocked = True
-                    elif at > ready:
-                        ready = at
-            if blocked:
-                break
-            t = ready
-            if width == 2:
-                a, b = dur[k], dur[k + 1]
-                starts[rank] += [t, t]
-                t += max(a, b) + (1.0 - overlap) * min(a, b)
-            else:
-                starts[rank].append(t)
-                t += dur[k]
-            for mid in sends[k : k + width]:
-                if mid >= 0:
-                    if arrival[mid] == _AWAITED:
-                        stack.append(dst[mid])
-                    if arrival[mid] < 0:
-                        arrival[mid] = t + t_comm
-            k += width
-        pc[rank], clock[rank] = k, t
-
-
-def _run_blocking(
-    durations: Sequence[list[float]],
-    groups: list[list[tuple[int, ...] | None]],
-    sent_after: list[list[int]],
-    dst: list[int],
-    t_comm: float,
-    arrival: list[float],
-    starts: list[list[float]],
-    clock: list[float],
-    pc: list[int],
-) -> None:
-    """Each op waits for every receive of the batch before it (``groups[r][k]``, None for none)."""
-    outstanding = [0] * len(durations)  # messages a blocked rank still waits for
-    stack = list(range(len(durations) - 1, -1, -1))
-    while stack:
-        rank = stack.pop()
-        dur, wait, sends = durations[rank], groups[rank], sent_after[rank]
-        n = len(dur)
-        k, t = pc[rank], clock[rank]  # resumed at op k: its batch is checked again, all arrived now
-        add_start = starts[rank].append
-        while k < n:
-            group = wait[k]
-            if group is not None:
-                missing = 0
-                for mid in group:
-                    at = arrival[mid]
-                    if at < 0:
-                        arrival[mid] = _AWAITED
-                        missing += 1
-                    elif at > t:
-                        t = at
-                if missing:
-                    outstanding[rank] = missing
-                    break
-            add_start(t)
-            t += dur[k]
-            mid = sends[k]
-            if mid >= 0 and arrival[mid] < 0:
-                if arrival[mid] == _AWAITED:
-                    peer = dst[mid]
-                    outstanding[peer] -= 1
-                    if not outstanding[peer]:
-                        stack.append(peer)
-                arrival[mid] = t + t_comm
-            k += 1
-        pc[rank], clock[rank] = k, t
-
-
-class StreamTimes(NamedTuple):
-    """What :func:`op_start_times_with_stream` found, per rank."""
-
-    starts: list[list[float]]  # start of each op in rank order
-    last_end: list[float]  # end of the last op (0 for an empty rank)
-    issue: list[list[float]]  # per collective (in issue order): when the rank reached its gap
-    begin: list[list[float]]  # when it started on the stream
-    end: list[list[float]]  # when it finished
-    stall: list[float]  # time ops waited for a collective beyond their input and their rank
-
-
 def op_start_times_with_stream(
     lowered: LoweredSchedule,
     durations: Sequence[list[float]],
     t_comm: float,
     collectives: Sequence[Sequence[tuple[int, float]]],
     gate: Sequence[Sequence[int]],
-) -> StreamTimes:
-    """:func:`op_start_times` (non-blocking receives) plus one collective stream per rank.
-
-    ``collectives[r]``: ``(gap, duration)`` in issue order (gap ``i`` = just before op ``i``).
-    A collective is issued when its rank reaches its gap (the end of the op before it) and runs
-    on the rank's stream after the collectives issued before it, overlapping compute.
-    ``gate[r][i]``: index in ``collectives[r]`` of the collective op ``i`` waits for (an FSDP
-    unshard or parameter gather of its chunk), -1 for none.
-    """
+) -> OpTimes:
+    """:func:`op_start_times` (non-blocking receives) plus one collective stream per rank
+    (``collectives`` and ``gate`` as in :func:`time_ops`)."""
     plan = lowered.timing_plan
-    p = len(durations)
-    inputs, sent_after, dst = plan.inputs_of_ops, plan.sends_after_ops, plan.dst_rank
-    arrival = [_NOT_SENT] * plan.num_messages
-    starts: list[list[float]] = [[] for _ in range(p)]
-    issue: list[list[float]] = [[] for _ in range(p)]
-    begin: list[list[float]] = [[] for _ in range(p)]
-    end: list[list[float]] = [[] for _ in range(p)]
-    stall = [0.0] * p
-    free = [0.0] * p  # when each rank's stream is free
-    clock = [0.0] * p
-    pc = [0] * p
-    stack = list(range(p - 1, -1, -1))
-    while stack:
-        rank = stack.pop()
-        dur, wait, sends, colls, gates = durations[rank], inputs[rank], sent_after[rank], collectives[rank], gate[rank]
-        n = len(dur)
-        k, t = pc[rank], clock[rank]
-        while k <= n:
-            c = len(issue[rank])
-            while c < len(colls) and colls[c][0] <= k:  # issue what the rank reached (once)
-                start = max(t, free[rank])
-                free[rank] = start + colls[c][1]
-                issue[rank].append(t)
-                begin[rank].append(start)
-                end[rank].append(free[rank])
-                c += 1
-            if k == n:
-                break
-            ready = t
-            need = wait[k]
-            if need >= 0:
-                at = arrival[need]
-                if at < 0:  # not sent yet: its sender resumes this rank
-                    arrival[need] = _AWAITED
-                    break
-                ready = max(ready, at)
-            g = gates[k]
-            if g >= 0 and end[rank][g] > ready:
-                stall[rank] += end[rank][g] - ready
-                ready = end[rank][g]
-            starts[rank].append(ready)
-            t = ready + dur[k]
-            mid = sends[k]
-            if mid >= 0:
-                if arrival[mid] == _AWAITED:
-                    stack.append(dst[mid])
-                if arrival[mid] < 0:
-                    arrival[mid] = t + t_comm
-            k += 1
-        pc[rank], clock[rank] = k, t
-    stuck = [r for r in range(p) if pc[r] < len(durations[r])]
-    if stuck:
-        raise RuntimeError(f"simulation stuck: ranks {stuck} wait for messages that are never sent")
-    last_end = [row[-1] + d[-1] if row else 0.0 for row, d in zip(starts, durations, strict=True)]
-    return StreamTimes(starts, last_end, issue, begin, end, stall)
+    latency = [t_comm] * plan.num_messages
+    return time_ops(
+        durations,
+        plan.inputs_of_ops,
+        plan.sends_after_ops,
+        plan.dst_rank,
+        latency,
+        collectives=collectives,
+        gates=gate,
+    )

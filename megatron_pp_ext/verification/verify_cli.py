@@ -11,7 +11,7 @@ from ..argtypes import nonnegative_float, positive_float, positive_int
 
 
 def add_verify_parser(subparsers: Any) -> None:
-    from ..cli import _add_source_args
+    from ..schedule_args import add_source_args as _add_source_args
 
     parser = subparsers.add_parser(
         "verify",
@@ -63,7 +63,8 @@ def add_verify_parser(subparsers: Any) -> None:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from ..cli import PROG, _schedule_from_args
+    from ..schedule_args import PROG
+    from ..schedule_args import schedule_from_args as _schedule_from_args
     from .tiny_gpt import TinyGPTSpec
     from .verify import VerifyRunError, verify_schedule
 

@@ -55,3 +55,20 @@ def test_replay_refuses_a_deadlocked_order() -> None:
     sc = stage_costs(None, 2)
     with pytest.raises(AssertionError, match="deadlock"):
         replay(loop_placement(2), 1, sc, [[F(0, 0), B(0, 0), W(0, 0)], [B(1, 0), F(1, 0), W(1, 0)]])
+
+
+@pytest.mark.parametrize("spec", ["B0 F0 F1 B1 W +cap", "B0 B1 F1 W F0"])
+@pytest.mark.parametrize("costs", COSTS)
+@pytest.mark.parametrize(("p", "m"), [(2, 3), (4, 9)])
+def test_the_engines_clock_is_the_timing_core(spec: str, costs: Costs, p: int, m: int) -> None:
+    """An order built on the engine with every pass at its rank's clock or its input's arrival
+    (the earliest-first driver) is timed the same, to the last bit, by the timing core."""
+    from megatron_pp_ext.schedules.generators.zbv import handcrafted
+
+    if isinstance(costs.t_f, tuple):
+        costs = Costs(costs.t_f[: 2 * p], costs.t_b, costs.t_w, None, costs.t_comm)
+    sc = stage_costs(costs, 2 * p)
+    built = handcrafted(p, m, sc, 2 * p, spec)
+    assert built is not None
+    rows, timing = built
+    assert replay(v_placement(p), m, sc, rows) == timing

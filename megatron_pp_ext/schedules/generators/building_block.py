@@ -36,8 +36,8 @@ From a block and ``m`` (:func:`generate_from_block`):
    cool-down then runs backwards back to back and fills the gaps with ``W``). A move never lets
    the rank's live activations exceed the block's steady-state peak, so reordering never raises
    the peak memory, and never puts two messages between neighbouring ranks in opposite orders on
-   the two ranks (see :func:`_reorder`: the lowering would otherwise make a rank wait). Squeeze and
-   reorder repeat until nothing moves (at most :data:`_MAX_ROUNDS` rounds).
+   the two ranks (see :mod:`.block_schedule`: the lowering would otherwise make a rank wait). Squeeze and
+   reorder repeat until nothing moves (at most four rounds).
 
 Memory (:func:`block_info`): an activation lives from its forward's start to its weight
 pass's end. On rank ``r`` chunk ``c``'s activation lifespan is ``l[r][c]`` slots; with one
@@ -65,12 +65,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..ir import B, F, Op, OpKind, W
+from ..engine import backward, forward, pass_op
+from ..ir import Op
 from ..placement import v_placement
 from ..schedule import Schedule, build_schedule
+from .block_schedule import compact
 from .common import ScheduleParameterError, check_int
 
 __all__ = [
+    "LETTERS",
     "PASSES",
     "BlockInfo",
     "BuildingBlock",
@@ -88,7 +91,16 @@ __all__ = [
 PASSES = ("F", "f", "B", "b", "W", "w")
 _REQUIRED = PASSES[:4]
 _F, _FF, _B, _BB, _W, _WW = range(6)
-_DELTA = {OpKind.F: 1, OpKind.B: 0, OpKind.W: -1, OpKind.BW: -1}  # live activations per op
+#: The letters as the engine's passes on a V rank (:mod:`..engine`), in :data:`PASSES` order: (pass,
+#: whether the letter is that backward pass's deferred ``W``).
+LETTERS = (
+    (forward(0, 2), False),
+    (forward(1, 2), False),
+    (backward(1, 2), False),
+    (backward(0, 2), False),
+    (backward(1, 2), True),
+    (backward(0, 2), True),
+)
 #: The paper's repeating interval: six unit passes per rank and micro-batch.
 DEFAULT_INTERVAL = 6
 
@@ -184,10 +196,9 @@ class BuildingBlock:
         return self.offsets[rank][PASSES.index(name)]
 
     def ops(self, rank: int, microbatch: int) -> tuple[Op, ...]:
-        """The six ops of ``rank`` for ``microbatch`` in :data:`PASSES` order."""
-        s0, s1 = rank, 2 * self.num_ranks - 1 - rank
-        k = microbatch
-        return (F(s0, k), F(s1, k), B(s1, k), B(s0, k), W(s1, k), W(s0, k))
+        """The six ops of ``rank`` for ``microbatch`` in :data:`PASSES` order (:data:`LETTERS`)."""
+        stages = (rank, 2 * self.num_ranks - 1 - rank)  # the V placement's chunks 0 and 1
+        return tuple(pass_op(stages, which, microbatch, weight) for which, weight in LETTERS)
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -380,7 +391,7 @@ def generate_from_block(block: BuildingBlock, p: int, m: int, name: str | None =
             f"block {block.name!r} is laid out for p={block.num_ranks} ranks, cannot build a schedule for p={p}"
         )
     caps = _steady_peaks(block)
-    order = _compact(block, m, caps)
+    order = compact(block, m, caps)
     info = block_info(block)
     return build_schedule(
         name or block.name,
@@ -393,211 +404,3 @@ def generate_from_block(block: BuildingBlock, p: int, m: int, name: str | None =
         memory_bound=info.memory_bound,
         steady_peak=info.peak,
     )
-
-
-def _compact(block: BuildingBlock, m: int, caps: list[int]) -> list[list[Op]]:
-    """Repeat, squeeze and reorder (module doc); return each rank's order."""
-    p, t = block.num_ranks, block.interval
-    order = []
-    steady: set[Op] = set()  # passes of the full repetition: never reordered
-    for off, r in zip(block.offsets, range(p), strict=True):
-        slots = sorted((off[x] + k * t, x, k) for k in range(m) for x in range(6))
-        order.append([block.ops(r, k)[x] for _, x, k in slots])
-        # slots where every pass of the block is some micro-batch's: [last first-block pass, first missing)
-        lo, hi = max(off), min(off) + m * t
-        steady.update(block.ops(r, k)[x] for slot, x, k in slots if lo <= slot < hi)
-    last = 2 * p - 1
-    inputs = {op: _inputs(op, last) for row in order for op in row}
-    for _ in range(_MAX_ROUNDS):
-        moved = _reorder(order, p, _squeeze(order, inputs), caps, steady, inputs)
-        if moved == order:
-            break
-        order = moved
-    return order
-
-
-_MAX_ROUNDS = 4  # squeeze-and-reorder rounds; the published blocks settle within three
-
-
-def _inputs(op: Op, last: int) -> tuple[Op, ...]:
-    """Ops whose output ``op`` needs (its message or local input)."""
-    kind, stage = op.kind, op.stage
-    if kind is OpKind.F:
-        return (op._replace(stage=stage - 1),) if stage > 0 else ()
-    if kind is OpKind.B:
-        return (op._replace(stage=stage + 1),) if stage < last else (op._replace(kind=OpKind.F),)
-    return (op._replace(kind=OpKind.B),)
-
-
-def _squeeze(order: list[list[Op]], inputs: dict[Op, tuple[Op, ...]]) -> dict[Op, int]:
-    """Start slot of every op when each rank runs its order as early as its inputs allow (unit passes)."""
-    p = len(order)
-    start: dict[Op, int] = {}
-    waiting: dict[Op, int] = {}  # an op not started yet -> the rank blocked on it
-    pos, clock = [0] * p, [0] * p
-    todo = list(range(p))
-    while todo:
-        r = todo.pop()
-        row, k, now = order[r], pos[r], clock[r]
-        while k < len(row):
-            op = row[k]
-            ready = now
-            blocked = None
-            for dep in inputs[op]:
-                at = start.get(dep)
-                if at is None:
-                    blocked = dep
-                    break
-                if at >= ready:
-                    ready = at + 1
-            if blocked is not None:
-                waiting[blocked] = r
-                break
-            start[op] = ready
-            now = ready + 1
-            k += 1
-            woken = waiting.pop(op, None)
-            if woken is not None:
-                todo.append(woken)
-        pos[r], clock[r] = k, now
-    if len(start) != sum(len(row) for row in order):  # pragma: no cover - a legal block never does this
-        raise BuildingBlockError("internal error: the repeated block does not run to the end")
-    return start
-
-
-def _reorder(
-    order: list[list[Op]],
-    p: int,
-    start: dict[Op, int],
-    caps: list[int],
-    steady: set[Op],
-    inputs: dict[Op, tuple[Op, ...]],
-) -> list[list[Op]]:
-    """Move passes into earlier idle slots of the squeezed timeline (module doc, step 3).
-
-    The lowering batches a rank's sends after an op with its receives before the next op, and
-    a batch completes only when every peer has posted its side. That cannot deadlock when, for
-    every pair of neighbouring ranks, the messages between them come in the same order on both
-    sides (messages in one batch count as simultaneous). The plain repetition has this
-    property and every move keeps it: a move is refused when it would put two messages in
-    opposite orders on the two ranks.
-    """
-    last = 2 * p - 1
-    horizon = max(start.values()) + 2
-    grid: list[list[Op | None]] = [[None] * horizon for _ in range(p)]
-    level = [[0] * horizon for _ in range(p)]  # live activations after each slot
-    slot_of = dict(start)
-    items = sorted((slot, r, op) for r, row in enumerate(order) for op in row for slot in (start[op],))
-    for slot, r, op in items:
-        grid[r][slot] = op
-    for r in range(p):
-        live = 0
-        for y, cell in enumerate(grid[r]):
-            if cell is not None:
-                live += _DELTA[cell.kind]
-            level[r][y] = live
-
-    def rank_of(stage: int) -> int:
-        return stage if stage < p else last - stage
-
-    def next_op_slot(rank: int, slot: int) -> int:
-        row = grid[rank]
-        y = slot + 1
-        while y < horizon and row[y] is None:
-            y += 1
-        return y
-
-    # An event is (peer rank, position of the peer's side on the peer): a send's partner is the
-    # consumer's receive (before the consumer's slot), a receive's partner the producer's send
-    # (in the batch before the producer's next op).
-    def send_event(op: Op | None, r: int) -> tuple[int, int] | None:
-        if op is None or op.kind is OpKind.W:
-            return None
-        if op.kind is OpKind.F:
-            if op.stage == last:
-                return None
-            consumer = op._replace(stage=op.stage + 1)
-        else:
-            if op.stage == 0:
-                return None
-            consumer = op._replace(stage=op.stage - 1)
-        q = rank_of(consumer.stage)
-        return None if q == r else (q, slot_of[consumer])
-
-    def recv_event(op: Op | None, r: int) -> tuple[int, int] | None:
-        if op is None or op.kind is OpKind.W:
-            return None
-        if op.kind is OpKind.F:
-            if op.stage == 0:
-                return None
-            producer = op._replace(stage=op.stage - 1)
-        else:
-            if op.stage == last:
-                return None
-            producer = op._replace(stage=op.stage + 1)
-        q = rank_of(producer.stage)
-        return None if q == r else (q, next_op_slot(q, slot_of[producer]))
-
-    def clash(first: tuple[int, int] | None, then: tuple[int, int] | None) -> bool:
-        """``first`` now strictly precedes ``then`` on this rank; on their shared peer it must not follow."""
-        return first is not None and then is not None and first[0] == then[0] and then[1] < first[1]
-
-    for slot, r, op in items:
-        # after its inputs and after the same pass of the previous micro-batch on this rank
-        earliest = max((slot_of[d] + 1 for d in inputs[op]), default=0)
-        if op.microbatch > 0:
-            earliest = max(earliest, slot_of[op._replace(microbatch=op.microbatch - 1)] + 1)
-        if earliest >= slot or op in steady:
-            continue
-        row, lev = grid[r], level[r]
-        is_forward = op.kind is OpKind.F
-        cap = caps[r]
-        mine_recv, mine_send = recv_event(op, r), send_event(op, r)
-        follower = row[next_op_slot(r, slot)] if next_op_slot(r, slot) < horizon else None
-        is_backward = op.kind is OpKind.B
-        first_passed: Op | None = None  # the earliest op the move jumps over
-        target, swap = slot, False
-        deferred_peak = -1  # most activations alive over [y, slot) (for deferring a W to ``slot``)
-        for y in range(slot - 1, earliest - 1, -1):
-            if is_forward and lev[y] >= cap:
-                break
-            deferred_peak = max(deferred_peak, lev[y])
-            here = row[y]
-            if here in steady:  # the repetition's own order stays
-                break
-            if here is None:  # an idle slot: the op before it now sends before first_passed receives
-                below = y - 1
-                while below >= 0 and row[below] is None:
-                    below -= 1
-                if (
-                    first_passed is None
-                    or below < 0
-                    or not clash(send_event(row[below], r), recv_event(first_passed, r))
-                ):
-                    target, swap = y, False
-                continue
-            if is_backward and here.kind is OpKind.W and deferred_peak < cap:
-                # take the weight pass's slot; it moves to ours (later), where it keeps its activation longer
-                if first_passed is not None or not clash(mine_send, recv_event(follower, r)):
-                    target, swap = y, True
-            # jump over ``here``: its messages now follow ours
-            previous = recv_event(first_passed if first_passed is not None else follower, r)
-            if (
-                clash(mine_recv, recv_event(here, r))
-                or clash(mine_recv, send_event(here, r))
-                or clash(mine_send, send_event(here, r))
-                or clash(mine_send, previous)
-            ):
-                break
-            first_passed = here
-        if target != slot:
-            displaced = row[target] if swap else None
-            row[target], row[slot] = op, displaced
-            delta = _DELTA[op.kind] - (_DELTA[displaced.kind] if displaced is not None else 0)
-            if delta:
-                for y in range(target, slot):
-                    lev[y] += delta
-            slot_of[op] = target
-            if displaced is not None:
-                slot_of[displaced] = slot
-    return [[op for op in row if op is not None] for row in grid]

@@ -1,0 +1,103 @@
+"""Exact timing figures over a grid, to compare the timing core before and after a change (issue 12).
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/compare_timing.py --write /tmp/before.json
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/compare_timing.py --check /tmp/before.json
+
+For every case of the golden grid (``tests/schedules/golden.py``) under two cost sets, it records
+the simulator's per-op start times, makespan, spans, busy times and peaks under ``comm="async"``
+and ``comm="blocking"``, with overlap pairs (``overlap=0.5``) where the schedule has them, with
+a data-parallel stream (``dp=2``, gradient reduction, and FSDP with one gathered chunk), and the
+engine's :func:`~megatron_pp_ext.schedules.engine.replay` timing of the same order. Floats are
+kept exactly (``repr``); ``--check`` reports every difference and exits 1 if there is one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from megatron_pp_ext.analysis.simulate import Costs, simulate
+from megatron_pp_ext.analysis.validate import ScheduleValidationError
+from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.schedules.collectives import CollectivePolicy
+from megatron_pp_ext.schedules.costs import stage_costs
+from megatron_pp_ext.schedules.engine import replay
+from megatron_pp_ext.schedules.ir import OpKind, ScheduleError
+from tests.schedules import golden
+
+COSTS = {"unit": Costs(1.0, 1.0, 1.0, None, 0.0), "fbw-comm": Costs(1.0, 1.5, 0.7, None, 0.1)}
+
+
+def _figures(result: Any) -> dict[str, Any]:
+    out = {
+        "makespan": result.makespan,
+        "span": result.span,
+        "busy": result.busy,
+        "peak": result.peak_activations,
+        "starts": result.starts,
+    }
+    if result.data_parallel is not None:
+        dp = result.data_parallel
+        out["dp"] = [dp.end, dp.stall, dp.tail, [list(c[3:]) for c in dp.collectives]]
+    return out
+
+
+def _case(name: str, p: int, m: int, kwargs: dict[str, Any], costs: Costs) -> dict[str, Any]:
+    schedule = generate(name, p, m, **kwargs)
+    row: dict[str, Any] = {"async": _figures(simulate(schedule, costs))}
+    try:
+        row["blocking"] = _figures(simulate(schedule, costs, comm="blocking"))
+    except (ScheduleValidationError, ValueError) as exc:
+        row["blocking"] = type(exc).__name__
+    if any(schedule.overlap_pairs):
+        row["overlap"] = _figures(simulate(schedule, costs, overlap=0.5))
+    params = {"dp": 2, "dp_bandwidth": 4.0, "param_bytes": 3.0}
+    row["dp"] = _figures(simulate(schedule, costs, **params))  # type: ignore[arg-type]
+    try:
+        fsdp = CollectivePolicy(fsdp_max_unsharded=1)
+        row["fsdp"] = _figures(simulate(schedule, costs, collectives=fsdp, **params))  # type: ignore[arg-type]
+    except (ScheduleError, ValueError) as exc:
+        row["fsdp"] = type(exc).__name__
+    placement = schedule.placement
+    if placement.num_replicas == 1 and not any(op.kind is OpKind.BW for row in schedule.ops for op in row):
+        try:
+            t = replay(placement, m, stage_costs(costs, schedule.num_stages), schedule.ops)
+            row["replay"] = [t.makespan, t.spans, t.busy, t.peaks]
+        except (AssertionError, IndexError, ValueError) as exc:
+            row["replay"] = type(exc).__name__
+    return row
+
+
+def collect() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, name, p, m, kwargs, _ in golden.cases():
+        for label, costs in COSTS.items():
+            out[f"{key}/{label}"] = _case(name, p, m, kwargs, costs)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--write", metavar="FILE")
+    group.add_argument("--check", metavar="FILE")
+    args = parser.parse_args()
+    now = json.loads(json.dumps(collect()))  # the same float round trip as the stored file
+    if args.write:
+        with open(args.write, "w") as f:
+            json.dump(now, f)
+        print(f"wrote {len(now)} cases to {args.write}")
+        return
+    with open(args.check) as f:
+        before = json.load(f)
+    differ = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+    for key in differ[:20]:
+        print(f"differs: {key}")
+    print(f"{len(now)} cases, {len(differ)} differ")
+    sys.exit(1 if differ else 0)
+
+
+if __name__ == "__main__":
+    main()
