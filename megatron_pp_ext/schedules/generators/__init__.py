@@ -6,6 +6,7 @@ from . import (
     bitpipe,  # noqa: F401
     dualpipev,  # noqa: F401
     vshape,  # noqa: F401
+    interleaved_zb,  # noqa: F401
     zbv,  # noqa: F401
     zero_bubble,  # noqa: F401
     zeropp,  # noqa: F401
