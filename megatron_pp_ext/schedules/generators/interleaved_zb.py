@@ -38,15 +38,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..capabilities import Capabilities, Chunks, MemoryLimit
-from ..engine import Engine, Timing, backward, forward
-from ..ir import Op
+from ..engine import Engine, Timing, backward, forward, replay
+from ..ir import Op, OpKind
 from ..placement import loop_placement
 from ..registry import ScheduleInfo, register
 from ..schedule import Schedule, build_schedule
 from .baselines import interleaved_order
-from .common import StageCosts, stage_costs
+from .bfs import bfs_order, fill_w
+from .common import ScheduleParameterError, StageCosts, stage_costs
 
-__all__ = ["INTERLEAVED_ZB", "POLICIES", "Policy", "interleaved_zb", "interleaved_zb_order"]
+__all__ = [
+    "INTERLEAVED_ZB",
+    "POLICIES",
+    "Policy",
+    "best_order",
+    "interleaved_zb",
+    "interleaved_zb_order",
+    "zb_auto_looped",
+]
 
 _LAGS: dict[str, Callable[[int], float]] = {"r": lambda r: r, "2r": lambda r: 2 * r, "none": lambda r: math.inf}
 
@@ -144,6 +153,30 @@ def interleaved_zb(p: int, m: int, *, v: int = 2, costs: object = None, memory_l
     return build_schedule(
         "interleaved-zb", loop_placement(p, v), m, rows, v=v, memory_limit=limit / v, candidate=name, makespan=key[0]
     )
+
+
+def zb_auto_looped(p: int, m: int, v: int, costs: object, memory_limit: float | None) -> Schedule:
+    """``zb-auto`` with ``v >= 2`` chunks per rank on the loop placement: the search of :data:`POLICIES`
+    within ``memory_limit`` stage activations per rank (zb-auto's unit: one stage's activation for one
+    micro-batch; default ``2pv``, the bytes of zb-auto's ``2p`` at ``v = 1``), plus ``bfs-zb``'s order
+    when it fits; the fastest under ``costs``."""
+    if memory_limit is None:
+        limit = min(2 * p * v, v * m)
+    else:
+        limit = v * m if math.isinf(memory_limit) else min(int(memory_limit), v * m)
+    if limit < v:
+        raise ScheduleParameterError(
+            f"zb-auto with v={v} needs memory_limit >= v = {v} activations (a rank holds a micro-batch's "
+            f"{v} stage activations before its first backward), got {memory_limit!r}"
+        )
+    sc = stage_costs(costs, p * v)
+    key, name, rows = best_order(p, m, v, sc, limit)
+    placement = loop_placement(p, v)
+    breadth_first = fill_w(p, bfs_order(p, m, v, m, OpKind.B), m, costs)
+    timing = replay(placement, m, sc, breadth_first)
+    if max(timing.peaks) <= limit and timing.key < key:
+        key, name, rows = timing.key, "bfs-zb", breadth_first
+    return build_schedule("zb-auto", placement, m, rows, v=v, memory_limit=limit, candidate=name, makespan=key[0])
 
 
 INTERLEAVED_ZB = Capabilities(

@@ -42,6 +42,7 @@ from ..placement import loop_placement
 from ..registry import ScheduleInfo, register
 from ..schedule import Schedule, build_schedule
 from .common import ScheduleParameterError, StageCosts, stage_costs
+from .interleaved_zb import zb_auto_looped
 
 __all__ = [
     "DEFAULT_VARIANTS",
@@ -77,7 +78,7 @@ def _fixed_memory(peak: str) -> Capabilities:
 
 
 ZB_AUTO = Capabilities(
-    chunks=_CHUNKS,
+    chunks=Chunks(low=1, high=None, default=1, refusal="{name} needs v >= 1 chunks per rank, got v={v!r}"),
     memory_limit=MemoryLimit(
         "activation",
         "activations",
@@ -369,6 +370,7 @@ def zb_auto(
     costs: object = None,
     memory_limit: float | None = None,
     variants: Sequence[GreedyVariant] | None = None,
+    v: int = 1,
 ) -> Schedule:
     """Cost-aware zero-bubble schedule under an activation memory limit.
 
@@ -378,8 +380,13 @@ def zb_auto(
     ``variants``: the greedy policies to try (default :data:`DEFAULT_VARIANTS`).
 
     The result's ``params`` record the winning candidate (``candidate``) and its predicted
-    ``makespan``.
+    ``makespan``. ``v >= 2``: loop placement with ``v`` chunks per rank, searched by
+    :func:`.interleaved_zb.zb_auto_looped` (``variants`` are the one-chunk greedy's: not taken there).
     """
+    if v > 1:
+        if variants is not None:
+            raise ScheduleParameterError(f"zb-auto takes variants only with v=1 (one chunk per rank), got v={v}")
+        return zb_auto_looped(p, m, v, costs, memory_limit)
     limit = _memory_limit(memory_limit, p, m)
     sc = stage_costs(costs, p)
     tried = DEFAULT_VARIANTS if variants is None else tuple(variants)
