@@ -10,6 +10,8 @@ import pytest
 from megatron_pp_ext.analysis import Costs, simulate
 from megatron_pp_ext.analysis.torch_orders import import_torch_schedule
 from megatron_pp_ext.schedules import ScheduleError, generate
+from megatron_pp_ext.schedules.costs import stage_costs
+from megatron_pp_ext.schedules.generators.interleaved_zb import POLICIES, interleaved_zb_order
 
 #: Per 1F1B stage: T_F, T_B, T_W, T_comm (unit; bench_zero_bubble's ratios; the zero-bubble paper's 1.5B at p=8).
 COSTS = {"unit": (1.0, 1.0, 1.0, 0.0), "profiled": (1.0, 1.1, 0.6, 0.05), "zb-1.5b": (18.522, 18.086, 9.337, 0.601)}
@@ -59,3 +61,15 @@ def test_zb_auto_with_chunks_searches_at_least_interleaved_zb() -> None:
 def test_zb_auto_with_chunks_refuses_a_limit_below_one_microbatch() -> None:
     with pytest.raises(ScheduleError, match=r"memory_limit >= v = 3"):
         generate("zb-auto", 4, 8, v=3, memory_limit=2)
+
+
+def test_tight_limits_build_where_uneven_warmups_stall() -> None:
+    # v=5 at 8 stage activations (1.6 M_a): the group shrinks to 1 and every k >= 1 policy stalls
+    schedule = generate("interleaved-zb", 4, 5, v=5, memory_limit=1.6)
+    assert schedule.params["candidate"] == POLICIES[-1].name
+    assert max(simulate(schedule).peak_activations_1f1b_units) <= 1.6 + 1e-9
+    for p in range(1, 7):
+        for v in range(2, 6):
+            for m in (1, p, 2 * p + 1):
+                for limit in range(v, min(v * m, 3 * v + 3) + 1):  # stage activations
+                    assert interleaved_zb_order(p, m, v, stage_costs(None, p * v), limit, POLICIES[-1]), (p, m, v)
