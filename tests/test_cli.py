@@ -311,4 +311,6 @@ def test_bench_writes_the_peers_section_and_replaces_it(capsys: pytest.CaptureFi
     text = results.read_text()
     assert text.startswith("# Results\n\nkept\n") and text.count("<!-- peers:begin -->") == 1
     assert "| 4 | 8 | 1F1B | **torch:1F1B** |" in text and "repaired F numbering on rank(s) [3]" in text
-    assert "| unit | 4 | 8 | torch:InterleavedZeroBubble |" in text  # a case where torch's order is better
+    assert "| 4 | 8 | InterleavedZeroBubble | interleaved-zb | 25.500 |" in text  # our counterpart of torch's ZB1P
+    better = text.split("### Where torch's order is better")[1].split("###")[0]
+    assert "InterleavedZeroBubble" not in better  # interleaved-zb ties ZB1P at its memory (issue 16)

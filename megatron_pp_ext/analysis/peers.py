@@ -39,8 +39,9 @@ _OURS_KWARGS: dict[str, dict[str, object]] = {
     "interleaved-1f1b": {"v": 2},
     "bfs": {"v": 2},
     "bfs-zb": {"v": 2},
+    "interleaved-zb": {"v": 2},
 }
-_COST_AWARE = ("zb-auto", "v-zb", "bfs-zb")
+_COST_AWARE = ("zb-auto", "v-zb", "bfs-zb", "interleaved-zb")
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def _failed(p: int, m: int, model: str, torch_name: str, name: str, side: str, w
 def ours(name: str, p: int, m: int, model: str, memory_limit: int | None = None) -> Schedule:
     kwargs = dict(_OURS_KWARGS.get(name, {}))
     if name in _COST_AWARE:
-        chunks = 2 if name in ("v-zb", "bfs-zb") else 1
+        chunks = 2 if name in ("v-zb", "bfs-zb", "interleaved-zb") else 1
         kwargs["costs"] = stage_costs(model, chunks)
     if memory_limit is not None:
         kwargs["memory_limit"] = memory_limit
@@ -258,10 +259,10 @@ def report(ps: Sequence[int], factors: Sequence[int], command: str) -> tuple[str
             f"({models}); a stage of a 2-chunk schedule (interleaved, looped BFS, V) costs half, a hop the same. "
             "Peak memory: worst rank, units of M_a (one 1F1B stage's activation), live from F to the last backward "
             "op. torch's single-stage `Schedule1F1B` order numbers the last rank's forwards 1..m: handled (renumbered "
-            "0..m-1; see the note column). Our `dualpipev` is not in the registry: torch's DualPipeV is compared with "
-            "`v-zb`. Our counterparts of InterleavedZeroBubble (a 2-chunk looped zero-bubble order at 1F1B's memory): "
-            "`bfs-zb` (2 chunks, memory m), `zb-h1` and `zb-auto` (1 chunk); we have no memory-bounded 2-chunk "
-            "zero-bubble looped schedule.",
+            "0..m-1; see the note column). torch's DualPipeV is compared with our `dualpipev` and `v-zb`. "
+            "Our counterparts of InterleavedZeroBubble (a 2-chunk looped zero-bubble order at 1F1B's memory): "
+            "`interleaved-zb` (2 chunks, memory p M_a by default, like torch's), `bfs-zb` (2 chunks, memory m), "
+            "`zb-h1` and `zb-auto` (1 chunk).",
             "### Where torch's order is better (every case; shorter makespan than all our counterparts, or equal "
             "makespan and lower peak memory)",
             better_table(torch_better(rows)),

@@ -75,7 +75,7 @@ TORCH_SCHEDULES: dict[str, TorchScheduleInfo] = {
     "Interleaved1F1B": TorchScheduleInfo("ScheduleInterleaved1F1B", 2, "loop", ("interleaved-1f1b",)),
     "LoopedBFS": TorchScheduleInfo("ScheduleLoopedBFS", 2, "loop", ("bfs",)),
     "InterleavedZeroBubble": TorchScheduleInfo(
-        "ScheduleInterleavedZeroBubble", 2, "loop", ("bfs-zb", "zb-h1", "zb-auto")
+        "ScheduleInterleavedZeroBubble", 2, "loop", ("interleaved-zb", "bfs-zb", "zb-h1", "zb-auto")
     ),
     "ZBVZeroBubble": TorchScheduleInfo("ScheduleZBVZeroBubble", 2, "v", ("v-zb",)),
     "DualPipeV": TorchScheduleInfo("ScheduleDualPipeV", 2, "v", ("dualpipev", "v-zb")),

@@ -42,6 +42,7 @@ RECORDED = (
     "dualpipev",
     "gpipe",
     "interleaved-1f1b",
+    "interleaved-zb",
     "v-block",
     "v-half",
     "v-min",
@@ -150,6 +151,17 @@ def cases() -> Iterator[tuple[str, str, int, int, dict[str, Any], str]]:
             for m in (p, 2 * p, 3 * p):
                 yield f"{name}/p{p}/m{m}", name, p, m, {}, "none"
     yield "v-zb/p8/m16/fbw-comm/memNone", "v-zb", 8, 16, {}, "fbw-comm"
+    for name in ("interleaved-zb", "zb-auto"):
+        for p in (1, 2, 3, 4):
+            for v in (2, 3):
+                for m in _microbatches(p):
+                    limits = (
+                        (None, 1, max(1, p / 2), math.inf) if name == "interleaved-zb" else (None, v, p * v, math.inf)
+                    )
+                    for limit in dict.fromkeys(limits):
+                        kwargs = {"v": v} if limit is None else {"v": v, "memory_limit": limit}
+                        costs = "fbw-comm" if m == 2 * p else "none"
+                        yield f"{name}/p{p}/m{m}/v{v}/mem{limit}/{costs}", name, p, m, kwargs, costs
 
 
 class _NotCosts:

@@ -69,8 +69,11 @@ def test_registered() -> None:
 @pytest.mark.parametrize("name", ["zb-h1", "zb-h2", "zb-auto"])
 def test_kwargs(name: str) -> None:
     assert generate(name, 3, 5, v=1).num_stages == 3
-    with pytest.raises(ScheduleParameterError, match="v must be 1"):
-        generate(name, 3, 5, v=2)
+    if name == "zb-auto":  # v >= 2: the loop placement with v chunks (interleaved_zb.zb_auto_looped)
+        assert generate(name, 3, 5, v=2).num_stages == 6
+    else:
+        with pytest.raises(ScheduleParameterError, match="v must be 1"):
+            generate(name, 3, 5, v=2)
     with pytest.raises(ScheduleParameterError, match="microbatch_group_size"):
         generate(name, 3, 5, microbatch_group_size=3)
     with pytest.raises(ScheduleParameterError, match="m must be >= 1"):

@@ -48,6 +48,7 @@ from ..registry import ScheduleInfo, register
 from ..schedule import Schedule, build_schedule
 from ..timing import repeat_iterations
 from .common import ScheduleParameterError, StageCosts, stage_costs
+from .interleaved_zb import zb_auto_looped
 from .zb_rounds import ROUND_VARIANTS, rounds_order
 
 __all__ = [
@@ -84,7 +85,7 @@ def _fixed_memory(peak: str) -> Capabilities:
 
 
 ZB_AUTO = Capabilities(
-    chunks=_CHUNKS,
+    chunks=Chunks(low=1, high=None, default=1, refusal="{name} needs v >= 1 chunks per rank, got v={v!r}"),
     memory_limit=MemoryLimit(
         "activation",
         "activations",
@@ -422,6 +423,7 @@ def zb_auto(
     variants: Sequence[GreedyVariant] | None = None,
     objective: str | None = None,
     w_memory: float | None = None,
+    v: int = 1,
 ) -> Schedule:
     """Cost-aware zero-bubble schedule under an activation memory limit.
 
@@ -434,8 +436,19 @@ def zb_auto(
 
     The result's ``params`` record the winning candidate (``candidate``) and its predicted
     ``makespan`` (and, when not the defaults, ``objective``, ``w_memory`` and the predicted
-    ``iteration_time`` with post-validation).
+    ``iteration_time`` with post-validation). ``v >= 2``: loop placement with ``v`` chunks per rank, searched by
+    :func:`.interleaved_zb.zb_auto_looped` (``variants`` are the one-chunk greedy's: not taken there;
+    nor, yet, ``objective`` span and a ``w_memory`` below 1).
     """
+    if v > 1:
+        if variants is not None:
+            raise ScheduleParameterError(f"zb-auto takes variants only with v=1 (one chunk per rank), got v={v}")
+        if objective not in (None, "makespan") or (w_memory is not None and w_memory != 1):
+            raise ScheduleParameterError(
+                f"zb-auto with v={v} (looped) searches by makespan with whole activations until W: "
+                f"objective span and w_memory < 1 are for v=1, got objective={objective!r}, w_memory={w_memory!r}"
+            )
+        return zb_auto_looped(p, m, v, costs, memory_limit)
     limit = _memory_limit(memory_limit, p, m)
     sc = stage_costs(costs, p)
     objective = "makespan" if objective is None else objective
