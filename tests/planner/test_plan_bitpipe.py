@@ -56,14 +56,27 @@ def test_replica_sync_estimate_bounds_the_simulator(name: str, p: int, m: int) -
 
 
 def test_plan_rows_pay_the_replica_sync_on_the_stream() -> None:
+    """No data parallelism: what a bitpipe row pays after the pipeline is the replica sync of each rank
+    (whole, split over its chunks by layers) on the stream, issued chunk by chunk after each chunk's last
+    backward: one chunk's share is left, not a fixed fraction of the whole."""
     cost = CostModel(SPEC, get_device("A100-80GB"), TrainingSetup())
     space = SearchSpace(tp=(1,), pp=(4,), micro_batch=(1,), recompute=("none",), schedules=("bitpipe",))
-    rows = Planner(SPEC, 4, 32, cost, space=space).run(progress=False).rows
+    rows = Planner(SPEC, 4, 8, cost, space=space).run(progress=False).rows
     assert len(rows) == 1
     row = rows[0]
-    assert row.config.dp == 1  # no data parallelism: everything on the stream is the replica sync
+    assert (row.config.dp, row.config.num_microbatches) == (1, 8)
+    schedule = generate("bitpipe", 4, 8)
+    layout = stage_layout(schedule.placement, row.config.split)
+    costs = cost.stage_costs(layout, micro_batch=1, tensor_parallel=1, pipeline=4, data_parallel=1, recompute="none")
+    chunk_time = []
+    for rank, mem in enumerate(row.memory):
+        whole = cost.replica_sync_time(mem.parameters, 1, 4, 1)
+        mine = [info for info in layout if info.rank == rank]
+        chunk_time.append({i.stage: whole * i.layers / sum(j.layers for j in mine) for i in mine})
+    expected = exposed_dp_time(reduction_profile(schedule), costs.per_stage(len(layout)), chunk_time)
+    assert row.dp_time == pytest.approx(expected)
     whole = max(cost.replica_sync_time(mem.parameters, 1, 4, 1) for mem in row.memory)
-    assert 0 < row.dp_time < 0.5 * whole
+    assert 0 < row.dp_time <= 0.25 * whole + 1e-12  # a quarter: one of the four chunks
     assert row.iteration_time == pytest.approx(row.pipeline_time + row.dp_time + row.optimizer_time)
 
 
