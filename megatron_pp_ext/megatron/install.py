@@ -27,7 +27,7 @@ from ..schedules import registry
 from ..schedules.ir import ScheduleError
 from ..schedules.placement import Placement, make_placement
 from ..schedules.schedule import Schedule
-from . import layout
+from . import layout, replicas
 from ._patching import Patcher
 from .arguments import PipelineArgumentError, PipelineConfig, pipeline_config_of, validate_arguments
 
@@ -181,11 +181,13 @@ def install(args_or_config: Any = None, *, layout_hooks: bool | None = None) -> 
     source: Callable[[int], Schedule] = make_schedule_source(config)
     if config.replan_iterations > 0:
         source, tracer_factory = _replanning(config, tracer_factory)
+    two_replicas = placement.num_replicas == 2
     executor_func = make_forward_backward_func(
         source,
         tracer_factory=tracer_factory,
         check_grads=config.check_grads,
         fsdp_max_unsharded=config.fsdp_max_unsharded if config.fsdp else None,
+        replica_sync=replicas.ReplicaSyncForMegatron() if two_replicas else None,
     )
     from ..runtime import p2p
 
@@ -197,7 +199,12 @@ def install(args_or_config: Any = None, *, layout_hooks: bool | None = None) -> 
             for chunk in model if isinstance(model, list) else [model]:
                 for param in chunk.parameters():
                     param_storages.add(param.untyped_storage().data_ptr())
-        return executor_func(**kwargs)
+        result = executor_func(**kwargs)
+        if two_replicas:  # the loss lands on two ranks: each gets every micro-batch's (losses.py)
+            from .losses import gather_losses, pp_group_of
+
+            result = gather_losses(source(kwargs["num_microbatches"]), pp_group_of(kwargs), result)
+        return result
 
     forward_backward_func.megatron_pp_ext = True  # type: ignore[attr-defined]
     forward_backward_func.config = config  # type: ignore[attr-defined]
@@ -229,6 +236,8 @@ def install(args_or_config: Any = None, *, layout_hooks: bool | None = None) -> 
                 "--num-layers", f"{config.label} uses a {placement.style} placement: the layer count must be known"
             )
         layout.activate(placement, config.num_layers, config.layer_split)
+    if two_replicas:
+        replicas.activate(placement, patcher)
     if config.fsdp:  # per-chunk FSDP instead of megatron DDP (fsdp_training.py)
         from .fsdp_training import patch_megatron
 

@@ -35,8 +35,9 @@ a training script passes :func:`get_embedding_ranks` / :func:`get_position_embed
 Tied embeddings: megatron keeps a copy of the word embeddings in the output layer, zeroed at
 construction and all-reduced with the embedding across the embedding group. When one rank holds
 both (V-shape), :func:`tie_local_embeddings` (hooked into megatron's model builders) copies them
-locally. Not handled here (runtime, per DESIGN.md): summing the gradients of those two local
-copies every iteration, and the loss of bidirectional placements living on two ranks.
+locally. Not handled here: summing the gradients of those two local copies every iteration (runtime,
+``embedding_sync.py``); the two model copies of a bidirectional placement (``replicas.py``) and their
+losses living on two ranks (``losses.py``).
 """
 
 from __future__ import annotations

@@ -292,11 +292,15 @@ class CostModel:
             seconds = _ring_time(grads, d, gbps, lat, 2.0)
         return seconds * (1.0 - self.dp_overlap)
 
-    def replica_sync_time(self, parameters_on_rank: float, tensor_parallel: int, pipeline: int) -> float:
-        """Bidirectional placements: all-reduce of the two replicas' gradients between mirror
-        ranks (BitPipe's eager sync hides about half of it in the cool-down; assumed)."""
-        gbps, lat = self._link(tensor_parallel * pipeline)
-        return 0.5 * _ring_time(parameters_on_rank / 2 * self.setup.grad_bytes, 2, gbps, lat, 2.0)
+    def replica_sync_time(
+        self, parameters_on_rank: float, tensor_parallel: int, pipeline: int, data_parallel: int = 1
+    ) -> float:
+        """Bidirectional placements: the all-reduce (sum) of every local chunk's gradients with the
+        mirror rank's copy (each rank holds both copies of its model slices: all its gradients take
+        part). Whole, not discounted: how much of it the pipeline hides is the data-parallel stream's
+        business (:mod:`.dp_stream`, each chunk's sync issued after its last backward)."""
+        gbps, lat = self._link(tensor_parallel * data_parallel * pipeline)  # mirror ranks lie p-1-2r apart
+        return _ring_time(parameters_on_rank * self.setup.grad_bytes, 2, gbps, lat, 2.0)
 
     def optimizer_time(self, parameters_on_rank: float, data_parallel: int) -> float:
         updated = parameters_on_rank / data_parallel if self.setup.distributed_optimizer else parameters_on_rank

@@ -644,6 +644,10 @@ class Planner:
             out = []
             for mm in anchors:
                 built = self._build(name, p, mm, v, limit, costs_key)
+                if built.schedule is None and mm != m:  # an anchor refused: judge (and name) the real m
+                    built, mm = self._build(name, p, m, v, limit, costs_key), m
+                    if built.schedule is not None:
+                        return [(m, built, (name, p, m, v, limit, costs_key))]
                 if built.schedule is None:
                     return _short(built.error)
                 out.append((mm, built, (name, p, mm, v, limit, costs_key)))
@@ -888,9 +892,10 @@ class Planner:
             dp_time, gathers = self._fsdp_time(builds, costs, stage_params, t, d, m, makespan)
             opt_time = max(self.costs.optimizer_time(n / d, 1) for n in params)  # each rank updates its shard
         else:
-            dp_time = self._exposed_dp(builds, layout, costs, [self.costs.dp_time(n, t, d) for n in params], m)
-            if schedule.placement.style == "bidirectional":
-                dp_time += max(self.costs.replica_sync_time(n, t, p) for n in params)
+            per_rank = [self.costs.dp_time(n, t, d) for n in params]
+            if schedule.placement.num_replicas == 2:  # a chunk's replica sum precedes its data-parallel reduction
+                per_rank = [x + self.costs.replica_sync_time(n, t, p, d) for x, n in zip(per_rank, params, strict=True)]
+            dp_time = self._exposed_dp(builds, layout, costs, per_rank, m)
             opt_time = max(self.costs.optimizer_time(n, d) for n in params)
         iteration = makespan + dp_time + opt_time
         flops = model_flops_per_iteration(self.model, self.global_batch)

@@ -278,6 +278,11 @@ def make_forward_backward_func(
     return forward_backward_func
 
 
+def _loss_ranks(placement: Any) -> int:
+    """How many pipeline ranks compute losses (two under a bidirectional placement)."""
+    return len({placement.rank_of(s) for s in range(placement.num_stages) if placement.is_last(s)})
+
+
 def _groups(p2p_communicator: Any, pg_collection: Any) -> tuple[dist.ProcessGroup, Any]:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.schedules import _build_default_pg_collection
@@ -455,6 +460,9 @@ class _Run:
         if finalize:
             finish_embedding_wgrad_compute(config, embedding_module, self.holds_last_stage, self.tp_group)
             local_ends = ends_on_same_rank(self.placement)
+            if config.calculate_per_token_loss and _loss_ranks(self.placement) > 1:
+                # megatron takes the token count from the last pipeline rank: give it every loss rank's
+                dist.all_reduce(self.total_num_tokens, group=self.pp_group)
             config.finalize_model_grads_func(
                 self.models,
                 self.total_num_tokens if config.calculate_per_token_loss else None,

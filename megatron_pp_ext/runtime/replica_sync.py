@@ -56,6 +56,42 @@ def new_replica_group(pp_group: Any) -> Any:
     return found
 
 
+def _mirror_global(group: Any) -> int:
+    """The other member (global rank) of this rank's two-rank replica group."""
+    me = dist.get_rank()
+    others = [r for r in dist.get_process_group_ranks(group) if r != me]
+    if len(others) != 1:
+        raise RuntimeError(f"a replica group has two ranks, rank {me}'s has {len(others) + 1}")
+    return others[0]
+
+
+def copy_down_to_up(placement: Placement, rank: int, models: list[Any], group: Any) -> list[int]:
+    """Give every up-replica copy (replica 1) the weights of its down-replica twin on the mirror rank.
+
+    Rank ``r`` and its mirror hold both copies of the same model slices; for each slice, in
+    ascending order (the order both agree on), the holder of the down copy broadcasts its
+    parameters and the other rank writes them into its up copy. Returns the model slices received.
+    """
+    mirror = _mirror_global(group)
+    received = []
+    by_slice = sorted(range(len(models)), key=lambda c: placement.model_slice_of(placement.stage_at(rank, c)))
+    for chunk in by_slice:
+        stage = placement.stage_at(rank, chunk)
+        params = [param.data for param in models[chunk].parameters()]
+        if not params:
+            continue
+        down_here = placement.replica_of(stage) == 0
+        flat = torch.cat([t.reshape(-1) for t in params])
+        dist.broadcast(flat, src=dist.get_rank() if down_here else mirror, group=group)
+        if not down_here:
+            offset = 0
+            for t in params:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+            received.append(placement.model_slice_of(stage))
+    return received
+
+
 def _grads(module: Any) -> list[torch.Tensor]:
     out = []
     for param in module.parameters():
