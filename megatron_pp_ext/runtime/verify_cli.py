@@ -128,7 +128,8 @@ def run_verify(args: argparse.Namespace) -> int:
         for rank, info in enumerate(report.fsdp):
             print(
                 f"  rank {rank} FSDP: {info['derived_unshards']} gathers derived, measured per iteration "
-                f"{info['all_gathers_per_iteration']}, peak bytes {info['peak_bytes']}"
+                f"{info['all_gathers_per_iteration']}; {info['derived_reduce_scatters']} gradient reduce-scatters "
+                f"derived, measured {info['reduce_scatters_per_iteration']}; peak bytes {info['peak_bytes']}"
             )
         for problem in report.problems:
             print(f"  problem: {problem}")

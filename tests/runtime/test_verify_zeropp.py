@@ -15,9 +15,9 @@ from megatron_pp_ext.schedules.collectives import CollectiveKind, declared_fsdp_
 UNTIED = TinyGPTSpec(num_layers=4, tied_embeddings=False)
 
 
-def derived_gathers(schedule, limit):  # type: ignore[no-untyped-def]
+def derived(schedule, limit, kind=CollectiveKind.UNSHARD):  # type: ignore[no-untyped-def]
     plan = derive_collectives(schedule, policy_for(schedule, fsdp=True, fsdp_max_unsharded=limit))
-    return [plan.count(CollectiveKind.UNSHARD, r) for r in range(schedule.num_ranks)]
+    return [plan.count(kind, r) for r in range(schedule.num_ranks)]
 
 
 @pytest.mark.parametrize("limit", [None, 1])  # the declared limit (2: every chunk stays gathered) and 1
@@ -27,15 +27,22 @@ def test_fsdp_matches_reference_and_gathers_as_derived(pool, unit, limit):
     limit = limit or declared_fsdp_limit(schedule)
     report = verify_schedule(schedule, pool, model=UNTIED, dp=2, fsdp=True, fsdp_max_unsharded=limit)
     assert report.ok, report.problems or (report.max_rel_grad_diff, report.max_abs_loss_diff)
-    derived = derived_gathers(schedule, limit)
-    assert [info["derived_unshards"] for info in report.fsdp] == derived
+    gathers = derived(schedule, limit)
+    assert [info["derived_unshards"] for info in report.fsdp] == gathers
+    # gradients reduce-scattered once per chunk and unit (the lowering's count: v ceil(m/U) per rank), counted
+    # by the chunks and by the executor's trace
+    reduces = derived(schedule, limit, CollectiveKind.REDUCE_GRADS)
+    assert reduces == [2 * -(-4 // unit)] * 2
+    assert [info["derived_reduce_scatters"] for info in report.fsdp] == reduces
     for info in report.fsdp:
         assert info["all_gathers_per_iteration"] == [info["derived_unshards"]] * report.iterations
+        assert info["reduce_scatters_per_iteration"] == [info["derived_reduce_scatters"]] * report.iterations
+        assert info["traced_reduce_scatters_per_iteration"] == [info["derived_reduce_scatters"]] * report.iterations
         # the memory model's gathered parameters: the `limit` largest chunks at once, measured by ShardedChunk
         chunks = sorted(info["full_param_bytes_per_chunk"], reverse=True)
         assert info["peak_bytes"]["full_params"] == sum(chunks[:limit])
     if limit == 2:
-        assert derived == [2, 2]  # v = 2 with two gathered chunks: each chunk gathered once per iteration
+        assert gathers == [2, 2]  # v = 2 with two gathered chunks: each chunk gathered once per iteration
 
 
 @pytest.mark.parametrize("dist_opt", [False, True])

@@ -27,6 +27,9 @@ FSDP (``fsdp_max_unsharded`` = :data:`FSDP_MAX_UNSHARDED`, declared in ``Schedul
 gathered for the newest unit's forward sweep and one for the oldest unit's backward sweep. Gathers per
 rank per iteration: ``v`` when ``v <= 2`` (every chunk stays gathered), ``2v - 2`` for ``U = m``, at most
 ``2v`` per unit otherwise (overlapping units share gathered chunks, so small units pay less).
+Gradients (``fsdp_grad_reduce_unit`` = U, declared too): each chunk is reduce-scattered right after its last
+gradient op of every unit, ``v ceil(m/U)`` reductions per rank per iteration, so a chunk's full-size gradient
+buffer lives from a unit's first gradient op to that unit's reduction, not for the whole iteration.
 ``U`` trades: a larger unit means fewer gathers and a shorter fill, at more memory (about ``p + U``
 micro-batches in flight plus the activations pending ``W`` keep); ``U = 1`` is a depth-first order with
 the most gathers, ``U = m`` one blockwise unit (one sweep per chunk and direction).
@@ -229,6 +232,7 @@ def zeropp(
         unit_size=unit,
         memory_limit=memory_limit,
         fsdp_max_unsharded=min(FSDP_MAX_UNSHARDED, v),
+        fsdp_grad_reduce_unit=unit,  # FSDP: reduce-scatter each chunk's gradients once per unit
     )
 
 
