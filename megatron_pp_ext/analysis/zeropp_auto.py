@@ -51,7 +51,8 @@ class UnitChoice:
     def table(self) -> str:
         lines = ["zeropp --pipeline-unit-size auto: candidates (time in --costs units)"]
         lines.append(
-            f"{'U':>4} {'iteration':>11} {'bubble':>7} {'act (M_a)':>9} {'gathers':>7} {'reduces':>7} {'exposed':>9} {'memory':>10}  "
+            f"{'U':>4} {'iteration':>11} {'bubble':>7} {'act (M_a)':>9} {'gathers':>7} {'reduces':>7} "
+            f"{'exposed':>9} {'memory':>10}  "
         )
         for c in self.candidates:
             mem = "-" if c.memory_bytes is None else f"{c.memory_bytes / 1e9:.3g} GB"
