@@ -178,10 +178,14 @@ def choose_unit_size(
         built.append((schedule, UnitCandidate(**{**c.__dict__, "fits": fits})))
     fitting = [(s, c) for s, c in built if c.fits]
     if not fitting:
+        given = [f"memory_limit {memory_limit:g} M_a (--memory-limit; --pipeline-memory-limit under megatron)"]
+        given = given if memory_limit is not None else []
+        if memory_budget is not None:
+            given.append(f"a budget of {memory_budget / 1e9:.3g} GB")
         raise ScheduleParameterError(
-            f"zeropp: no unit size in {sizes} fits the memory budget (--pipeline-memory-limit {memory_limit}, "
-            f"budget {memory_budget} bytes): it leaves {cap if cap is None else round(cap, 3)} M_a of activations "
-            "per rank, a unit of U micro-batches needs at least U"
+            f"zeropp: no unit size in {sizes} fits the memory budget ({', '.join(given)}): it leaves "
+            f"{cap if cap is None else round(cap, 3)} M_a of activations per rank, a unit of U micro-batches needs "
+            "at least U"
         )
     schedule, best = min(fitting, key=lambda sc: (round(sc[1].iteration_time, 9), sc[1].peak_activations))
     schedule.params["unit_size_auto"] = True

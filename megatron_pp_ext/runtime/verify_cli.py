@@ -80,6 +80,9 @@ def run_verify(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.fsdp_max_unsharded is not None and not args.fsdp:
+        print(f"{PROG}: --fsdp-max-unsharded is an FSDP setting: add --fsdp (or drop it)", file=sys.stderr)
+        return 2
     if args.fsdp_max_unsharded is not None and args.fsdp_max_unsharded < 1:
         print(f"{PROG}: --fsdp-max-unsharded must be >= 1, got {args.fsdp_max_unsharded}", file=sys.stderr)
         return 2

@@ -52,3 +52,13 @@ def test_data_parallel_matches_reference(pool, dist_opt):
     assert report.ok, report.problems or (report.max_rel_grad_diff, report.max_abs_loss_diff)
     for rank, launches in enumerate(report.collectives):
         assert sum(x.startswith("reduce-grads") for x in launches) == 2, (rank, launches)
+
+
+def test_fsdp_unit_not_dividing_m(pool):
+    """m = 5, U = 2: units of 2, 2 and 1 micro-batches, each chunk reduce-scattered three times."""
+    schedule = generate("zeropp", 2, 5, v=2, unit_size=2)
+    report = verify_schedule(schedule, pool, model=UNTIED, dp=2, fsdp=True, fsdp_max_unsharded=1, iterations=2)
+    assert report.ok, report.problems or (report.max_rel_grad_diff, report.max_abs_loss_diff)
+    for info in report.fsdp:
+        assert info["derived_reduce_scatters"] == 6
+        assert info["reduce_scatters_per_iteration"] == info["traced_reduce_scatters_per_iteration"] == [6, 6]

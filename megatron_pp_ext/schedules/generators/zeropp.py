@@ -168,6 +168,9 @@ def zeropp_order(
     return out
 
 
+_LIMIT_FLAGS = "--memory-limit; --pipeline-memory-limit under megatron"
+
+
 def _check(p: int, m: int, v: int | None, unit_size: object) -> tuple[int, int]:
     check_int("p", p, 1)
     check_int("m", m, 1)
@@ -211,7 +214,7 @@ def zeropp(
         isinstance(memory_limit, bool) or not isinstance(memory_limit, int | float) or not memory_limit >= 1
     ):
         raise ScheduleParameterError(
-            f"zeropp: memory_limit (--pipeline-memory-limit, live activations per rank in M_a = one 1F1B stage's "
+            f"zeropp: memory_limit ({_LIMIT_FLAGS}, live activations per rank in M_a = one 1F1B stage's "
             f"activation) must be a number >= 1, got {memory_limit!r}"
         )
     if unit_size is None and memory_limit is not None and isinstance(m, int):
@@ -220,7 +223,7 @@ def zeropp(
     if memory_limit is not None and memory_limit < unit:
         raise ScheduleParameterError(
             f"zeropp: a unit of unit_size={unit} micro-batches runs each chunk for all of them before the next chunk, "
-            f"so it needs memory_limit >= unit_size M_a; got memory_limit (--pipeline-memory-limit) {memory_limit:g}: "
+            f"so it needs memory_limit >= unit_size M_a; got memory_limit ({_LIMIT_FLAGS}) {memory_limit:g}: "
             f"use --pipeline-unit-size <= {int(memory_limit)} or 'auto'"
         )
     return build_schedule(
