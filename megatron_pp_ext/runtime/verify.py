@@ -648,6 +648,8 @@ class VerifyReport:
     iterations: int
     losses: list[float]
     peak_activation_bytes: list[int] = field(default_factory=list)
+    # per pipeline rank: the measured bytes of one activation of each of its stages ({stage: bytes})
+    stage_activation_bytes: list[dict[int, int]] = field(default_factory=list)
     measured_bubble_rate: list[float] = field(default_factory=list)
     # per pipeline rank (data-parallel replica 0): the derived collectives launched in the last
     # iteration, in order, each with whether it started before the rank's last backward ended
@@ -787,6 +789,7 @@ def compare(
         iterations=len(run_losses),
         losses=[sum(x) / len(x) if x else float("nan") for x in run_losses],
         peak_activation_bytes=[t["peak_activation_bytes"] for t in traces if t],
+        stage_activation_bytes=[{int(k): int(b) for k, b in t["stage_activation_bytes"].items()} for t in traces if t],
         measured_bubble_rate=[t["measured_bubble_rate"] for t in traces if t],
         collectives=[_launches(t) for t in traces if t],
         problems=problems,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_pp_ext.analysis.fsdp_memory import fsdp_buffer_peaks
 from megatron_pp_ext.runtime.tiny_gpt import TinyGPTSpec
 from megatron_pp_ext.runtime.verify import verify_schedule
 from megatron_pp_ext.schedules import generate
@@ -41,6 +42,18 @@ def test_fsdp_matches_reference_and_gathers_as_derived(pool, unit, limit):
         # the memory model's gathered parameters: the `limit` largest chunks at once, measured by ShardedChunk
         chunks = sorted(info["full_param_bytes_per_chunk"], reverse=True)
         assert info["peak_bytes"]["full_params"] == sum(chunks[:limit])
+    # the lowering's buffer model (analysis/fsdp_memory.py): gathered parameters exactly; the gradient buffers
+    # the runtime frees once a reduce-scatter completed, so at least the model's (which holds every chunk here)
+    placement = schedule.placement
+    sizes = [
+        float(report.fsdp[placement.rank_of(s)]["full_param_bytes_per_chunk"][placement.chunk_of(s)])
+        for s in range(schedule.num_stages)
+    ]
+    plan = derive_collectives(schedule, policy_for(schedule, fsdp=True, fsdp_max_unsharded=limit))
+    model = fsdp_buffer_peaks(plan, sizes)  # the tiny model is fp32: gradient buffers have the parameters' size
+    for rank, info in enumerate(report.fsdp):
+        assert info["peak_bytes"]["full_params"] == model.params[rank]
+        assert info["peak_bytes"]["full_grads"] == model.grads[rank] == sum(info["full_param_bytes_per_chunk"])
     if limit == 2:
         assert gathers == [2, 2]  # v = 2 with two gathered chunks: each chunk gathered once per iteration
 
