@@ -101,15 +101,15 @@ def main() -> None:
                     peak = [info["peak_bytes"]["full_grads"] for info in r.fsdp]
                     mean = [info["mean_bytes"]["full_grads"] for info in r.fsdp]
                     grads.append(
-                        f"| {label} | {m} | {what} | {r.ok} | {derived} / {measured} | {pair(b.grads)} / {pair(peak)} "
-                        f"| {pair(b.mean_grads)} / {pair(mean)} |"
+                        f"| {label} | {m} | {what} | {r.ok} | {derived} / {measured} | {pair(b.grads)} | {pair(peak)} "
+                        f"| {pair(b.mean_grads)} | {pair(mean)} |"
                     )
     print("\nFull gradient buffers, reduce-scatter per unit vs once per iteration (KB per rank, rank 0 / rank 1):\n")
     print(
         "| schedule | m | gradient reduce-scatter | ok | reduce-scatters per iteration, lowering / measured "
-        "| peak full gradients, model / measured | mean full gradients, model (over ops) / measured (over time) |"
+        "| peak full gradients, model | measured | mean full gradients, model (over ops) | measured (over wall time) |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     print("\n".join(grads))
 
 

@@ -864,12 +864,15 @@ def verify_schedule(
 
     validate(schedule)
     p, m = schedule.num_ranks, schedule.num_microbatches
+    per_unit = False  # FSDP gradients reduce-scattered per unit (not once per iteration)
     if fsdp:  # the ranks get the schedule as CSV, without its declarations: pass the policy explicitly
         from ..schedules.collectives import policy_for
 
-        fsdp_grad_reduce_unit = policy_for(
+        resolved = policy_for(
             schedule, fsdp=True, fsdp_max_unsharded=fsdp_max_unsharded, grad_reduce_unit=fsdp_grad_reduce_unit
         ).grad_reduce_unit
+        per_unit = resolved is not None
+        fsdp_grad_reduce_unit = resolved or m  # a unit of m micro-batches: once per iteration, whatever is declared
     if model is None:
         model = TinyGPTSpec(num_layers=schedule.placement.stages_per_replica)
     split = schedule.splits_backward
@@ -881,7 +884,7 @@ def verify_schedule(
         "sequence_parallel": sequence_parallel,
         "timeout_s": timeout_s,
     }
-    if lr is not None or schedule.placement.num_replicas > 1 or (fsdp and fsdp_grad_reduce_unit is not None):
+    if lr is not None or schedule.placement.num_replicas > 1 or per_unit:
         common["lr"] = lr if lr is not None else RunSpec.lr / 10
     own_pool = pool is None
     say = progress or (lambda text: None)

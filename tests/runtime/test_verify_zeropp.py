@@ -75,3 +75,14 @@ def test_fsdp_unit_not_dividing_m(pool):
     for info in report.fsdp:
         assert info["derived_reduce_scatters"] == 6
         assert info["reduce_scatters_per_iteration"] == info["traced_reduce_scatters_per_iteration"] == [6, 6]
+
+
+def test_fsdp_reduce_once_per_iteration_on_request(pool):
+    """fsdp_grad_reduce_unit = m overrides the declared per-unit reduction (U = 1): one reduce-scatter per chunk."""
+    schedule = generate("zeropp", 2, 4, v=2, unit_size=1)
+    report = verify_schedule(
+        schedule, pool, model=UNTIED, dp=2, fsdp=True, fsdp_max_unsharded=1, fsdp_grad_reduce_unit=4, iterations=2
+    )
+    assert report.ok, report.problems or (report.max_rel_grad_diff, report.max_abs_loss_diff)
+    assert [info["derived_reduce_scatters"] for info in report.fsdp] == [2, 2]
+    assert all(info["reduce_scatters_per_iteration"] == [2, 2] for info in report.fsdp)
