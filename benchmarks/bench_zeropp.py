@@ -11,6 +11,8 @@ Cost assumptions (all from megatron_pp_ext.planner, no measurement):
 * FSDP over ``dp`` ranks per stage across nodes (a pipeline packed into a node, its data-parallel peers on
   other nodes): the network's ``inter_gbps`` per GPU; a chunk's all-gather and gradient reduce-scatter move
   its bf16 parameters (``L/(p v)`` layers x 201M parameters x 2 bytes).
+  ``zeropp`` reduce-scatters each chunk's gradients once per scheduling unit (its declared policy:
+  ``v ceil(m/U)`` per rank and iteration, column "reduce-scatters / iter"), the others once per chunk.
 * memory (worst rank) = peak live activations from the simulator (``layer_activation_bytes`` per layer and
   micro-batch, an activation held from F until its W) + the FSDP chunks gathered at once (the schedule's
   declared limit x one chunk's bf16 parameters). The sharded parameter, gradient and optimizer state
@@ -54,6 +56,7 @@ class Row:
     bubble: float
     exposed: float
     gathers: int
+    reduces: int  # gradient reduce-scatters per iteration, worst rank (zeropp: per chunk and unit)
     memory: float  # GB
 
 
@@ -106,6 +109,7 @@ class Setting:
             plain.sync_bubble_rate,
             max(data.exposed),
             max(data.plan.count(CollectiveKind.UNSHARD, r) for r in range(self.p)),
+            max(data.reduction_count(r) for r in range(self.p)),
             (act + gathered) / 1e9,
         )
 
@@ -113,13 +117,14 @@ class Setting:
 def table(setting: Setting, rows: list[Row], base: dict[str, Row]) -> None:
     print(
         "| schedule | v | U | iteration (ms) | vs 1f1b | vs best bfs | bubble (compute) | exposed FSDP (ms) "
-        "| gathers / iter | memory (GB) | <= 1f1b memory |"
+        "| gathers / iter | reduce-scatters / iter | memory (GB) | <= 1f1b memory |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(
             f"| {r.name} | {r.v} | {r.unit} | {r.time:.1f} | {base['1f1b'].time / r.time:.2f}x | "
-            f"{base['bfs'].time / r.time:.2f}x | {r.bubble:.3f} | {r.exposed:.1f} | {r.gathers} | {r.memory:.1f} | "
+            f"{base['bfs'].time / r.time:.2f}x | {r.bubble:.3f} | {r.exposed:.1f} | {r.gathers} | {r.reduces} | "
+            f"{r.memory:.1f} | "
             f"{'yes' if r.memory <= base['1f1b'].memory + 1e-9 else 'no'} |"
         )
 

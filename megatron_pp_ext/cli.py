@@ -140,6 +140,8 @@ def data_parallel_summary(result: SimResult) -> str:
     assert dp is not None
     policy = dp.plan.policy
     fsdp = "" if policy.fsdp_max_unsharded is None else f", FSDP with {policy.fsdp_max_unsharded} gathered chunk(s)"
+    if policy.grad_reduce_unit is not None:
+        fsdp += f", gradients reduced per unit of {policy.grad_reduce_unit} micro-batches"
     dist = ", distributed optimizer (param gather per chunk)" if policy.param_sync else ""
     lines = [
         f"data parallel   dp={dp.dp}, {dp.reduce} per chunk{fsdp}{dist}; times in ms (--costs read as ms)",
@@ -148,10 +150,19 @@ def data_parallel_summary(result: SimResult) -> str:
         "",
     ]
     rows = [
-        [r, _num(dp.exposed[r]), _num(dp.stall[r]), _num(dp.tail[r]), _num(dp.stream_busy[r]), dp.gathers(r)]
+        [
+            r,
+            _num(dp.exposed[r]),
+            _num(dp.stall[r]),
+            _num(dp.tail[r]),
+            _num(dp.stream_busy[r]),
+            dp.gathers(r),
+            dp.reduction_count(r),
+        ]
         for r in range(len(dp.end))
     ]
-    lines.append(_fmt_table(["rank", "exposed dp", "gather stall", "drain tail", "stream busy", "gathers"], rows))
+    header = ["rank", "exposed dp", "gather stall", "drain tail", "stream busy", "gathers", "reductions"]
+    lines.append(_fmt_table(header, rows))
     lines += ["", "gradient reductions (rank, chunk, stage, start, end):"]
     placement = dp.plan.schedule.placement
     rows = [

@@ -193,6 +193,11 @@ class DataParallelResult:
         """FSDP unshards (all-gathers) per iteration, on one rank or all."""
         return self.plan.count(CollectiveKind.UNSHARD, rank)
 
+    def reduction_count(self, rank: int | None = None) -> int:
+        """Gradient reductions (all-reduces or reduce-scatters) per iteration, on one rank or all: one per
+        chunk, or one per chunk and unit when the policy reduces per unit (``grad_reduce_unit``)."""
+        return self.plan.count(CollectiveKind.REDUCE_GRADS, rank)
+
     def reductions(self) -> list[tuple[int, int, float, float]]:
         """``(rank, stage, start, end)`` of every chunk's gradient reduction."""
         return [(r, s, b, e) for r, k, s, _, b, e in self.collectives if k == CollectiveKind.REDUCE_GRADS]
@@ -213,6 +218,7 @@ class DataParallelResult:
             "tail": [r(x) for x in self.tail],
             "stream_busy": [r(x) for x in self.stream_busy],
             "gathers": [self.gathers(rank) for rank in range(len(self.end))],
+            "reduction_counts": [self.reduction_count(rank) for rank in range(len(self.end))],
             "reductions": [
                 {"rank": rank, "stage": stage, "start": r(b), "end": r(e)} for rank, stage, b, e in self.reductions()
             ],

@@ -34,6 +34,7 @@ class UnitCandidate:
     bubble: float  # sync bubble rate of the compute alone
     peak_activations: float  # worst rank, in M_a (1F1B stage activations)
     gathers: int  # FSDP all-gathers per iteration, worst rank (0 without FSDP)
+    reductions: int  # gradient reductions per iteration, worst rank (FSDP: per chunk and unit; 0 without dp)
     exposed: float  # worst rank's data-parallel time not hidden behind compute
     memory_bytes: float | None  # activations + gathered FSDP chunks, worst rank (None without sizes)
     fits: bool
@@ -50,14 +51,15 @@ class UnitChoice:
     def table(self) -> str:
         lines = ["zeropp --pipeline-unit-size auto: candidates (time in --costs units)"]
         lines.append(
-            f"{'U':>4} {'iteration':>11} {'bubble':>7} {'act (M_a)':>9} {'gathers':>7} {'exposed':>9} {'memory':>10}  "
+            f"{'U':>4} {'iteration':>11} {'bubble':>7} {'act (M_a)':>9} {'gathers':>7} {'reduces':>7} "
+            f"{'exposed':>9} {'memory':>10}  "
         )
         for c in self.candidates:
             mem = "-" if c.memory_bytes is None else f"{c.memory_bytes / 1e9:.3g} GB"
             mark = "<- chosen" if c is self.best else ("" if c.fits else "over budget")
             lines.append(
                 f"{c.unit_size:>4} {c.iteration_time:>11.4g} {c.bubble:>7.4f} {c.peak_activations:>9.3g} "
-                f"{c.gathers:>7} {c.exposed:>9.4g} {mem:>10}  {mark}"
+                f"{c.gathers:>7} {c.reductions:>7} {c.exposed:>9.4g} {mem:>10}  {mark}"
             )
         if self.skipped:
             lines.append(
@@ -89,7 +91,7 @@ def evaluate_unit_size(
     chunks = schedule.chunks_per_rank
     lowered = validate(schedule)
     plain = simulate(schedule, costs, lowered=lowered)
-    time, gathers, exposed = plain.makespan, 0, 0.0
+    time, gathers, reductions, exposed = plain.makespan, 0, 0, 0.0
     if dp > 1:
         policy = policy_for(schedule, fsdp=fsdp)
         result = simulate(
@@ -105,13 +107,22 @@ def evaluate_unit_size(
         assert data is not None
         time, exposed = data.iteration_time, max(data.exposed)
         gathers = max(data.plan.count(CollectiveKind.UNSHARD, r) for r in range(p)) if fsdp else 0
+        reductions = max(data.reduction_count(r) for r in range(p))
     memory = None
     if activation_bytes is not None:
         memory = max(plain.peak_activations) * activation_bytes
         if fsdp and param_bytes is not None:
             memory += min(declared_fsdp_limit(schedule) or 1, chunks) * param_bytes
     candidate = UnitCandidate(
-        unit_size, time, plain.sync_bubble_rate, max(plain.peak_activations) / chunks, gathers, exposed, memory, True
+        unit_size,
+        time,
+        plain.sync_bubble_rate,
+        max(plain.peak_activations) / chunks,
+        gathers,
+        reductions,
+        exposed,
+        memory,
+        True,
     )
     return schedule, candidate
 
@@ -167,10 +178,14 @@ def choose_unit_size(
         built.append((schedule, UnitCandidate(**{**c.__dict__, "fits": fits})))
     fitting = [(s, c) for s, c in built if c.fits]
     if not fitting:
+        given = [f"memory_limit {memory_limit:g} M_a (--memory-limit; --pipeline-memory-limit under megatron)"]
+        given = given if memory_limit is not None else []
+        if memory_budget is not None:
+            given.append(f"a budget of {memory_budget / 1e9:.3g} GB")
         raise ScheduleParameterError(
-            f"zeropp: no unit size in {sizes} fits the memory budget (--pipeline-memory-limit {memory_limit}, "
-            f"budget {memory_budget} bytes): it leaves {cap if cap is None else round(cap, 3)} M_a of activations "
-            "per rank, a unit of U micro-batches needs at least U"
+            f"zeropp: no unit size in {sizes} fits the memory budget ({', '.join(given)}): it leaves "
+            f"{cap if cap is None else round(cap, 3)} M_a of activations per rank, a unit of U micro-batches needs "
+            "at least U"
         )
     schedule, best = min(fitting, key=lambda sc: (round(sc[1].iteration_time, 9), sc[1].peak_activations))
     schedule.params["unit_size_auto"] = True

@@ -39,8 +39,8 @@ from ..schedules.collectives import (
     Collective,
     CollectiveKind,
     CollectivePolicy,
-    declared_fsdp_limit,
     derive_collectives,
+    fsdp_policy,
 )
 from ..schedules.ir import Op, OpKind, ScheduleError
 from ..schedules.lowering import ACT, GRAD, Compute, Exchange, LoweredSchedule, lower
@@ -106,8 +106,11 @@ class _GradSync:
     megatron's ``finalize_model_grads`` reduces everything after the pipeline, as in megatron.
     """
 
-    def __init__(self, config: Any, models: Sequence[torch.nn.Module], active: bool) -> None:
+    def __init__(
+        self, config: Any, models: Sequence[torch.nn.Module], active: bool, expected: dict[int, int] | None = None
+    ) -> None:
         self.models = models
+        self.expected = expected or {}  # chunk -> reductions the collectives pass placed (several: per unit)
         self.active = active
         no_sync = config.no_sync_func if active else None
         if isinstance(no_sync, list):
@@ -123,7 +126,7 @@ class _GradSync:
             no_sync = all_no_sync
         self.no_sync_func = no_sync or contextlib.nullcontext
         self.grad_sync_func = grad_sync_funcs(config, models) if active else None
-        self.synced: set[int] = set()
+        self.synced: dict[int, int] = {}  # chunk -> reductions launched this iteration
         self._ctx: Any = None
 
     def disable(self) -> None:
@@ -139,10 +142,14 @@ class _GradSync:
     def reduce(self, chunk: int) -> None:
         """The derived ``reduce-grads`` collective: start the chunk's data-parallel reduction."""
         assert self.grad_sync_func is not None
-        if chunk in self.synced:
-            raise ExecutorError(f"gradient reduction of chunk {chunk} launched twice in one iteration")
+        launched = self.synced.get(chunk, 0) + 1
+        if launched > self.expected.get(chunk, 1):
+            raise ExecutorError(
+                f"gradient reduction of chunk {chunk} launched {launched} times in one iteration, the collectives "
+                f"pass placed {self.expected.get(chunk, 1)}"
+            )
         self.grad_sync_func[chunk](self.models[chunk].parameters())
-        self.synced.add(chunk)
+        self.synced[chunk] = launched
 
     def finish(self, where: str) -> None:
         self.enable()
@@ -150,6 +157,9 @@ class _GradSync:
             missing = [chunk for chunk in range(len(self.models)) if chunk not in self.synced]
             if missing:
                 raise ExecutorError(f"{where}: chunks {missing} never launched their gradient reduction")
+            short = {c: (self.synced[c], n) for c, n in self.expected.items() if self.synced.get(c, 0) < n}
+            if short:
+                raise ExecutorError(f"{where}: chunk -> (reductions launched, placed): {short}")
 
 
 def grad_sync_funcs(config: Any, models: Sequence[torch.nn.Module]) -> list[Callable[..., Any]] | None:
@@ -178,6 +188,7 @@ def make_forward_backward_func(
     timeout_s: float | None = None,
     use_tags: bool = True,
     fsdp_max_unsharded: int | None = None,
+    fsdp_grad_reduce_unit: int | None = None,
     replica_sync: Any = None,
     check_grads: bool = False,
 ) -> Callable[..., list[Any]]:
@@ -185,7 +196,10 @@ def make_forward_backward_func(
 
     ``fsdp_max_unsharded``: the model chunks are FSDP chunks (``unshard()`` / ``reshard()``, see
     :mod:`.fsdp`) of which at most this many are gathered at once (None: the schedule's declared
-    limit, if any). ``replica_sync`` (bidirectional placements, :class:`.replica_sync.ReplicaSync`):
+    limit, if any; 1 when it declares none). ``fsdp_grad_reduce_unit``: FSDP chunks reduce their gradients
+    once per that many micro-batches (None: the schedule's declared unit, else once per iteration; a
+    schedule loaded from CSV carries no declarations, so pass both then).
+    ``replica_sync`` (bidirectional placements, :class:`.replica_sync.ReplicaSync`):
     ``launch(chunk)`` starts a chunk's gradient all-reduce with the other replica's copy,
     ``finish()`` waits for them.
     ``check_grads``: watch every training iteration with :mod:`.grad_check` (the first one always is).
@@ -199,16 +213,16 @@ def make_forward_backward_func(
     def plan(num_microbatches: int, rank: int, forward_only: bool, config: Any, models: list[Any]) -> _Plan:
         schedule = schedule_for(num_microbatches)  # the source caches; it may re-plan between calls
         training = not forward_only
-        if fsdp_max_unsharded is None and all(hasattr(m, "unshard") for m in models):
-            limit = declared_fsdp_limit(schedule) or 1  # FSDP chunks: the schedule's declared policy
+        fields = {
+            "reduce_grads": training and grad_sync_funcs(config, models) is not None,
+            "param_sync": training and config.param_sync_func is not None,
+            "replica_sync": training and replica_sync is not None,
+        }
+        if fsdp_max_unsharded is not None or (models and all(hasattr(m, "unshard") for m in models)):
+            # FSDP chunks: the schedule's declared gather limit and gradient reduction unit unless given
+            policy = fsdp_policy(schedule, fsdp_max_unsharded, fsdp_grad_reduce_unit, **fields)
         else:
-            limit = fsdp_max_unsharded
-        policy = CollectivePolicy(
-            reduce_grads=training and grad_sync_funcs(config, models) is not None,
-            param_sync=training and config.param_sync_func is not None,
-            fsdp_max_unsharded=limit,
-            replica_sync=training and replica_sync is not None,
-        )
+            policy = CollectivePolicy(**fields)
         key = (num_microbatches, rank, forward_only, policy)
         cached = plans.get(key)
         if cached is None or cached[0] is not schedule:
@@ -362,7 +376,13 @@ class _Run:
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)  # megatron keeps it on the GPU
         self.wgrad: WeightGradStore = get_weight_grad_store()
         self.wgrad.on_held_bytes = self.tracer.add_held_bytes
-        self.grad_sync = _GradSync(self.config, self.models, active=not self.forward_only)
+        reductions: dict[int, int] = {}
+        for items in self.plan.collectives.values():
+            for c in items:
+                if c.kind == CollectiveKind.REDUCE_GRADS:
+                    chunk = self.placement.chunk_of(c.stage)
+                    reductions[chunk] = reductions.get(chunk, 0) + 1
+        self.grad_sync = _GradSync(self.config, self.models, active=not self.forward_only, expected=reductions)
         self.holds_last_stage = any(self.placement.is_last(s) for s in self.local_stages)
 
     # ---- set-up helpers ------------------------------------------------------------------

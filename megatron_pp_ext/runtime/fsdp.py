@@ -4,8 +4,9 @@ A :class:`ShardedChunk` wraps one megatron-core model chunk on a data-parallel p
 ranks. The chunk's parameters become views of one flat, full-size buffer; each rank owns an fp32 shard
 (``1/N`` of the padded buffer) that the optimizer updates. Nothing happens implicitly: the executor
 calls :meth:`~ShardedChunk.unshard` / :meth:`~ShardedChunk.reshard` where the lowering placed them (once
-per sweep, not once per micro-batch) and :meth:`~ShardedChunk.start_grad_reduce` /
-:meth:`~ShardedChunk.finish_grad_reduce` after the chunk's last backward of the iteration.
+per sweep, not once per micro-batch) and :meth:`~ShardedChunk.start_grad_reduce` where it placed the
+chunk's gradient reductions: after the chunk's last backward of the iteration, or (a policy the schedule
+declares, ZeroPP's) after its last gradient op of each scheduling unit.
 
 * ``reshard()`` frees the full buffer's storage (``untyped_storage().resize_(0)``, as FSDP does); the
   parameter tensors and every view autograd saved keep pointing at that storage, so after ``unshard()``
@@ -17,7 +18,10 @@ per sweep, not once per micro-batch) and :meth:`~ShardedChunk.start_grad_reduce`
   weight-gradient kernel already wrote into ``main_grad``). So megatron's linear layers, with or
   without ``gradient_accumulation_fusion``, and our B/W split (:mod:`.wgrad_hooks`, whose W op
   accumulates through the parameter's own ``AccumulateGrad``) both land in the buffer. The buffer is
-  allocated at the chunk's first gradient of the iteration and freed after the reduce-scatter.
+  allocated at the chunk's first gradient after a reduction (or of the iteration) and freed when the
+  reduce-scatter is done. Several reductions per iteration accumulate into the sharded gradient: the first
+  reduce-scatters into it, each later one into a shard-sized scratch that is then added; a gradient arriving
+  while a reduction of the chunk is in flight first waits for it (the buffer is in use).
 * Scaling matches megatron DDP's default (``average_in_collective=False``): the full gradient is
   multiplied by ``1/N`` and reduce-scattered with ``SUM``, so the shard holds the data-parallel
   *average* (``average=False`` gives the sum, as megatron with ``calculate_per_token_loss``).
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,14 +90,39 @@ class FsdpMemory:
 
     ``shard`` is the fp32 parameter shards plus the sharded gradients; ``full_params`` and
     ``full_grads`` the gathered parameter buffers and the full gradient buffers alive at a time.
-    Optimizer state (Adam's moments, 2x the fp32 shard) is not counted.
+    Optimizer state (Adam's moments, 2x the fp32 shard) is not counted. ``byte_seconds`` integrates each
+    kind over wall time (``mean_bytes`` = that over the time since the first allocation): how long full buffers
+    live, which reducing gradients per unit shortens even where the peak stays. ``reducing``: the chunks with a
+    gradient reduce-scatter in flight; any chunk of the rank retires the completed ones (frees their buffers).
     """
 
     current: dict[str, int] = field(default_factory=lambda: {"shard": 0, "full_params": 0, "full_grads": 0})
     peak: dict[str, int] = field(default_factory=lambda: {"shard": 0, "full_params": 0, "full_grads": 0})
     peak_total: int = 0
+    byte_seconds: dict[str, float] = field(
+        default_factory=lambda: {"shard": 0.0, "full_params": 0.0, "full_grads": 0.0}
+    )
+    reducing: list[Any] = field(default_factory=list, repr=False)
+    _since: float | None = None
+    _last: float | None = None
+
+    def _integrate(self) -> None:
+        now = time.perf_counter()
+        if self._last is not None:
+            for kind, value in self.current.items():
+                self.byte_seconds[kind] += value * (now - self._last)
+        else:
+            self._since = now
+        self._last = now
+
+    def mean_bytes(self) -> dict[str, float]:
+        """Time-averaged bytes held per kind since the first allocation."""
+        self._integrate()
+        span = (self._last or 0.0) - (self._since or 0.0)
+        return {kind: (v / span if span > 0 else 0.0) for kind, v in self.byte_seconds.items()}
 
     def add(self, kind: str, nbytes: int) -> None:
+        self._integrate()
         self.current[kind] += nbytes
         assert self.current[kind] >= 0, (kind, self.current[kind])
         self.peak[kind] = max(self.peak[kind], self.current[kind])
@@ -215,7 +245,8 @@ class ShardedChunk(torch.nn.Module):
         self.memory.add("full_params", self.full_param_bytes)
         self._gather_work: Any = None
         self._reduce_work: Any = None
-        self._reduced = False
+        self._reductions = 0  # reduce-scatters completed or started this iteration
+        self._scratch: torch.Tensor | None = None  # target of a later reduce-scatter of the iteration
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_grad_hook(n)) for n, p in named]
         self.register_forward_pre_hook(self._check_unsharded_for_forward)
         self.reshard()
@@ -254,6 +285,7 @@ class ShardedChunk(torch.nn.Module):
             )
 
     def _check_unsharded_for_forward(self, _module: Any, _args: Any) -> None:
+        self.retire_completed_reductions()
         if not self.is_unsharded:
             state = "gathering (call wait_unshard)" if self._gather_work is not None else "sharded (call unshard)"
             raise FsdpError(f"rank {self.global_rank}: forward of {self.chunk_name} while its parameters are {state}")
@@ -269,8 +301,17 @@ class ShardedChunk(torch.nn.Module):
                 f"within {self.timeout.total_seconds():g}s (a peer skipped or reordered this collective?): {exc}"
             ) from exc
 
+    def retire_completed_reductions(self) -> None:
+        """Finish every gradient reduction of this rank's chunks (those sharing ``memory``) that has completed:
+        their full gradient buffers are freed as soon as possible, not only at the chunk's next gradient."""
+        for chunk in list(self.memory.reducing):
+            work = chunk._reduce_work
+            if work is not None and work.is_completed():
+                chunk.finish_grad_reduce()
+
     def unshard(self, async_op: bool = False) -> None:
         """Allocate the full parameter buffer and all-gather the shards into it (no-op if unsharded)."""
+        self.retire_completed_reductions()
         if self._unsharded:
             if not async_op:
                 self.wait_unshard()
@@ -296,6 +337,7 @@ class ShardedChunk(torch.nn.Module):
 
     def reshard(self) -> None:
         """Free the full parameter buffer (no-op if sharded). Saved views see the data of the next unshard."""
+        self.retire_completed_reductions()
         if not self._unsharded:
             return
         if self._gather_work is not None:
@@ -306,16 +348,15 @@ class ShardedChunk(torch.nn.Module):
 
     # ---- gradients -----------------------------------------------------------------------------
     def ensure_grad_buffer(self) -> None:
-        """Allocate (zeroed) the full gradient buffer; done at the first gradient of the iteration.
+        """Allocate (zeroed) the full gradient buffer; done at the first gradient after a reduction.
 
-        With ``gradient_accumulation_fusion`` megatron's kernel writes into ``main_grad`` directly:
-        call this before the chunk's first backward op.
+        A reduction of the chunk still in flight is waited for first (it reads the buffer). With
+        ``gradient_accumulation_fusion`` megatron's kernel writes into ``main_grad`` directly: call this
+        before the chunk's first backward op.
         """
-        if self._reduced:
-            raise FsdpError(
-                f"rank {self.global_rank}: gradient for {self.chunk_name} after its gradient reduction of this "
-                "iteration (a chunk is reduced once per iteration, after its last backward/W)"
-            )
+        self.retire_completed_reductions()
+        if self._reduce_work is not None:
+            self.finish_grad_reduce()
         if not _is_allocated(self._grad_flat):
             _alloc(self._grad_flat, self.padded_numel)
             self._grad_flat.zero_()
@@ -334,10 +375,9 @@ class ShardedChunk(torch.nn.Module):
         return hook
 
     def start_grad_reduce(self) -> None:
-        """Extra all-reduces (if any), then start the reduce-scatter of the full gradient into the shard."""
-        if self._reduced or self._reduce_work is not None:
-            raise FsdpError(f"rank {self.global_rank}: {self.chunk_name} reduced twice in one iteration")
-        self.ensure_grad_buffer()  # a chunk without gradients still joins the collective (zeros)
+        """Extra all-reduces (if any), then start the reduce-scatter of the full gradient into the shard
+        (the iteration's first reduction) or into a scratch shard added at :meth:`finish_grad_reduce`."""
+        self.ensure_grad_buffer()  # waits for a reduction in flight; without gradients the chunk joins with zeros
         views = dict(zip(self._names, (p.main_grad for p in self._params), strict=True))  # type: ignore[attr-defined]
         for pname, group in self.extra_grad_reductions.items():
             if callable(group) and not isinstance(group, dist.ProcessGroup):
@@ -348,22 +388,33 @@ class ShardedChunk(torch.nn.Module):
             self.counters.extra_all_reduces += 1
         if self.average and self.world > 1:
             self._grad_flat.mul_(1.0 / self.world)
+        target = self._grad_shard
+        if self._reductions > 0:  # accumulate into the sharded gradient of the earlier units
+            self._scratch = target = torch.empty_like(self._grad_shard)
+            self.memory.add("shard", self.shard_numel * 4)
         self._reduce_work = _reduce_scatter(
-            self._grad_shard, self._grad_flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+            target, self._grad_flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True
         )
+        self.memory.reducing.append(self)
+        self._reductions += 1
         self.counters.reduce_scatters += 1
         self.counters.total_reduce_scatters += 1
 
     def finish_grad_reduce(self) -> None:
-        """Wait for the reduce-scatter, free the full gradient buffer, expose the shard to the optimizer."""
+        """Wait for the reduce-scatter, free the full gradient buffer, add the result into the sharded
+        gradient (a later reduction of the iteration), expose the shard to the optimizer."""
         if self._reduce_work is None:
             raise FsdpError(f"rank {self.global_rank}: finish_grad_reduce of {self.chunk_name} without start")
         work, self._reduce_work = self._reduce_work, None
+        self.memory.reducing.remove(self)
         self._wait(work, "reduce-scatter (gradients)")
         _free(self._grad_flat)
         self.memory.add("full_grads", -self.full_grad_bytes)
+        if self._scratch is not None:
+            self._grad_shard.add_(self._scratch)
+            self._scratch = None
+            self.memory.add("shard", -self.shard_numel * 4)
         self.main_shard.grad = self._grad_shard
-        self._reduced = True
 
     # ---- iteration boundaries --------------------------------------------------------------------
     def start_iteration(self) -> None:
@@ -375,7 +426,7 @@ class ShardedChunk(torch.nn.Module):
                 f"rank {self.global_rank}: {self.chunk_name} starts an iteration unsharded: reshard every chunk "
                 "before the optimizer step, the next unshard gathers the updated shards"
             )
-        self._reduced = False
+        self._reductions = 0
         self.counters.all_gathers = 0
         self.counters.reduce_scatters = 0
         self.counters.extra_all_reduces = 0
@@ -385,8 +436,10 @@ class ShardedChunk(torch.nn.Module):
     def end_iteration(self) -> None:
         """After the iteration's last op, before the optimizer step: every collective done, chunk sharded."""
         problems = []
-        if not self._reduced:
+        if self._reductions == 0:
             problems.append("its gradients were never reduced (start/finish_grad_reduce)")
+        elif self.grad_buffer_allocated and self._reduce_work is None:
+            problems.append("it holds gradients from after its last reduction (a gradient op after the last reduce)")
         if self._unsharded:
             problems.append("it is still unsharded (reshard)")
         if self._gather_work is not None or self._reduce_work is not None:
@@ -409,7 +462,12 @@ class ShardedChunk(torch.nn.Module):
 
     @property
     def reduce_started(self) -> bool:
-        return self._reduce_work is not None or self._reduced
+        """Whether a reduction of this iteration has started (the schedule reduced the chunk at least once)."""
+        return self._reductions > 0
+
+    @property
+    def reduce_pending(self) -> bool:
+        return self._reduce_work is not None
 
     # ---- verification helpers (collectives: every rank of the group calls them) -------------------
     def _gather_flat(self, shard: torch.Tensor) -> torch.Tensor:
@@ -506,6 +564,6 @@ def finalize_sharded_grads(model: list[Any], num_tokens: Any = None, **_ignored:
         if not chunk.reduce_started:
             chunk.start_grad_reduce()
     for chunk in chunks:
-        if chunk._reduce_work is not None:
+        if chunk.reduce_pending:
             chunk.finish_grad_reduce()
         chunk.end_iteration()

@@ -13,6 +13,12 @@ Kinds:
   chunk's last gradient-producing op of the iteration (the last of its ``B``, ``W``, ``BW``:
   a ``B`` still writes LayerNorm and embedding weight gradients). It runs on the data-parallel
   stream, overlapping the rest of the rank's backward work; the iteration waits for it at its end.
+  With FSDP and ``grad_reduce_unit = U`` (a policy a schedule declares as
+  ``Schedule.params["fsdp_grad_reduce_unit"]``; ZeroPP declares its scheduling unit) a chunk reduces
+  once per *unit* instead: micro-batches ``[kU, (k+1)U)`` form unit ``k``, and right after the chunk's
+  last gradient op of each unit its gradients so far are reduce-scattered and added into the sharded
+  gradient, so the full-size gradient buffer is freed between units. ``ceil(m/U)`` reductions per
+  chunk per iteration (``U >= m``: the one reduction above).
 * ``param-sync``: the distributed optimizer's parameter all-gather of a chunk (megatron's
   ``param_sync_func``), just before the chunk's first forward.
 * ``unshard`` / ``reshard`` (FSDP): gather a chunk's parameters before an op that reads its
@@ -72,10 +78,23 @@ class CollectivePolicy:
     param_sync: bool = False  # distributed optimizer with overlapped parameter gathers
     fsdp_max_unsharded: int | None = None  # None: no FSDP; else chunks a rank may hold gathered at once
     replica_sync: bool = False  # bidirectional placements: sync the two copies of every stage
+    # FSDP only: micro-batches per gradient reduction unit (None: one reduction per chunk per iteration)
+    grad_reduce_unit: int | None = None
 
     def __post_init__(self) -> None:
         if self.fsdp_max_unsharded is not None and self.fsdp_max_unsharded < 1:
             raise ScheduleError(f"FSDP needs at least one gathered chunk at a time, got {self.fsdp_max_unsharded}")
+        unit = self.grad_reduce_unit
+        if unit is not None:
+            if isinstance(unit, bool) or not isinstance(unit, int) or unit < 1:
+                raise ScheduleError(f"grad_reduce_unit must be an integer >= 1 (micro-batches), got {unit!r}")
+            if self.fsdp_max_unsharded is None:
+                raise ScheduleError(
+                    "grad_reduce_unit is an FSDP setting (reduce-scatter into the sharded gradient per unit): "
+                    "an all-reduce or the distributed optimizer keeps the full gradient buffer anyway"
+                )
+            if self.replica_sync:
+                raise ScheduleError("grad_reduce_unit with replica sync is not supported (one reduction per iteration)")
 
 
 @dataclass(frozen=True)
@@ -132,8 +151,8 @@ def derive_collectives(schedule: Schedule, policy: CollectivePolicy | None = Non
                     first.setdefault(op.stage, i)
             items += [(i, 1, Collective(CollectiveKind.PARAM_SYNC, s)) for s, i in first.items()]
         if policy.reduce_grads:
-            last = _last_grad_gaps(schedule, rank)
-            items += [(gap, 0, Collective(CollectiveKind.REDUCE_GRADS, s)) for s, gap in last.items()]
+            unit_ends = _unit_grad_gaps(schedule, rank, policy.grad_reduce_unit)
+            items += [(gap, 0, Collective(CollectiveKind.REDUCE_GRADS, s)) for s, gap in unit_ends]
         per_rank.append(items)
     if policy.replica_sync:
         for rank, items in enumerate(_replica_syncs(schedule)):
@@ -156,6 +175,16 @@ def _last_grad_gaps(schedule: Schedule, rank: int) -> dict[int, int]:
         if op.kind in _MAKES_GRADS:
             last[op.stage] = i + 1
     return dict(sorted(last.items(), key=lambda item: item[1]))
+
+
+def _unit_grad_gaps(schedule: Schedule, rank: int, unit: int | None) -> list[tuple[int, int]]:
+    """``(global stage, gap)`` right after the chunk's last gradient-producing op of each unit of ``unit``
+    micro-batches (None: of the iteration), in gap order."""
+    last: dict[tuple[int, int], int] = {}
+    for i, op in enumerate(schedule.ops[rank]):
+        if op.kind in _MAKES_GRADS:
+            last[(op.stage, 0 if unit is None else op.microbatch // unit)] = i + 1
+    return sorted(((stage, gap) for (stage, _), gap in last.items()), key=lambda item: item[1])
 
 
 def _fsdp(schedule: Schedule, rank: int, limit: int) -> list[tuple[int, int, Collective]]:
@@ -192,27 +221,47 @@ def declared_fsdp_limit(schedule: Schedule) -> int | None:
     return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
 
 
+def declared_grad_reduce_unit(schedule: Schedule) -> int | None:
+    """Micro-batches per FSDP gradient reduction a schedule declares
+    (``Schedule.params["fsdp_grad_reduce_unit"]``, e.g. ZeroPP's unit size), or None (once per iteration)."""
+    unit = schedule.params.get("fsdp_grad_reduce_unit")
+    return unit if isinstance(unit, int) and not isinstance(unit, bool) else None
+
+
+def fsdp_policy(
+    schedule: Schedule,
+    fsdp_max_unsharded: int | None = None,
+    grad_reduce_unit: int | None = None,
+    **policy: bool,
+) -> CollectivePolicy:
+    """An FSDP policy with the schedule's declared settings where none is given: the gathered-chunk limit
+    (else 1) and the gradient reduction unit (else once per iteration). ``policy``: the other fields."""
+    limit = fsdp_max_unsharded if fsdp_max_unsharded is not None else (declared_fsdp_limit(schedule) or 1)
+    unit = grad_reduce_unit if grad_reduce_unit is not None else declared_grad_reduce_unit(schedule)
+    if unit is not None and (unit >= schedule.num_microbatches or not policy.get("reduce_grads", True)):
+        unit = None  # one unit holds every micro-batch: the plain once-per-iteration reduction
+    return CollectivePolicy(fsdp_max_unsharded=limit, grad_reduce_unit=unit, **policy)
+
+
 def policy_for(
     schedule: Schedule,
     *,
     fsdp: bool = False,
     distributed_optimizer: bool = False,
     fsdp_max_unsharded: int | None = None,
+    grad_reduce_unit: int | None = None,
 ) -> CollectivePolicy:
-    """The policy of a data-parallel set-up: gradients reduced per chunk; FSDP gathers with
-    ``fsdp_max_unsharded`` (default: the schedule's declared limit, else 1); the distributed
-    optimizer's parameter gathers unless FSDP gathers anyway; replica syncs for two-replica placements."""
-    limit = None
+    """The policy of a data-parallel set-up: gradients reduced per chunk (with FSDP per unit when the
+    schedule declares one or ``grad_reduce_unit`` is given); FSDP gathers with ``fsdp_max_unsharded``
+    (default: the schedule's declared limit, else 1); the distributed optimizer's parameter gathers unless
+    FSDP gathers anyway; replica syncs for two-replica placements."""
+    replica = schedule.placement.num_replicas == 2
     if fsdp:
-        limit = fsdp_max_unsharded if fsdp_max_unsharded is not None else (declared_fsdp_limit(schedule) or 1)
-    elif fsdp_max_unsharded is not None:
-        raise ScheduleError("fsdp_max_unsharded is an FSDP setting: give it together with FSDP")
-    return CollectivePolicy(
-        reduce_grads=True,
-        param_sync=distributed_optimizer and not fsdp,
-        fsdp_max_unsharded=limit,
-        replica_sync=schedule.placement.num_replicas == 2,
-    )
+        return fsdp_policy(schedule, fsdp_max_unsharded, grad_reduce_unit, reduce_grads=True, replica_sync=replica)
+    for name, value in (("fsdp_max_unsharded", fsdp_max_unsharded), ("grad_reduce_unit", grad_reduce_unit)):
+        if value is not None:
+            raise ScheduleError(f"{name} is an FSDP setting: give it together with FSDP")
+    return CollectivePolicy(reduce_grads=True, param_sync=distributed_optimizer, replica_sync=replica)
 
 
 def reduces_by_scatter(policy: CollectivePolicy) -> bool:
@@ -252,7 +301,8 @@ def _replica_syncs(schedule: Schedule) -> list[list[tuple[int, int, Collective]]
 
 
 def check_collectives(plan: CollectivePlan) -> None:
-    """Every chunk reduced once after its last gradient op, gathered before every weight use (FSDP),
+    """Every chunk reduced once after its last gradient op (per unit: once right after its last gradient op
+    of each unit), gathered before every weight use (FSDP),
     replica pairs issuing their syncs in the same order. Raises :class:`ScheduleError`."""
     schedule, policy = plan.schedule, plan.policy
     for rank, ops in enumerate(schedule.ops):
@@ -260,13 +310,32 @@ def check_collectives(plan: CollectivePlan) -> None:
         stages = set(schedule.placement.stages_on_rank(rank))
         # found again here, not through derive's helper, so that a bug there cannot hide from the check
         last = {op.stage: i + 1 for i, op in enumerate(ops) if op.kind in _MAKES_GRADS}
+        unit = policy.grad_reduce_unit
+        due: dict[int, set[int]] = {}  # per unit: a reduction right after the chunk's last gradient op of the unit
+        if unit is not None:
+            unit_last = {
+                (op.stage, op.microbatch // unit): i + 1 for i, op in enumerate(ops) if op.kind in _MAKES_GRADS
+            }
+            for (stage, _), gap in unit_last.items():
+                due.setdefault(stage, set()).add(gap)
         reduced: dict[int, int] = {}
+        reduced_at: dict[int, set[int]] = {}
         gathered: set[int] = set()
         for i in range(len(ops) + 1):
             for c in by_gap.get(i, ()):
                 if c.stage not in stages:
                     raise ScheduleError(f"rank {rank}: {c} at gap {i} names a stage this rank does not hold")
                 if c.kind == CollectiveKind.REDUCE_GRADS:
+                    if unit is not None:
+                        if i not in due.get(c.stage, ()) or i in reduced_at.get(c.stage, ()):
+                            raise ScheduleError(
+                                f"rank {rank}: {c} at gap {i}: with a reduction per unit of {unit} micro-batches it "
+                                f"is due once right after the chunk's last gradient op of each unit, at gaps "
+                                f"{sorted(due.get(c.stage, ()))}"
+                            )
+                        reduced_at.setdefault(c.stage, set()).add(i)
+                        reduced[c.stage] = i
+                        continue
                     if c.stage in reduced:
                         raise ScheduleError(f"rank {rank}: {c} issued twice (gaps {reduced[c.stage]} and {i})")
                     if i < last.get(c.stage, 0):
@@ -287,6 +356,13 @@ def check_collectives(plan: CollectivePlan) -> None:
             raise ScheduleError(f"rank {rank}: chunks {sorted(gathered)} still gathered at the end of the iteration")
         if policy.reduce_grads and set(reduced) != set(last):
             raise ScheduleError(f"rank {rank}: chunks {sorted(set(last) - set(reduced))} never reduce their gradients")
+        for stage, gaps in sorted(due.items()):
+            missing = sorted(gaps - reduced_at.get(stage, set()))
+            if policy.reduce_grads and missing:
+                raise ScheduleError(
+                    f"rank {rank}: chunk s{stage} reduces {len(gaps) - len(missing)} of its {len(gaps)} units' "
+                    f"gradients; none after the unit's last gradient op at gaps {missing}"
+                )
     if policy.replica_sync:
         placement = schedule.placement
         for rank in range(schedule.num_ranks):
@@ -311,7 +387,9 @@ __all__ = [
     "CollectivePolicy",
     "check_collectives",
     "declared_fsdp_limit",
+    "declared_grad_reduce_unit",
     "derive_collectives",
+    "fsdp_policy",
     "mirror_rank",
     "policy_for",
     "reduces_by_scatter",

@@ -81,6 +81,9 @@ def run_verify(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.fsdp_max_unsharded is not None and not args.fsdp:
+        print(f"{PROG}: --fsdp-max-unsharded is an FSDP setting: add --fsdp (or drop it)", file=sys.stderr)
+        return 2
     if args.fsdp_max_unsharded is not None and args.fsdp_max_unsharded < 1:
         print(f"{PROG}: --fsdp-max-unsharded must be >= 1, got {args.fsdp_max_unsharded}", file=sys.stderr)
         return 2
@@ -129,7 +132,8 @@ def run_verify(args: argparse.Namespace) -> int:
         for rank, info in enumerate(report.fsdp):
             print(
                 f"  rank {rank} FSDP: {info['derived_unshards']} gathers derived, measured per iteration "
-                f"{info['all_gathers_per_iteration']}, peak bytes {info['peak_bytes']}"
+                f"{info['all_gathers_per_iteration']}; {info['derived_reduce_scatters']} gradient reduce-scatters "
+                f"derived, measured {info['reduce_scatters_per_iteration']}; peak bytes {info['peak_bytes']}"
             )
         for problem in report.problems:
             print(f"  problem: {problem}")

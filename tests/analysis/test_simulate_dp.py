@@ -153,3 +153,23 @@ def test_dp_only_delays(name: str, p: int, m: int, size: float, dp: int, fsdp: b
         assert start >= issued - 1e-12 and end >= start
         assert start >= previous_end[rank] - 1e-12  # one stream per rank: in issue order, no overlap
         previous_end[rank] = end
+
+
+def test_zeropp_reduce_scatters_per_unit_on_the_stream() -> None:
+    """FSDP with ZeroPP's declared per-unit reduction: the stream carries v ceil(m/U) reduce-scatters per
+    rank (each of a chunk's full size), more stream time than one per chunk, and never a shorter iteration."""
+    from megatron_pp_ext.schedules.collectives import policy_for
+
+    schedule = generate("zeropp", 4, 8, v=2, unit_size=2)
+    kw = {"dp": 2, "dp_bandwidth": 1.0, "param_bytes": 0.5}
+    unit = simulate(schedule, collectives=policy_for(schedule, fsdp=True), **kw).data_parallel
+    once = simulate(schedule, collectives=policy_for(schedule, fsdp=True, grad_reduce_unit=8), **kw).data_parallel
+    assert unit is not None and once is not None
+    assert [unit.reduction_count(r) for r in range(4)] == [8] * 4
+    assert [once.reduction_count(r) for r in range(4)] == [2] * 4
+    assert unit.reduce == "reduce-scatter"
+    assert len(unit.reductions()) == 32
+    assert all(abs(b - a - 0.25) < 1e-12 for *_, a, b in unit.reductions())  # (2-1)/2 x 0.5 bytes at 1 byte/unit
+    assert unit.stream_busy[0] - once.stream_busy[0] == pytest.approx(6 * 0.25)
+    assert unit.iteration_time >= once.iteration_time - 1e-9
+    assert unit.to_json_dict()["reduction_counts"] == [8] * 4

@@ -190,3 +190,21 @@ def test_sharded_adamw_steps_like_megatrons_torch_adamw(megatron, monkeypatch):
             torch.testing.assert_close(full[name], p.detach(), rtol=0, atol=1e-6, msg=name)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.gloo
+def test_zeropp_fsdp_pretrain_reduces_per_unit_and_matches_ddp(tmp_path: Path) -> None:
+    """zeropp under megatron's pretrain() with --pipeline-fsdp: the schedule megatron's flags build declares
+    the per-unit gradient reduce-scatter the executor derives for FSDP chunks (m = 4, U = 2: two per chunk,
+    four per rank); trained that way, the losses equal plain megatron DDP's (one all-reduce per chunk)."""
+    from megatron_pp_ext.schedules.collectives import CollectiveKind, derive_collectives, fsdp_policy
+
+    iters = 3
+    zeropp = ["--pipeline-schedule", "zeropp", "--pipeline-unit-size", "2"]  # the last --pipeline-schedule wins
+    schedule = validate_arguments(make_args([*zeropp, "--pipeline-fsdp"], **UNTIED)).build(2, 4)
+    plan = derive_collectives(schedule, fsdp_policy(schedule))
+    assert [plan.count(CollectiveKind.REDUCE_GRADS, r) for r in range(2)] == [4, 4]
+    losses, text = _train(tmp_path, "zeropp-fsdp", iters, *zeropp, "--pipeline-fsdp")
+    assert "--pipeline-fsdp: 2 chunk(s) per rank sharded over 2 data-parallel rank(s)" in text
+    ddp_losses, _ = _train(tmp_path, "zeropp-ddp", iters, *zeropp)
+    assert losses == pytest.approx(ddp_losses, rel=1e-5)

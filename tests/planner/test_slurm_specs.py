@@ -20,7 +20,17 @@ FILES = ("job.sbatch", "configs.tsv", "plan.json")
 
 
 def test_every_published_grid_has_a_spec() -> None:
-    for name in ("zb-1.5b", "zb-6.2b", "zb-14.6b", "zb-28.3b", "cm-98.5b", "bf-52b", "bf-6.6b", "bitpipe-14.6b"):
+    for name in (
+        "zb-1.5b",
+        "zb-6.2b",
+        "zb-14.6b",
+        "zb-28.3b",
+        "cm-98.5b",
+        "bf-52b",
+        "bf-6.6b",
+        "bitpipe-14.6b",
+        "zeropp-6.2b",
+    ):
         assert name in NAMES
 
 

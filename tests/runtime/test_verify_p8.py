@@ -49,7 +49,8 @@ def test_bfs_p4_dp2_matches_reference(pool8, dist_opt, fsdp):
 @pytest.mark.parametrize("unit", [1, 2, 8])
 def test_zeropp_p4_dp2_fsdp_matches_reference(pool8, unit):
     """ZeroPP at p=4, v=2 on 4 x 2 ranks with FSDP, one gathered chunk (so the per-unit gathers show):
-    gathers per iteration as the lowering derives (issue 15's second shape; U = 1, 2, m)."""
+    gathers and gradient reduce-scatters per iteration as the lowering derives (issue 15's second shape;
+    U = 1, 2, m)."""
     from megatron_pp_ext.schedules.collectives import CollectiveKind, derive_collectives, policy_for
 
     schedule = generate("zeropp", 4, 8, v=2, unit_size=unit)
@@ -61,3 +62,9 @@ def test_zeropp_p4_dp2_fsdp_matches_reference(pool8, unit):
     derived = [plan.count(CollectiveKind.UNSHARD, r) for r in range(4)]
     assert [info["derived_unshards"] for info in report.fsdp] == derived
     assert all(info["all_gathers_per_iteration"] == [info["derived_unshards"]] * 2 for info in report.fsdp)
+    # gradients reduce-scattered once per chunk and unit: v ceil(m/U), counted by the chunks and the trace
+    reduces = [plan.count(CollectiveKind.REDUCE_GRADS, r) for r in range(4)]
+    assert reduces == [2 * -(-8 // unit)] * 4
+    for info in report.fsdp:
+        assert info["derived_reduce_scatters"] == reduces[0]
+        assert info["reduce_scatters_per_iteration"] == info["traced_reduce_scatters_per_iteration"] == [reduces[0]] * 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_pp_ext.analysis.fsdp_memory import fsdp_buffer_peaks
 from megatron_pp_ext.schedules import generate
 from megatron_pp_ext.schedules.collectives import CollectiveKind, declared_fsdp_limit, derive_collectives, policy_for
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
@@ -15,9 +16,9 @@ from megatron_pp_ext.verification.verify import verify_schedule
 UNTIED = TinyGPTSpec(num_layers=4, tied_embeddings=False)
 
 
-def derived_gathers(schedule, limit):  # type: ignore[no-untyped-def]
+def derived(schedule, limit, kind=CollectiveKind.UNSHARD):  # type: ignore[no-untyped-def]
     plan = derive_collectives(schedule, policy_for(schedule, fsdp=True, fsdp_max_unsharded=limit))
-    return [plan.count(CollectiveKind.UNSHARD, r) for r in range(schedule.num_ranks)]
+    return [plan.count(kind, r) for r in range(schedule.num_ranks)]
 
 
 @pytest.mark.parametrize("limit", [None, 1])  # the declared limit (2: every chunk stays gathered) and 1
@@ -27,15 +28,34 @@ def test_fsdp_matches_reference_and_gathers_as_derived(pool, unit, limit):
     limit = limit or declared_fsdp_limit(schedule)
     report = verify_schedule(schedule, pool, model=UNTIED, dp=2, fsdp=True, fsdp_max_unsharded=limit)
     assert report.ok, report.problems or (report.max_rel_grad_diff, report.max_abs_loss_diff)
-    derived = derived_gathers(schedule, limit)
-    assert [info["derived_unshards"] for info in report.fsdp] == derived
+    gathers = derived(schedule, limit)
+    assert [info["derived_unshards"] for info in report.fsdp] == gathers
+    # gradients reduce-scattered once per chunk and unit (the lowering's count: v ceil(m/U) per rank), counted
+    # by the chunks and by the executor's trace
+    reduces = derived(schedule, limit, CollectiveKind.REDUCE_GRADS)
+    assert reduces == [2 * -(-4 // unit)] * 2
+    assert [info["derived_reduce_scatters"] for info in report.fsdp] == reduces
     for info in report.fsdp:
         assert info["all_gathers_per_iteration"] == [info["derived_unshards"]] * report.iterations
+        assert info["reduce_scatters_per_iteration"] == [info["derived_reduce_scatters"]] * report.iterations
+        assert info["traced_reduce_scatters_per_iteration"] == [info["derived_reduce_scatters"]] * report.iterations
         # the memory model's gathered parameters: the `limit` largest chunks at once, measured by ShardedChunk
         chunks = sorted(info["full_param_bytes_per_chunk"], reverse=True)
         assert info["peak_bytes"]["full_params"] == sum(chunks[:limit])
+    # the lowering's buffer model (analysis/fsdp_memory.py): gathered parameters exactly; the gradient buffers
+    # the runtime frees once a reduce-scatter completed, so at least the model's (which holds every chunk here)
+    placement = schedule.placement
+    sizes = [
+        float(report.fsdp[placement.rank_of(s)]["full_param_bytes_per_chunk"][placement.chunk_of(s)])
+        for s in range(schedule.num_stages)
+    ]
+    plan = derive_collectives(schedule, policy_for(schedule, fsdp=True, fsdp_max_unsharded=limit))
+    model = fsdp_buffer_peaks(plan, sizes)  # the tiny model is fp32: gradient buffers have the parameters' size
+    for rank, info in enumerate(report.fsdp):
+        assert info["peak_bytes"]["full_params"] == model.params[rank]
+        assert info["peak_bytes"]["full_grads"] == model.grads[rank] == sum(info["full_param_bytes_per_chunk"])
     if limit == 2:
-        assert derived == [2, 2]  # v = 2 with two gathered chunks: each chunk gathered once per iteration
+        assert gathers == [2, 2]  # v = 2 with two gathered chunks: each chunk gathered once per iteration
 
 
 @pytest.mark.parametrize("dist_opt", [False, True])
@@ -45,3 +65,24 @@ def test_data_parallel_matches_reference(pool, dist_opt):
     assert report.ok, report.problems or (report.max_rel_grad_diff, report.max_abs_loss_diff)
     for rank, launches in enumerate(report.collectives):
         assert sum(x.startswith("reduce-grads") for x in launches) == 2, (rank, launches)
+
+
+def test_fsdp_unit_not_dividing_m(pool):
+    """m = 5, U = 2: units of 2, 2 and 1 micro-batches, each chunk reduce-scattered three times."""
+    schedule = generate("zeropp", 2, 5, v=2, unit_size=2)
+    report = verify_schedule(schedule, pool, model=UNTIED, dp=2, fsdp=True, fsdp_max_unsharded=1, iterations=2)
+    assert report.ok, report.problems or (report.max_rel_grad_diff, report.max_abs_loss_diff)
+    for info in report.fsdp:
+        assert info["derived_reduce_scatters"] == 6
+        assert info["reduce_scatters_per_iteration"] == info["traced_reduce_scatters_per_iteration"] == [6, 6]
+
+
+def test_fsdp_reduce_once_per_iteration_on_request(pool):
+    """fsdp_grad_reduce_unit = m overrides the declared per-unit reduction (U = 1): one reduce-scatter per chunk."""
+    schedule = generate("zeropp", 2, 4, v=2, unit_size=1)
+    report = verify_schedule(
+        schedule, pool, model=UNTIED, dp=2, fsdp=True, fsdp_max_unsharded=1, fsdp_grad_reduce_unit=4, iterations=2
+    )
+    assert report.ok, report.problems or (report.max_rel_grad_diff, report.max_abs_loss_diff)
+    assert [info["derived_reduce_scatters"] for info in report.fsdp] == [2, 2]
+    assert all(info["reduce_scatters_per_iteration"] == [2, 2] for info in report.fsdp)

@@ -238,3 +238,54 @@ def test_random_orders_derive_checked_plans(p: int, m: int, v: int, seed: int, l
     assert counts == [fewest_gathers(uses, k) for k in range(1, v + 1)]  # ... and is optimal
     assert counts[-1] == v  # room for every chunk: each gathered exactly once
     assert plan.count(RS) == p * v
+
+
+# ---- gradient reductions per unit (FSDP; ZeroPP declares its unit size) -------------------------------
+@pytest.mark.parametrize(
+    ("p", "m", "v", "unit"), [(2, 4, 2, 1), (2, 4, 2, 2), (2, 5, 2, 2), (4, 8, 2, 1), (3, 7, 3, 3)]
+)
+def test_zeropp_reduces_each_chunk_once_per_unit(p: int, m: int, v: int, unit: int) -> None:
+    schedule = generate("zeropp", p, m, v=v, unit_size=unit)
+    policy = policy_for(schedule, fsdp=True)
+    assert policy.grad_reduce_unit == unit  # declared by the schedule
+    plan = derive_collectives(schedule, policy)
+    check_collectives(plan)
+    for rank, ops in enumerate(schedule.ops):
+        reduces = [(gap, c.stage) for gap, c in plan.at[rank] if c.kind == RS]
+        assert len(reduces) == v * -(-m // unit)  # every chunk, every unit
+        for gap, stage in reduces:  # right after a gradient op of that chunk, the last of its unit
+            op = ops[gap - 1]
+            assert op.stage == stage and op.kind in (OpKind.B, OpKind.W, OpKind.BW)
+            later = [o for o in ops[gap:] if o.stage == stage and o.kind != OpKind.F]
+            assert all(o.microbatch // unit != op.microbatch // unit for o in later)
+
+
+def test_one_unit_or_no_fsdp_reduces_once_per_iteration() -> None:
+    whole = generate("zeropp", 2, 4, v=2, unit_size=4)
+    assert policy_for(whole, fsdp=True).grad_reduce_unit is None  # U = m: the plain reduction
+    small = generate("zeropp", 2, 4, v=2, unit_size=1)
+    assert policy_for(small, fsdp=True, grad_reduce_unit=4).grad_reduce_unit is None  # override: per iteration
+    assert policy_for(small).grad_reduce_unit is None  # all-reduce: per unit would only move more data
+    assert derive_collectives(small, policy_for(small)).count(RS, 0) == 2
+    with pytest.raises(ScheduleError, match="grad_reduce_unit is an FSDP setting"):
+        policy_for(small, grad_reduce_unit=2)
+    with pytest.raises(ScheduleError, match="grad_reduce_unit is an FSDP setting"):
+        CollectivePolicy(grad_reduce_unit=2)
+    with pytest.raises(ScheduleError, match="grad_reduce_unit must be an integer >= 1"):
+        CollectivePolicy(fsdp_max_unsharded=1, grad_reduce_unit=0)
+
+
+def test_check_rejects_a_missing_or_misplaced_unit_reduction() -> None:
+    schedule = generate("zeropp", 2, 4, v=2, unit_size=2)
+    plan = derive_collectives(schedule, policy_for(schedule, fsdp=True))
+    with pytest.raises(ScheduleError, match=r"rank 0: chunk s\d reduces 1 of its 2 units' gradients"):
+        check_collectives(_edit(plan, 0, _without(plan, 0, RS, nth=0)))
+    items = list(plan.at[0])
+    k = next(i for i, (_, c) in enumerate(items) if c.kind == RS)
+    items[k] = (items[k][0] + 1, items[k][1])  # one op late
+    with pytest.raises(ScheduleError, match="due once right after the chunk's last gradient op of each unit"):
+        check_collectives(_edit(plan, 0, items))
+    # the once-per-iteration plan of the same schedule is not a per-unit plan
+    once = derive_collectives(schedule, policy_for(schedule, fsdp=True, grad_reduce_unit=4))
+    with pytest.raises(ScheduleError, match="units' gradients"):
+        check_collectives(replace(once, policy=plan.policy))

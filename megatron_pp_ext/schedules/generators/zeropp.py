@@ -27,6 +27,9 @@ FSDP (``fsdp_max_unsharded`` = :data:`FSDP_MAX_UNSHARDED`, declared in ``Schedul
 gathered for the newest unit's forward sweep and one for the oldest unit's backward sweep. Gathers per
 rank per iteration: ``v`` when ``v <= 2`` (every chunk stays gathered), ``2v - 2`` for ``U = m``, at most
 ``2v`` per unit otherwise (overlapping units share gathered chunks, so small units pay less).
+Gradients (``fsdp_grad_reduce_unit`` = U, declared too): each chunk is reduce-scattered right after its last
+gradient op of every unit, ``v ceil(m/U)`` reductions per rank per iteration, so a chunk's full-size gradient
+buffer lives from a unit's first gradient op to that unit's reduction, not for the whole iteration.
 ``U`` trades: a larger unit means fewer gathers and a shorter fill, at more memory (about ``p + U``
 micro-batches in flight plus the activations pending ``W`` keep); ``U = 1`` is a depth-first order with
 the most gathers, ``U = m`` one blockwise unit (one sweep per chunk and direction).
@@ -165,6 +168,9 @@ def zeropp_order(
     return out
 
 
+_LIMIT_FLAGS = "--memory-limit; --pipeline-memory-limit under megatron"
+
+
 def _check(p: int, m: int, v: int | None, unit_size: object) -> tuple[int, int]:
     check_int("p", p, 1)
     check_int("m", m, 1)
@@ -208,7 +214,7 @@ def zeropp(
         isinstance(memory_limit, bool) or not isinstance(memory_limit, int | float) or not memory_limit >= 1
     ):
         raise ScheduleParameterError(
-            f"zeropp: memory_limit (--pipeline-memory-limit, live activations per rank in M_a = one 1F1B stage's "
+            f"zeropp: memory_limit ({_LIMIT_FLAGS}, live activations per rank in M_a = one 1F1B stage's "
             f"activation) must be a number >= 1, got {memory_limit!r}"
         )
     if unit_size is None and memory_limit is not None and isinstance(m, int):
@@ -217,7 +223,7 @@ def zeropp(
     if memory_limit is not None and memory_limit < unit:
         raise ScheduleParameterError(
             f"zeropp: a unit of unit_size={unit} micro-batches runs each chunk for all of them before the next chunk, "
-            f"so it needs memory_limit >= unit_size M_a; got memory_limit (--pipeline-memory-limit) {memory_limit:g}: "
+            f"so it needs memory_limit >= unit_size M_a; got memory_limit ({_LIMIT_FLAGS}) {memory_limit:g}: "
             f"use --pipeline-unit-size <= {int(memory_limit)} or 'auto'"
         )
     return build_schedule(
@@ -229,6 +235,7 @@ def zeropp(
         unit_size=unit,
         memory_limit=memory_limit,
         fsdp_max_unsharded=min(FSDP_MAX_UNSHARDED, v),
+        fsdp_grad_reduce_unit=unit,  # FSDP: reduce-scatter each chunk's gradients once per unit
     )
 
 
