@@ -36,7 +36,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -63,7 +63,7 @@ from .memory import (
 from .models import ModelSpec
 from .timing import TimingProgram
 
-__all__ = ["Config", "PlanResult", "PlanRow", "Planner", "SearchSpace", "divisors"]
+__all__ = ["Config", "PlanResult", "PlanRow", "Planner", "PlannerMemo", "SearchSpace", "divisors"]
 
 EXACT_MIN = 32  # micro-batch counts up to max(EXACT_MIN, 4p) are simulated exactly
 EXACT_FALLBACK = 8  # non-affine schedules are simulated at m itself up to m = 8p, approximated beyond
@@ -80,6 +80,8 @@ def _simulator_comm_model() -> str:
 
 SIM_COMM = _simulator_comm_model()
 SIM_KWARGS: dict[str, Any] = {"comm": SIM_COMM} if "comm" in inspect.signature(simulate).parameters else {}
+# overlap factor of a schedule's forward-and-backward pairs (dualpipev) when none is given: the simulator's
+SIM_OVERLAP = float(inspect.signature(simulate).parameters["overlap"].default)
 
 
 NO_PIPELINE = "none (pp=1)"  # how a configuration without pipeline parallelism is listed
@@ -296,6 +298,21 @@ class _Built:
     starts: list[list[float]] | None = None  # op start times of its first simulation
 
 
+@dataclass
+class PlannerMemo:
+    """What a :class:`Planner` computes that depends on the schedules and costs only, not on the model,
+    device or budget: built and validated schedules, their activation profiles, simulations and
+    reduction profiles. Planners given the same memo share it, so a schedule is built, validated and
+    compiled once (``plan_spec`` over several global batches, ``grid --spec`` over several specs).
+    Keys hold everything the value depends on; registering a schedule under a taken name does not
+    happen (the registry refuses it), so the name identifies the generator."""
+
+    built: dict[tuple[Any, ...], _Built] = field(default_factory=dict)
+    profiles: dict[tuple[Any, ...], ActivationProfile] = field(default_factory=dict)
+    sims: dict[tuple[Any, ...], _Sim] = field(default_factory=dict)
+    reductions: dict[tuple[Any, ...], ReductionProfile] = field(default_factory=dict)
+
+
 class ScheduleCache:
     """Generated schedules on disk (CSV), so that slow generators (greedy, cost-aware) run once per
     ``(name, p, m, v, memory limit, costs)`` across planner runs. Entries are keyed by a hash of the
@@ -363,11 +380,16 @@ class Planner:
         memory_reserve_gib: float = 2.0,
         space: SearchSpace | None = None,
         cache_dir: str | Path | None = None,
+        memo: PlannerMemo | None = None,
+        overlap: float = SIM_OVERLAP,
     ) -> None:
         if num_gpus < 1:
             raise ValueError(f"number of GPUs must be >= 1, got {num_gpus}")
         if global_batch < 1:
             raise ValueError(f"global batch must be >= 1, got {global_batch}")
+        if isinstance(overlap, bool) or not 0.0 <= overlap <= 1.0:
+            raise ValueError(f"overlap must be a number in [0, 1], got {overlap!r}")
+        self.overlap = float(overlap)  # timing of overlap pairs: max + (1 - overlap) x min, as simulate()
         self.model = model
         self.num_gpus = int(num_gpus)
         self.global_batch = int(global_batch)
@@ -379,10 +401,11 @@ class Planner:
         # v-block without a block file is v-half's block: list it only when asked for
         names = self.space.schedules if self.space.schedules is not None else default_schedules()
         self.schedule_names = tuple(registry.get(n).name for n in names)
-        self._built: dict[tuple[Any, ...], _Built] = {}
-        self._profiles: dict[tuple[Any, ...], ActivationProfile] = {}
-        self._sims: dict[tuple[Any, ...], _Sim] = {}
-        self._reductions: dict[tuple[Any, ...], ReductionProfile] = {}
+        self.memo = memo if memo is not None else PlannerMemo()
+        self._built = self.memo.built
+        self._profiles = self.memo.profiles
+        self._sims = self.memo.sims
+        self._reductions = self.memo.reductions
         self.stats: Counter[str] = Counter()
         self.disk_cache = ScheduleCache(cache_dir) if cache_dir is not None else None
 
@@ -462,7 +485,7 @@ class Planner:
         return built
 
     def _profile(self, key: tuple[Any, ...], schedule: Schedule, layout: Sequence[StageInfo]) -> ActivationProfile:
-        pkey = (key, tuple(i.layers for i in layout))
+        pkey = (key, tuple(i.layers for i in layout), self.setup.w_retained_fraction)
         prof = self._profiles.get(pkey)
         if prof is None:
             prof = activation_profile(schedule, layout, self.setup.w_retained_fraction)
@@ -473,22 +496,24 @@ class Planner:
         """``(makespan, busy_max, span_max)`` in seconds."""
         assert built.schedule is not None and built.lowered is not None
         scale, ckey = _normalise(costs, built.schedule.num_stages)
-        skey = (key, ckey)
+        overlap = self.overlap if built.schedule.overlap_pairs else 0.0  # only pairs are timed differently
+        skey = (key, ckey, overlap)
         sim = self._sims.get(skey)
         if sim is None:
             f, b, w, c = ckey
             built.uses += 1
-            if built.timing is None and built.uses >= COMPILE_AFTER:
-                built.timing = TimingProgram(built.lowered, SIM_COMM, built.starts)
+            if built.timing is None and built.uses >= COMPILE_AFTER and not overlap:
+                built.timing = TimingProgram(built.lowered, SIM_COMM, built.starts)  # (runs pairs serially)
                 built.starts = None
-            if built.timing is not None:
+            if built.timing is not None and not overlap:
                 bw = tuple(x + y for x, y in zip(b, w, strict=True))
                 timing = built.timing.run_tables((f, b, w, bw), c)
                 sim = _Sim(timing.makespan, max(timing.busy), max(timing.span))
             else:
-                result = simulate(built.schedule, Costs(f, b, w, None, c), lowered=built.lowered, **SIM_KWARGS)
+                kwargs = {**SIM_KWARGS, "overlap": overlap} if overlap else SIM_KWARGS
+                result = simulate(built.schedule, Costs(f, b, w, None, c), lowered=built.lowered, **kwargs)
                 sim = _Sim(result.makespan, max(result.busy), max(result.span))
-                if min(min(f), min(b), min(w)) > 0:  # its start times order the ops topologically
+                if not overlap and min(min(f), min(b), min(w)) > 0:  # its start times order the ops topologically
                     built.starts = result.starts
             self._sims[skey] = sim
             self.stats["simulations"] += 1
@@ -1032,7 +1057,7 @@ def plan_document(result: PlanResult, planner: Planner, rows: Sequence[PlanRow])
         entry = row.to_json_dict()
         entry["megatron_args"] = config_args(row.config, setup, planner.global_batch)
         docs.append(entry)
-    return {
+    doc = {
         "format": "megatron-pp plan v1",
         "model": asdict(planner.model),
         "gpus": planner.num_gpus,
@@ -1046,6 +1071,9 @@ def plan_document(result: PlanResult, planner: Planner, rows: Sequence[PlanRow])
         "searched": result.evaluated,
         "rows": docs,
     }
+    if planner.overlap != SIM_OVERLAP:  # only when given (the provided plans predate the flag)
+        doc["overlap"] = planner.overlap
+    return doc
 
 
 # ---- command line ----------------------------------------------------------------------------------
@@ -1095,6 +1123,14 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     c.add_argument("--dp-overlap", type=fraction, default=0.0, help="share of the DP gradient reduction hidden")
     c.add_argument(
+        "--overlap",
+        type=fraction,
+        default=SIM_OVERLAP,
+        metavar="F",
+        help="overlap factor of forward-and-backward pairs (dualpipev), as in simulate: a pair takes "
+        "max + (1-F) x min; default %(default)g = one after the other",
+    )
+    c.add_argument(
         "--w-retained", type=fraction, default=1.0, help="share of an activation a B keeps until its W (1.0 = papers')"
     )
     s = parser.add_argument_group("search space (comma-separated lists; default: everything valid)")
@@ -1119,7 +1155,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--no-cache", action="store_true", help="do not read or write the schedule cache")
 
 
-def planner_from_args(args: argparse.Namespace) -> Planner:
+def planner_from_args(args: argparse.Namespace, memo: PlannerMemo | None = None) -> Planner:
     from .costs import get_device
     from .models import ModelSpec, get_model
 
@@ -1190,6 +1226,8 @@ def planner_from_args(args: argparse.Namespace) -> Planner:
         memory_reserve_gib=args.memory_reserve,
         space=space,
         cache_dir=None if args.no_cache else args.cache,
+        memo=memo,
+        overlap=args.overlap,
     )
 
 
