@@ -33,6 +33,7 @@ def auto_space(space: SearchSpace) -> SearchSpace:
 @dataclass
 class AutoDecision:
     result: PlanResult
+    overlap: float = 0.0  # the planner's overlap factor of forward-and-backward pairs
 
     @property
     def chosen(self) -> PlanRow | None:
@@ -50,6 +51,7 @@ class AutoDecision:
                 f"pipeline schedule auto: {_label(chosen)} (v={c.chunks}, {c.placement} placement): iteration "
                 f"{chosen.iteration_time * 1e3:.3g} ms, bubble {chosen.sync_bubble_rate:.3f}, peak "
                 f"{chosen.peak_memory / GIB:.2f} of {budget:.2f} GiB; {result.evaluated} candidates simulated"
+                + (f"; overlap pairs timed with overlap F={self.overlap:g}" if self.overlap else "")
             ]
         header = ["#", "schedule", "v", "iteration ms", "pipeline ms", "bubble", "sync bubble", "peak GiB"]
         rows = [
@@ -94,7 +96,7 @@ def decide(planner: Planner) -> AutoDecision:
     """Run ``planner`` over every schedule (see :func:`auto_space`) and keep its ranking."""
     planner.space = auto_space(planner.space)
     planner.schedule_names = tuple(sorted(_registered()))
-    return AutoDecision(planner.run(progress=False))
+    return AutoDecision(planner.run(progress=False), planner.overlap)
 
 
 def _registered() -> list[str]:
