@@ -29,7 +29,7 @@ from ..schedules.placement import Placement, make_placement
 from ..schedules.schedule import Schedule
 from . import layout
 from ._patching import Patcher
-from .arguments import PipelineArgumentError, PipelineConfig, pipeline_config_of, validate_arguments
+from .arguments import AUTO, PipelineArgumentError, PipelineConfig, pipeline_config_of, validate_arguments
 
 SCHEDULES_MODULE = "megatron.core.pipeline_parallel.schedules"
 # Modules that import get_forward_backward_func by name in megatron-core 0.19.2 (imported here so
@@ -55,15 +55,23 @@ def installed() -> PipelineConfig | None:
 
 def _config_of(args_or_config: Any) -> PipelineConfig:
     if isinstance(args_or_config, PipelineConfig):
+        if args_or_config.schedule == AUTO:
+            raise PipelineArgumentError(
+                "--pipeline-schedule", "auto is decided from megatron's args: call install(args), not install(config)"
+            )
         return args_or_config
     if args_or_config is None:
         from megatron.training import get_args
 
         args_or_config = get_args()
     config = pipeline_config_of(args_or_config)
-    if config is not None:
-        return config
-    return validate_arguments(args_or_config)
+    if config is None:
+        config = validate_arguments(args_or_config)
+    if config.schedule == AUTO:  # the planner's search runs here, not in the flag validation
+        from .auto_schedule import resolve
+
+        config = resolve(args_or_config, config)
+    return config
 
 
 def placement_of(config: PipelineConfig, p: int | None = None) -> Placement:
@@ -128,7 +136,10 @@ def _replanning(config: PipelineConfig, tracer_factory: Callable[[int], Any] | N
 
     def build(num_microbatches: int, costs: Any) -> Schedule:
         p = config.pipeline_parallel_size or _megatron_pp_size()
-        measured = replace(config, costs=as_costs(costs)) if costs is not None else config
+        if costs is not None and config.redecide is not None:  # auto: decide again with the measured costs
+            measured = config.redecide(as_costs(costs))
+        else:
+            measured = replace(config, costs=as_costs(costs)) if costs is not None else config
         try:
             return measured.build(p, num_microbatches)
         except ScheduleError as exc:
@@ -289,7 +300,9 @@ def _agree_before_groups(config: PipelineConfig, patcher: Patcher) -> None:
 
 
 def _splits_backward(config: PipelineConfig) -> bool:
-    """Does the selected schedule run separate B and W ops?"""
+    """Does the selected schedule run separate B and W ops? (auto re-deciding: it may switch to one that does)"""
+    if config.redecide is not None:
+        return True
     if config.schedule_file:
         return config.load_file().splits_backward
     return bool(config.schedule) and registry.get(config.schedule).splits_backward
