@@ -28,6 +28,7 @@ from ..planner.auto import AutoDecision, decide
 from ..planner.memory import GIB
 from ..planner.plan import SIM_OVERLAP, Planner, PlanRow, SearchSpace
 from ..schedules import registry
+from ..schedules.placement import make_placement
 from .arguments import (
     PipelineArgumentError,
     PipelineConfig,
@@ -185,12 +186,15 @@ class Redecision:
     result: PipelineConfig | None = None
 
     def stage_ms_from(self, costs: Costs) -> tuple[float, float, float]:
-        """Measured per-stage seconds (embedding and loss included) as ms of one 1F1B stage (L/p layers):
-        the sum over the pipeline's stages divided by p."""
+        """Measured per-stage seconds (embedding and loss included) as ms of one 1F1B stage (L/p layers): the
+        sum over one model replica's stages (a bidirectional placement runs two) divided by p."""
         pp = int(getattr(self.args, "pipeline_model_parallel_size", 1) or 1)
-        stages = len(costs.t_f) if isinstance(costs.t_f, tuple) else pp * (self.config.num_virtual_stages or 1)
-        f, b, w, _ = costs.per_stage(stages)
-        return sum(f) / pp * 1e3, sum(b) / pp * 1e3, sum(w) / pp * 1e3
+        placement = make_placement(
+            registry.get(self.config.schedule or "").placement, pp, self.config.num_virtual_stages or 1
+        )
+        replicas = placement.num_stages // placement.stages_per_replica
+        f, b, w, _ = costs.per_stage(placement.num_stages)
+        return tuple(sum(x) / replicas / pp * 1e3 for x in (f, b, w))  # type: ignore[return-value]
 
     def __call__(self, costs: Costs) -> PipelineConfig:
         if self.result is not None:

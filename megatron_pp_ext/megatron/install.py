@@ -113,18 +113,20 @@ def _tracer_factory(trace_dir: str) -> tuple[Callable[[int], Any], set[int]]:
     from ..runtime.trace import Tracer
 
     param_storages: set[int] = set()
+    static: dict[str, int] = {}  # filled with the model chunks' bytes on the first call (runtime/trace.py)
 
     def factory(rank: int) -> Any:
         import torch.distributed as dist
 
         tracer = Tracer(rank, param_storages)
+        tracer.static = static
         directory = Path(trace_dir)
         if dist.is_initialized() and dist.get_world_size() > _megatron_pp_size():
             directory = directory / f"global_rank{dist.get_rank()}"  # several pipelines (DP / TP)
         atexit.register(tracer.write, directory)
         return tracer
 
-    return factory, param_storages
+    return factory, param_storages, static
 
 
 def _replanning(config: PipelineConfig, tracer_factory: Callable[[int], Any] | None) -> tuple[Any, Any]:
@@ -188,7 +190,8 @@ def install(args_or_config: Any = None, *, layout_hooks: bool | None = None) -> 
         placement = placement_of(config)
     except ScheduleError as exc:
         raise PipelineArgumentError("--pipeline-schedule", str(exc)) from None
-    tracer_factory, param_storages = _tracer_factory(config.trace_dir) if config.trace_dir else (None, set())
+    no_trace: tuple[None, set[int], dict[str, int]] = (None, set(), {})
+    tracer_factory, param_storages, static = _tracer_factory(config.trace_dir) if config.trace_dir else no_trace
     source: Callable[[int], Schedule] = make_schedule_source(config)
     if config.replan_iterations > 0:
         source, tracer_factory = _replanning(config, tracer_factory)
@@ -208,6 +211,9 @@ def install(args_or_config: Any = None, *, layout_hooks: bool | None = None) -> 
             for chunk in model if isinstance(model, list) else [model]:
                 for param in chunk.parameters():
                     param_storages.add(param.untyped_storage().data_ptr())
+            from ..runtime.trace import static_bytes_of
+
+            static.update(static_bytes_of(model))
         return executor_func(**kwargs)
 
     forward_backward_func.megatron_pp_ext = True  # type: ignore[attr-defined]
