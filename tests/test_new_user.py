@@ -115,3 +115,22 @@ def test_readme_auto_flags_exist_and_the_example_parses() -> None:
     plan = argparse.ArgumentParser()
     add_plan_arguments(plan)
     assert plan.parse_args(["--overlap", "0.5"]).overlap == 0.5
+
+
+def test_readme_torchrun_commands_are_complete() -> None:
+    """A torchrun command in the README can be pasted as is: written out in full (the ZeroPP example once
+    elided its middle with '...'), and every flag of ours in it is one of our flags."""
+    from megatron_pp_ext.megatron.arguments import add_arguments
+
+    text = README.read_text().replace("\\\n", " ")
+    commands = [line.strip() for line in text.splitlines() if line.strip().startswith("torchrun ")]
+    commands += re.findall(r"`(torchrun [^`]+)`", text)
+    assert len(commands) >= 4
+    import argparse
+
+    ours = {a for action in add_arguments(argparse.ArgumentParser())._actions for a in action.option_strings}
+    for command in commands:
+        argv = shlex.split(command.split("#", 1)[0])
+        assert "..." not in argv, command
+        mine = [a for a in argv if a.startswith("--pipeline-") and not a.startswith("--pipeline-model-parallel")]
+        assert all(a in ours for a in mine), command
