@@ -134,3 +134,11 @@ def test_readme_torchrun_commands_are_complete() -> None:
         assert "..." not in argv, command
         mine = [a for a in argv if a.startswith("--pipeline-") and not a.startswith("--pipeline-model-parallel")]
         assert all(a in ours for a in mine), command
+
+
+def test_list_models_fits_100_columns(capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan --list-models` was ~330 characters wide (its source and assumption texts in columns)."""
+    assert main(["plan", "--list-models"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 100
+    assert "zb-1.5b" in out and "source: Qi et al., Zero Bubble" in out and "assumed: vocab_size" in out

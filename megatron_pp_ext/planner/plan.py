@@ -1256,11 +1256,19 @@ def add_parser(subparsers: Any) -> None:
 
 
 def print_models() -> None:
+    import textwrap
+
     from .models import models_table
 
     rows = models_table()
-    header = list(rows[0])
-    print(format_table(header, [[str(r[k]) for k in header] for r in rows]))
+    header = [k for k in rows[0] if k not in ("assumed", "source")]  # long texts: on their own lines
+    table = format_table(header, [[str(r[k]) for k in header] for r in rows]).splitlines()
+    print("\n".join(table[:2]))
+    for line, row in zip(table[2:], rows, strict=True):
+        print(line)
+        for key in ("source", "assumed"):
+            if row[key] != "-":
+                print(textwrap.fill(f"{key}: {row[key]}", 100, initial_indent="    ", subsequent_indent="      "))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
