@@ -161,7 +161,10 @@ def resolve(args: Any, config: PipelineConfig) -> PipelineConfig:
     table = decision.table()
     _log_rank0(table)
     if decision.chosen is None:
-        raise PipelineArgumentError("--pipeline-memory-budget", f"no schedule fits:\n{table}")
+        budget = planner.budget_bytes / GIB
+        raise PipelineArgumentError(  # one line: rank 0 printed the table (what each needs) just above
+            "--pipeline-memory-budget", f"no schedule fits in {budget:.3g} GiB per rank (the auto table above)"
+        )
     resolved = check_schedule_flags(args, _apply(config, decision.chosen, table))
     if config.replan:
         resolved.redecide = Redecision(args, resolved, cpu=cpu, overlap=overlap)

@@ -73,8 +73,9 @@ def test_budget_needs_auto_and_cpu_auto_needs_a_budget() -> None:
         argv = ["--pipeline-schedule", "1f1b", flag] + ([value] if value else [])
         with pytest.raises(PipelineArgumentError, match=f"argument {flag}: needs --pipeline-schedule auto"):
             validate_arguments(make_args(argv, **TINY))
-    with pytest.raises(PipelineArgumentError, match="no schedule fits"):
+    with pytest.raises(PipelineArgumentError, match="no schedule fits in 1e-06 GiB per rank") as info:
         _decided(make_args(["--pipeline-schedule", "auto", "--cpu", "--pipeline-memory-budget", "1e-6"], **TINY))
+    assert "\n" not in str(info.value)  # one line (the table went to stdout just before)
 
 
 def test_overlap_flag_reaches_the_decision(capsys: pytest.CaptureFixture[str]) -> None:
