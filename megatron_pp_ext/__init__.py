@@ -5,7 +5,7 @@ A Megatron-LM training script needs a few lines (``patches/`` has them for ``pre
     import megatron_pp_ext
     args = parse_and_validate_args(extra_args_provider=megatron_pp_ext.add_arguments, ...)
     megatron_pp_ext.validate_arguments_or_exit(args)  # the plugin's flags, before any process group
-    megatron_pp_ext.install(args)  # before pretrain(); a no-op without --pipeline-schedule
+    megatron_pp_ext.install(args)  # before pretrain(); decides --pipeline-schedule auto; no-op without a schedule
     pretrain(..., get_embedding_ranks=megatron_pp_ext.embedding_ranks_for(get_embedding_ranks),
              get_position_embedding_ranks=megatron_pp_ext.get_position_embedding_ranks)
 

@@ -291,7 +291,13 @@ def main() -> None:
     validate_arguments_or_exit(args)  # before any process group exists
     _check_environment_or_exit()
     fail_loudly_on_bad_checkpoint()  # megatron exits with status 0 when a checkpoint cannot be loaded
-    if megatron_pp_ext.install(args) is not None:  # megatron untouched without --pipeline-schedule
+    try:  # --pipeline-schedule auto is decided here (the planner's search), then checked like a named one
+        installed = megatron_pp_ext.install(args)
+    except PipelineArgumentError as exc:
+        if os.environ.get("RANK", "0") == "0":
+            error_line(os.path.basename(sys.argv[0]), exc)
+        raise SystemExit(2) from None
+    if installed is not None:  # megatron untouched without --pipeline-schedule
         print_rank_0(f"> megatron_pp_ext: {describe(args)}")
     model_cfg = gpt_config_from_args(args)
     try:

@@ -86,3 +86,59 @@ def test_planner_leaves_v_block_out_unless_asked() -> None:
     from megatron_pp_ext.planner.plan import default_schedules
 
     assert "v-block" not in default_schedules() and "v-half" in default_schedules()
+
+
+def test_readme_commands_run_from_the_checkout_root() -> None:
+    """Every command block is run from the checkout's root (scripts/..., scripts/slurm/...): none changes into a
+    directory of the checkout first (the Slurm section once began with `cd megatron_pp_ext`, the package)."""
+    root = README.parent
+    for line in README.read_text().splitlines():
+        command = line.split("#", 1)[0].strip()
+        if command.startswith("cd "):
+            target = shlex.split(command)[1]
+            assert not (root / target).is_dir(), f"README: {line.strip()!r} enters {target}/ of the checkout"
+
+
+def test_readme_auto_flags_exist_and_the_example_parses() -> None:
+    """The README's auto flags are the megatron flags and plan's (the example's pretrain flags parse)."""
+    from megatron_pp_ext.megatron.arguments import add_arguments
+    from megatron_pp_ext.planner.plan import add_plan_arguments
+
+    text = README.read_text()
+    example = next(line for line in text.splitlines() if "run_tiny_cpu.sh auto 4" in line)
+    flags = shlex.split(example.split("run_tiny_cpu.sh auto 4", 1)[1].split("`", 1)[0])
+    import argparse
+
+    ours = add_arguments(argparse.ArgumentParser(exit_on_error=False))
+    known, rest = ours.parse_known_args(flags)
+    assert rest == ["--train-iters", "3"] and known.pipeline_replan and known.pipeline_memory_budget == 4.0
+    plan = argparse.ArgumentParser()
+    add_plan_arguments(plan)
+    assert plan.parse_args(["--overlap", "0.5"]).overlap == 0.5
+
+
+def test_readme_torchrun_commands_are_complete() -> None:
+    """A torchrun command in the README can be pasted as is: written out in full (the ZeroPP example once
+    elided its middle with '...'), and every flag of ours in it is one of our flags."""
+    from megatron_pp_ext.megatron.arguments import add_arguments
+
+    text = README.read_text().replace("\\\n", " ")
+    commands = [line.strip() for line in text.splitlines() if line.strip().startswith("torchrun ")]
+    commands += re.findall(r"`(torchrun [^`]+)`", text)
+    assert len(commands) >= 4
+    import argparse
+
+    ours = {a for action in add_arguments(argparse.ArgumentParser())._actions for a in action.option_strings}
+    for command in commands:
+        argv = shlex.split(command.split("#", 1)[0])
+        assert "..." not in argv, command
+        mine = [a for a in argv if a.startswith("--pipeline-") and not a.startswith("--pipeline-model-parallel")]
+        assert all(a in ours for a in mine), command
+
+
+def test_list_models_fits_100_columns(capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan --list-models` was ~330 characters wide (its source and assumption texts in columns)."""
+    assert main(["plan", "--list-models"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 100
+    assert "zb-1.5b" in out and "source: Qi et al., Zero Bubble" in out and "assumed: vocab_size" in out

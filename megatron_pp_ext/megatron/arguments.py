@@ -19,6 +19,19 @@ Flag semantics (group "pipeline schedules (megatron_pp_ext)"):
     model is used. The chosen schedule is built with the costs it was evaluated with.
 ``--pipeline-memory-budget GIB``
     Memory per rank for ``auto`` (weights, gradients, optimizer state and activations).
+``--pipeline-overlap F``
+    ``auto``: time the forward-and-backward pairs of ``dualpipev`` as ``max + (1-F) x min`` (as
+    ``megatron-pp simulate --overlap F``); say how much your model's overlap hook hides. Default 0: one after
+    the other, as the executor runs a pair without a hook.
+``--pipeline-replan``
+    ``auto``: after ``--pipeline-profile-iters`` (default 3) training iterations, decide again with the
+    measured costs among the schedules of the running placement (the model chunks are built) and switch if
+    another one is faster and fits; rank 0 prints the new decision table.
+
+Where ``auto`` is decided: :func:`validate_arguments` checks the auto flags from their declared values only;
+the decision (a planner search, :mod:`megatron_pp_ext.megatron.auto_schedule`) runs in
+:func:`megatron_pp_ext.install`, which then checks the chosen schedule against megatron's flags as
+:func:`validate_arguments` does for a named one (:func:`check_schedule_flags`).
 ``--pipeline-schedule-file CSV``
     A user schedule (see :mod:`megatron_pp_ext.schedules.schedule` for the format), checked
     with :func:`megatron_pp_ext.analysis.validate.validate`. Its rank count must equal
@@ -255,6 +268,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Memory per rank (GiB) that --pipeline-schedule auto must fit (default: the GPU's memory).",
     )
     group.add_argument(
+        "--pipeline-overlap",
+        type=argtypes.fraction,
+        default=None,
+        metavar="F",
+        help="With --pipeline-schedule auto: overlap factor of dualpipev's forward-and-backward pairs (a pair "
+        "takes max + (1-F) x min; default 0 = one after the other, as without an overlap hook).",
+    )
+    group.add_argument(
+        "--pipeline-replan",
+        action="store_true",
+        default=False,
+        help="With --pipeline-schedule auto: after --pipeline-profile-iters training iterations (default 3), "
+        "decide again with the measured costs and switch schedule if another one is faster and fits.",
+    )
+    group.add_argument(
         "--pipeline-schedule-file",
         default=None,
         metavar="CSV",
@@ -382,6 +410,11 @@ class PipelineConfig:
     virtual_flag: str = "--num-virtual-stages-per-pipeline-rank"
     check_messages: bool = False  # --pipeline-check-messages
     auto_table: str | None = None  # --pipeline-schedule auto: the decision table
+    memory_budget: float | None = None  # --pipeline-memory-budget (auto)
+    overlap: float | None = None  # --pipeline-overlap (auto)
+    replan: bool = False  # --pipeline-replan (auto)
+    # auto with --pipeline-replan: measured Costs -> (the configuration to run, the decision table)
+    redecide: Any = field(default=None, repr=False, compare=False)
     _file_schedule: Schedule | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -418,6 +451,8 @@ class PipelineConfig:
     @property
     def replan_iterations(self) -> int:
         """Training iterations to profile before re-planning (0: no re-plan)."""
+        if self.redecide is not None:  # auto decides again from the measured costs
+            return 3 if self.profile_iterations is None else self.profile_iterations
         if not self.cost_aware or self.costs is not None:
             return 0
         return 3 if self.profile_iterations is None else self.profile_iterations
@@ -443,6 +478,8 @@ class PipelineConfig:
                 )
         else:
             assert self.schedule is not None
+            if self.schedule == AUTO:
+                raise ScheduleError("--pipeline-schedule auto is decided by install(args) (megatron's args needed)")
             schedule = registry.generate(self.schedule, p, m, **self.generator_kwargs(p))
             if self.num_virtual_stages is not None and schedule.chunks_per_rank != self.num_virtual_stages:
                 raise ScheduleError(
@@ -555,6 +592,9 @@ def config_from_args(args: Any) -> PipelineConfig:
         fsdp=bool(getattr(args, "pipeline_fsdp", False)),
         fsdp_max_unsharded=getattr(args, "pipeline_fsdp_max_unsharded", None),
         microbatch_group_size=getattr(args, "microbatch_group_size_per_vp_stage", None),
+        memory_budget=getattr(args, "pipeline_memory_budget", None),
+        overlap=getattr(args, "pipeline_overlap", None),
+        replan=bool(getattr(args, "pipeline_replan", False)),
         unit_size=getattr(args, "pipeline_unit_size", None),
         num_layers=getattr(args, "num_layers", None),
         pipeline_parallel_size=int(getattr(args, "pipeline_model_parallel_size", 1) or 1),
@@ -605,13 +645,32 @@ def validate_arguments(args: Any) -> PipelineConfig:
         if _given(args, attr):
             raise PipelineArgumentError(flag, "megatron's combined 1F1B schedule cannot run with --pipeline-schedule")
     if config.schedule == AUTO:
-        _resolve_auto(args, config)
-    elif _given(args, "pipeline_memory_budget"):
-        raise PipelineArgumentError("--pipeline-memory-budget", "needs --pipeline-schedule auto")
+        check_auto_flags(args, config)
+        from .fsdp_training import check_arguments as check_fsdp_arguments
 
+        check_fsdp_arguments(args)
+        _remember(args, config)
+        return config  # decided by install(args) (megatron/auto_schedule.py), then check_schedule_flags
+    for attr, flag in AUTO_FLAGS:
+        if _given(args, attr):
+            raise PipelineArgumentError(flag, "needs --pipeline-schedule auto")
     from .fsdp_training import check_arguments as check_fsdp_arguments
 
     check_fsdp_arguments(args)
+    return check_schedule_flags(args, config)
+
+
+AUTO_FLAGS = (
+    ("pipeline_memory_budget", "--pipeline-memory-budget"),
+    ("pipeline_overlap", "--pipeline-overlap"),
+    ("pipeline_replan", "--pipeline-replan"),
+)
+
+
+def check_schedule_flags(args: Any, config: PipelineConfig) -> PipelineConfig:
+    """The selected schedule (named, from a file, or auto's choice) against megatron's flags: it builds for
+    every micro-batch count of the run, the layers split over its stages, Transformer Engine can defer its
+    weight gradients if it splits the backward; sets megatron's chunk count from its placement."""
     p = config.pipeline_parallel_size or 1
     virtual_flag = _virtual_flag(args)
     train_ms, eval_ms = microbatch_counts(args)
@@ -650,38 +709,19 @@ def validate_arguments(args: Any) -> PipelineConfig:
     return config
 
 
-def _resolve_auto(args: Any, config: PipelineConfig) -> None:
-    """``--pipeline-schedule auto``: put the planner's choice into ``config`` and print its table on rank 0."""
-    import os
-
-    from ..planner.auto import decide, planner_for_run
-
-    budget = getattr(args, "pipeline_memory_budget", None)
-    cpu = bool(getattr(args, "cpu", False)) or not _cuda_available()
+def check_auto_flags(args: Any, config: PipelineConfig) -> None:
+    """``--pipeline-schedule auto``'s flags, from their values alone (the decision runs in ``install``)."""
+    budget = config.memory_budget
     if budget is not None and not (math.isfinite(budget) and budget > 0):
         raise PipelineArgumentError("--pipeline-memory-budget", f"must be a number of GiB > 0, got {budget}")
-    if budget is None and cpu:
+    if budget is None and (bool(getattr(args, "cpu", False)) or not _cuda_available()):
         raise PipelineArgumentError("--pipeline-memory-budget", "--pipeline-schedule auto on CPU needs a budget")
-    stage_ms = None
-    if config.costs is not None:
-        if not isinstance(config.costs, tuple):
-            raise PipelineArgumentError("--pipeline-costs", "auto takes F,B,W[,COMM] in ms, not a profile file yet")
-        stage_ms = (float(config.costs[0]), float(config.costs[1]), float(config.costs[2]))
-    decision = decide(planner_for_run(args, budget_gib=budget, stage_costs_ms=stage_ms, cpu=cpu))
-    config.auto_table = decision.table()
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(config.auto_table, flush=True)
-    chosen = decision.chosen
-    if chosen is None:
-        raise PipelineArgumentError("--pipeline-memory-budget", f"no schedule fits:\n{config.auto_table}")
-    config.schedule = chosen.config.schedule
-    config.memory_limit = parse_memory_limit(chosen.config.memory_limit) if chosen.config.memory_limit else None
-    if chosen.config.v_flag is not None:
-        config.num_virtual_stages = chosen.config.v_flag
-    if chosen.config.costs_flag is not None and config.costs is None:
-        config.costs = parse_costs(chosen.config.costs_flag)  # build what was evaluated
-    if chosen.config.unit_size is not None and not isinstance(config.unit_size, int):
-        config.unit_size = chosen.config.unit_size  # zeropp's U the planner chose (with unit size auto or unset)
+    if config.costs is not None and not isinstance(config.costs, tuple):
+        raise PipelineArgumentError("--pipeline-costs", "auto takes F,B,W[,COMM] in ms, not a profile file")
+    if config.overlap is not None and not 0.0 <= config.overlap <= 1.0:
+        raise PipelineArgumentError("--pipeline-overlap", f"must be in [0, 1], got {config.overlap}")
+    if config.profile_iterations == 0 and config.replan:
+        raise PipelineArgumentError("--pipeline-profile-iters", "must be >= 1 with --pipeline-replan")
 
 
 def _cuda_available() -> bool:

@@ -29,7 +29,7 @@ from ..schedules.placement import Placement, make_placement
 from ..schedules.schedule import Schedule
 from . import layout, replicas
 from ._patching import Patcher
-from .arguments import PipelineArgumentError, PipelineConfig, pipeline_config_of, validate_arguments
+from .arguments import AUTO, PipelineArgumentError, PipelineConfig, pipeline_config_of, validate_arguments
 
 SCHEDULES_MODULE = "megatron.core.pipeline_parallel.schedules"
 # Modules that import get_forward_backward_func by name in megatron-core 0.19.2 (imported here so
@@ -55,15 +55,23 @@ def installed() -> PipelineConfig | None:
 
 def _config_of(args_or_config: Any) -> PipelineConfig:
     if isinstance(args_or_config, PipelineConfig):
+        if args_or_config.schedule == AUTO:
+            raise PipelineArgumentError(
+                "--pipeline-schedule", "auto is decided from megatron's args: call install(args), not install(config)"
+            )
         return args_or_config
     if args_or_config is None:
         from megatron.training import get_args
 
         args_or_config = get_args()
     config = pipeline_config_of(args_or_config)
-    if config is not None:
-        return config
-    return validate_arguments(args_or_config)
+    if config is None:
+        config = validate_arguments(args_or_config)
+    if config.schedule == AUTO:  # the planner's search runs here, not in the flag validation
+        from .auto_schedule import resolve
+
+        config = resolve(args_or_config, config)
+    return config
 
 
 def placement_of(config: PipelineConfig, p: int | None = None) -> Placement:
@@ -105,18 +113,20 @@ def _tracer_factory(trace_dir: str) -> tuple[Callable[[int], Any], set[int]]:
     from ..runtime.trace import Tracer
 
     param_storages: set[int] = set()
+    static: dict[str, int] = {}  # filled with the model chunks' bytes on the first call (runtime/trace.py)
 
     def factory(rank: int) -> Any:
         import torch.distributed as dist
 
         tracer = Tracer(rank, param_storages)
+        tracer.static = static
         directory = Path(trace_dir)
         if dist.is_initialized() and dist.get_world_size() > _megatron_pp_size():
             directory = directory / f"global_rank{dist.get_rank()}"  # several pipelines (DP / TP)
         atexit.register(tracer.write, directory)
         return tracer
 
-    return factory, param_storages
+    return factory, param_storages, static
 
 
 def _replanning(config: PipelineConfig, tracer_factory: Callable[[int], Any] | None) -> tuple[Any, Any]:
@@ -128,7 +138,10 @@ def _replanning(config: PipelineConfig, tracer_factory: Callable[[int], Any] | N
 
     def build(num_microbatches: int, costs: Any) -> Schedule:
         p = config.pipeline_parallel_size or _megatron_pp_size()
-        measured = replace(config, costs=as_costs(costs)) if costs is not None else config
+        if costs is not None and config.redecide is not None:  # auto: decide again with the measured costs
+            measured = config.redecide(as_costs(costs))
+        else:
+            measured = replace(config, costs=as_costs(costs)) if costs is not None else config
         try:
             return measured.build(p, num_microbatches)
         except ScheduleError as exc:
@@ -177,7 +190,8 @@ def install(args_or_config: Any = None, *, layout_hooks: bool | None = None) -> 
         placement = placement_of(config)
     except ScheduleError as exc:
         raise PipelineArgumentError("--pipeline-schedule", str(exc)) from None
-    tracer_factory, param_storages = _tracer_factory(config.trace_dir) if config.trace_dir else (None, set())
+    no_trace: tuple[None, set[int], dict[str, int]] = (None, set(), {})
+    tracer_factory, param_storages, static = _tracer_factory(config.trace_dir) if config.trace_dir else no_trace
     source: Callable[[int], Schedule] = make_schedule_source(config)
     if config.replan_iterations > 0:
         source, tracer_factory = _replanning(config, tracer_factory)
@@ -199,6 +213,9 @@ def install(args_or_config: Any = None, *, layout_hooks: bool | None = None) -> 
             for chunk in model if isinstance(model, list) else [model]:
                 for param in chunk.parameters():
                     param_storages.add(param.untyped_storage().data_ptr())
+            from ..runtime.trace import static_bytes_of
+
+            static.update(static_bytes_of(model))
         result = executor_func(**kwargs)
         if two_replicas:  # the loss lands on two ranks: each gets every micro-batch's (losses.py)
             from .losses import gather_losses, pp_group_of
@@ -298,7 +315,9 @@ def _agree_before_groups(config: PipelineConfig, patcher: Patcher) -> None:
 
 
 def _splits_backward(config: PipelineConfig) -> bool:
-    """Does the selected schedule run separate B and W ops?"""
+    """Does the selected schedule run separate B and W ops? (auto re-deciding: it may switch to one that does)"""
+    if config.redecide is not None:
+        return True
     if config.schedule_file:
         return config.load_file().splits_backward
     return bool(config.schedule) and registry.get(config.schedule).splits_backward

@@ -8,12 +8,15 @@ and ranks the rest by estimated iteration time; ``auto`` takes the first. :class
 the decision table: the top candidates with their time, bubble and memory, and why the others were
 dropped (over the budget, with the least memory any of their configurations needs, or not applicable,
 with the generator's reason).
+
+Pure planning: a training run's planner (from megatron's args, the GPU's memory) is built by
+:mod:`megatron_pp_ext.megatron.auto_schedule`, which also decides again from measured costs
+(``--pipeline-replan``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 from .memory import GIB
 from .plan import Planner, PlanResult, PlanRow, SearchSpace, format_table, row_label
@@ -36,6 +39,7 @@ def auto_space(space: SearchSpace) -> SearchSpace:
 @dataclass
 class AutoDecision:
     result: PlanResult
+    overlap: float = 0.0  # the planner's overlap factor of forward-and-backward pairs
 
     @property
     def chosen(self) -> PlanRow | None:
@@ -54,6 +58,7 @@ class AutoDecision:
                 f"pipeline schedule auto: {_label(chosen)} (v={c.chunks}{extra}, {c.placement} placement): iteration "
                 f"{chosen.iteration_time * 1e3:.3g} ms, bubble {chosen.sync_bubble_rate:.3f}, peak "
                 f"{chosen.peak_memory / GIB:.2f} of {budget:.2f} GiB; {result.evaluated} candidates simulated"
+                + (f"; overlap pairs timed with overlap F={self.overlap:g}" if self.overlap else "")
             ]
         header = ["#", "schedule", "v", "fsdp", "iteration ms", "pipeline ms", "DP exposed ms", "gathers"]
         header += ["bubble", "sync bubble", "peak GiB"]
@@ -99,91 +104,15 @@ def _alternatives(rows: list[PlanRow]) -> list[PlanRow]:
     return list(seen.values())
 
 
-def decide(planner: Planner) -> AutoDecision:
-    """Run ``planner`` over every schedule (see :func:`auto_space`) and keep its ranking."""
+def decide(planner: Planner, names: tuple[str, ...] | None = None) -> AutoDecision:
+    """Run ``planner`` over every schedule (or those ``names``) with every parameter (see :func:`auto_space`)
+    and keep its ranking."""
     planner.space = auto_space(planner.space)
-    planner.schedule_names = tuple(sorted(_registered()))
-    return AutoDecision(planner.run(progress=False))
+    planner.schedule_names = tuple(sorted(names if names is not None else _registered()))
+    return AutoDecision(planner.run(progress=False), planner.overlap)
 
 
 def _registered() -> list[str]:
     from ..schedules import registry
 
     return [registry.get(name).name for name in registry.names()]
-
-
-# ---- --pipeline-schedule auto (megatron's args) ------------------------------------------------------
-def planner_for_run(
-    args: Any, *, budget_gib: float | None, stage_costs_ms: tuple[float, float, float] | None, cpu: bool
-) -> Planner:
-    """The planner of one training run: megatron's model shape, its TP / PP / DP / micro-batch / recompute
-    fixed, every schedule and parameter open. Budget: ``budget_gib`` (all of it; the CPU case) or the
-    GPU's memory (2 GiB kept free); the planner counts weights, gradients and optimizer state in a rank's
-    peak. Costs: the device's cost model, or ``stage_costs_ms`` (F, B, W of one 1F1B stage, L/p layers,
-    for one micro-batch, in ms) spread over the layers."""
-    from .costs import CostModel, LayerTimes, get_device
-    from .memory import TrainingSetup
-    from .models import ModelSpec
-
-    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
-    model = ModelSpec(
-        "run",
-        num_layers=int(args.num_layers),
-        hidden_size=int(args.hidden_size),
-        num_attention_heads=int(args.num_attention_heads),
-        seq_length=int(args.seq_length),
-        vocab_size=int(getattr(args, "vocab_size", None) or getattr(args, "padded_vocab_size", None) or 50257),
-        ffn_hidden_size=getattr(args, "ffn_hidden_size", None),
-        num_query_groups=groups,
-        swiglu=bool(getattr(args, "swiglu", False)),
-        untie_embeddings_and_output_weights=bool(getattr(args, "untie_embeddings_and_output_weights", False)),
-        hidden_dropout=float(getattr(args, "hidden_dropout", 0.1) or 0.0),
-        attention_dropout=float(getattr(args, "attention_dropout", 0.1) or 0.0),
-    )
-    device = get_device("CPU") if cpu else _gpu_device()
-    precision = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
-    setup = TrainingSetup(
-        precision=precision,
-        distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
-        sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
-        attention="unfused" if cpu or getattr(args, "transformer_impl", "local") == "local" else "flash",
-    )
-    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-    dp = int(getattr(args, "data_parallel_size", 1) or 1)
-    mbs = int(args.micro_batch_size)
-    cost = CostModel(model, device, setup)
-    if stage_costs_ms is not None:
-        per_layer = [x * 1e-3 / max(1.0, model.num_layers / pp) for x in stage_costs_ms]
-        cost = cost.with_measured_layer_times(LayerTimes(*per_layer), mbs, tp)
-    granularity = getattr(args, "recompute_granularity", None)
-    vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
-    space = SearchSpace(
-        tp=(tp,),
-        pp=(pp,),
-        micro_batch=(mbs,),
-        recompute=(granularity or "none",),
-        virtual=(int(vp),) if vp else (1, 2, 3, 4),
-        fsdp=(bool(getattr(args, "pipeline_fsdp", False)),),  # the run's own --pipeline-fsdp
-        unit_sizes=(unit,) if isinstance(unit := getattr(args, "pipeline_unit_size", None), int) else None,
-    )
-    gbs = int(getattr(args, "global_batch_size", None) or mbs * dp)
-    return Planner(
-        model,
-        tp * pp * dp,
-        gbs,
-        cost,
-        memory_budget_gib=budget_gib,
-        memory_reserve_gib=0.0 if budget_gib is not None else 2.0,
-        space=space,
-    )
-
-
-def _gpu_device() -> Any:
-    import torch
-
-    from .costs import get_device
-
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    preset = "H100-80GB" if "H100" in props.name else "A100-80GB"
-    return replace(get_device(preset), memory_gib=props.total_memory / GIB)

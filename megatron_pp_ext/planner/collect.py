@@ -194,7 +194,7 @@ def summarize(
     its = run.iterations
     steady = its[skip:] if len(its) > skip else its[-1:]
     elapsed = [i["elapsed_ms"] for i in steady if "elapsed_ms" in i]
-    tflops = [i["tflops"] for i in steady if "tflops" in i]
+    tflops = [i["tflops"] for i in steady if i.get("tflops")]  # 0.0: not measured (megatron on CPU)
     med = _median(elapsed)
     gbs = next((i["global_batch"] for i in reversed(its) if "global_batch" in i), None)
     if gbs is None and plan is not None:  # a row's own batch first (plans of several batches: scripts/slurm)
@@ -212,8 +212,9 @@ def summarize(
             "samples_per_second": round(gbs / (med / 1000.0), 4) if (gbs and med) else "",
             "tflops_per_gpu": _median(tflops) if tflops else "",
             "loss_last": next((i["loss"] for i in reversed(its) if "loss" in i), ""),
-            "max_allocated_mib": max((m[1] for m in run.memory.values()), default=""),
-            "max_reserved_mib": max((m[3] for m in run.memory.values()), default=""),
+            # a CPU run reports 0 MB (no CUDA allocator): not measured, shown as "-"
+            "max_allocated_mib": max((m[1] for m in run.memory.values()), default=0.0) or "",
+            "max_reserved_mib": max((m[3] for m in run.memory.values()), default=0.0) or "",
             "theoretical_total_mib": run.theoretical[2] if run.theoretical else "",
             "error": run.error or "",
             "log": str(run.path),

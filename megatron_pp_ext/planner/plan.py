@@ -36,7 +36,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -67,7 +67,7 @@ from .memory import (
 from .models import ModelSpec
 from .timing import TimingProgram
 
-__all__ = ["Config", "PlanResult", "PlanRow", "Planner", "SearchSpace", "divisors"]
+__all__ = ["Config", "PlanResult", "PlanRow", "Planner", "PlannerMemo", "SearchSpace", "divisors"]
 
 EXACT_MIN = 32  # micro-batch counts up to max(EXACT_MIN, 4p) are simulated exactly
 EXACT_FALLBACK = 8  # non-affine schedules are simulated at m itself up to m = 8p, approximated beyond
@@ -86,6 +86,8 @@ SIM_COMM = _simulator_comm_model()
 SIM_KWARGS: dict[str, Any] = {"comm": SIM_COMM} if "comm" in inspect.signature(simulate).parameters else {}
 #: Back-to-back iterations timed per configuration with ``--post-validation`` (steady state).
 POST_VALIDATION_ITERATIONS = 3
+# overlap factor of a schedule's forward-and-backward pairs (dualpipev) when none is given: the simulator's
+SIM_OVERLAP = float(inspect.signature(simulate).parameters["overlap"].default)
 
 
 NO_PIPELINE = "none (pp=1)"  # how a configuration without pipeline parallelism is listed
@@ -314,6 +316,21 @@ class _Built:
     starts: list[list[float]] | None = None  # op start times of its first simulation
 
 
+@dataclass
+class PlannerMemo:
+    """What a :class:`Planner` computes that depends on the schedules and costs only, not on the model,
+    device or budget: built and validated schedules, their activation profiles, simulations and
+    reduction profiles. Planners given the same memo share it, so a schedule is built, validated and
+    compiled once (``plan_spec`` over several global batches, ``grid --spec`` over several specs).
+    Keys hold everything the value depends on; registering a schedule under a taken name does not
+    happen (the registry refuses it), so the name identifies the generator."""
+
+    built: dict[tuple[Any, ...], _Built] = field(default_factory=dict)
+    profiles: dict[tuple[Any, ...], ActivationProfile] = field(default_factory=dict)
+    sims: dict[tuple[Any, ...], _Sim] = field(default_factory=dict)
+    reductions: dict[tuple[Any, ...], ReductionProfile] = field(default_factory=dict)
+
+
 class ScheduleCache:
     """Generated schedules on disk (CSV), so that slow generators (greedy, cost-aware) run once per
     ``(name, p, m, v, memory limit, costs)`` across planner runs. Entries are keyed by a hash of the
@@ -383,11 +400,16 @@ class Planner:
         cache_dir: str | Path | None = None,
         w_memory: float | None = None,
         post_validation: bool = False,
+        memo: PlannerMemo | None = None,
+        overlap: float = SIM_OVERLAP,
     ) -> None:
         if num_gpus < 1:
             raise ValueError(f"number of GPUs must be >= 1, got {num_gpus}")
         if global_batch < 1:
             raise ValueError(f"global batch must be >= 1, got {global_batch}")
+        if isinstance(overlap, bool) or not 0.0 <= overlap <= 1.0:
+            raise ValueError(f"overlap must be a number in [0, 1], got {overlap!r}")
+        self.overlap = float(overlap)  # timing of overlap pairs: max + (1 - overlap) x min, as simulate()
         self.model = model
         self.num_gpus = int(num_gpus)
         self.global_batch = int(global_batch)
@@ -404,10 +426,11 @@ class Planner:
         # v-block without a block file is v-half's block: list it only when asked for
         names = self.space.schedules if self.space.schedules is not None else default_schedules()
         self.schedule_names = tuple(registry.get(n).name for n in names)
-        self._built: dict[tuple[Any, ...], _Built] = {}
-        self._profiles: dict[tuple[Any, ...], ActivationProfile] = {}
-        self._sims: dict[tuple[Any, ...], _Sim] = {}
-        self._reductions: dict[tuple[Any, ...], ReductionProfile] = {}
+        self.memo = memo if memo is not None else PlannerMemo()
+        self._built = self.memo.built
+        self._profiles = self.memo.profiles
+        self._sims = self.memo.sims
+        self._reductions = self.memo.reductions
         self.stats: Counter[str] = Counter()
         self.disk_cache = ScheduleCache(cache_dir) if cache_dir is not None else None
         self.fsdp_sim = FsdpSimulator()
@@ -507,7 +530,7 @@ class Planner:
         return built
 
     def _profile(self, key: tuple[Any, ...], schedule: Schedule, layout: Sequence[StageInfo]) -> ActivationProfile:
-        pkey = (key, tuple(i.layers for i in layout))
+        pkey = (key, tuple(i.layers for i in layout), self.setup.w_retained_fraction)
         prof = self._profiles.get(pkey)
         if prof is None:
             prof = activation_profile(schedule, layout, self.setup.w_retained_fraction)
@@ -518,7 +541,8 @@ class Planner:
         """``(makespan, busy_max, span_max)`` in seconds."""
         assert built.schedule is not None and built.lowered is not None
         scale, ckey = _normalise(costs, built.schedule.num_stages)
-        skey = (key, ckey)
+        overlap = self.overlap if built.schedule.overlap_pairs else 0.0  # only pairs are timed differently
+        skey = (key, ckey, overlap) + (("post-validation",) if self.post_validation else ())  # memos are shared
         sim = self._sims.get(skey)
         if sim is None:
             f, b, w, c = ckey
@@ -531,11 +555,12 @@ class Planner:
                     iterations=POST_VALIDATION_ITERATIONS,
                     post_validation=True,
                     **SIM_KWARGS,
+                    **({"overlap": overlap} if overlap else {}),
                 )
                 assert result.iterations is not None
                 sim = _Sim(result.iterations.time, max(result.busy), max(result.span))
             else:
-                sim = self._simulate_once(built, f, b, w, c)
+                sim = self._simulate_once(built, f, b, w, c, overlap)
             self._sims[skey] = sim
             self.stats["simulations"] += 1
         else:
@@ -543,18 +568,20 @@ class Planner:
         return sim.makespan * scale, sim.busy_max * scale, sim.span_max * scale
 
     @staticmethod
-    def _simulate_once(built: _Built, f: Any, b: Any, w: Any, c: float) -> _Sim:
-        """One iteration with a synchronous step; compiled once a schedule is timed often."""
+    def _simulate_once(built: _Built, f: Any, b: Any, w: Any, c: float, overlap: float = 0.0) -> _Sim:
+        """One iteration with a synchronous step; compiled once a schedule is timed often (the compiled
+        program runs overlap pairs serially, so with an overlap factor the simulator times it)."""
         assert built.schedule is not None and built.lowered is not None
-        if built.timing is None and built.uses >= COMPILE_AFTER:
+        if built.timing is None and built.uses >= COMPILE_AFTER and not overlap:
             built.timing = TimingProgram(built.lowered, SIM_COMM, built.starts)
             built.starts = None
-        if built.timing is not None:
+        if built.timing is not None and not overlap:
             bw = tuple(x + y for x, y in zip(b, w, strict=True))
             timing = built.timing.run_tables((f, b, w, bw), c)
             return _Sim(timing.makespan, max(timing.busy), max(timing.span))
-        result = simulate(built.schedule, Costs(f, b, w, None, c), lowered=built.lowered, **SIM_KWARGS)
-        if min(min(f), min(b), min(w)) > 0:  # its start times order the ops topologically
+        kwargs = {**SIM_KWARGS, "overlap": overlap} if overlap else SIM_KWARGS
+        result = simulate(built.schedule, Costs(f, b, w, None, c), lowered=built.lowered, **kwargs)
+        if not overlap and min(min(f), min(b), min(w)) > 0:  # its start times order the ops topologically
             built.starts = result.starts
         return _Sim(result.makespan, max(result.busy), max(result.span))
 
@@ -1218,7 +1245,7 @@ def plan_document(result: PlanResult, planner: Planner, rows: Sequence[PlanRow])
         entry = row.to_json_dict()
         entry["megatron_args"] = config_args(row.config, setup, planner.global_batch)
         docs.append(entry)
-    return {
+    doc = {
         "format": "megatron-pp plan v1",
         "model": asdict(planner.model),
         "gpus": planner.num_gpus,
@@ -1232,6 +1259,9 @@ def plan_document(result: PlanResult, planner: Planner, rows: Sequence[PlanRow])
         "searched": result.evaluated,
         "rows": docs,
     }
+    if planner.overlap != SIM_OVERLAP:  # only when given (the provided plans predate the flag)
+        doc["overlap"] = planner.overlap
+    return doc
 
 
 # ---- command line ----------------------------------------------------------------------------------
@@ -1280,6 +1310,14 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--efficiency", type=positive_fraction, help="share of peak FLOP/s large GEMMs reach (default: device's)"
     )
     c.add_argument("--dp-overlap", type=fraction, default=0.0, help="share of the DP gradient reduction hidden")
+    c.add_argument(
+        "--overlap",
+        type=fraction,
+        default=SIM_OVERLAP,
+        metavar="F",
+        help="overlap factor of forward-and-backward pairs (dualpipev), as in simulate: a pair takes "
+        "max + (1-F) x min; default %(default)g = one after the other",
+    )
     c.add_argument(
         "--w-retained", type=fraction, default=1.0, help="share of an activation a B keeps until its W (1.0 = papers')"
     )
@@ -1331,7 +1369,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 _FSDP_CHOICES = {"off": (False,), "on": (True,), "both": (False, True)}
 
 
-def planner_from_args(args: argparse.Namespace) -> Planner:
+def planner_from_args(args: argparse.Namespace, memo: PlannerMemo | None = None) -> Planner:
     from .costs import get_device
     from .models import ModelSpec, get_model
 
@@ -1411,6 +1449,8 @@ def planner_from_args(args: argparse.Namespace) -> Planner:
         cache_dir=None if args.no_cache else args.cache,
         w_memory=None if w_memory is None else float(w_memory),
         post_validation=bool(getattr(args, "post_validation", False)),
+        memo=memo,
+        overlap=args.overlap,
     )
 
 
@@ -1450,11 +1490,19 @@ def _csv_cell(value: Any) -> Any:
 
 
 def print_models() -> None:
+    import textwrap
+
     from .models import models_table
 
     rows = models_table()
-    header = list(rows[0])
-    print(format_table(header, [[str(r[k]) for k in header] for r in rows]))
+    header = [k for k in rows[0] if k not in ("assumed", "source")]  # long texts: on their own lines
+    table = format_table(header, [[str(r[k]) for k in header] for r in rows]).splitlines()
+    print("\n".join(table[:2]))
+    for line, row in zip(table[2:], rows, strict=True):
+        print(line)
+        for key in ("source", "assumed"):
+            if row[key] != "-":
+                print(textwrap.fill(f"{key}: {row[key]}", 100, initial_indent="    ", subsequent_indent="      "))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -17,7 +17,10 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .plan import PlannerMemo
 
 __all__ = ["SPEC_DIR", "PlanSpec", "load_spec", "plan_spec", "spec_files", "write_spec_grid"]
 
@@ -95,26 +98,32 @@ def spec_files(directory: str | Path = SPEC_DIR) -> list[Path]:
     return sorted(Path(directory).glob("*.json"))
 
 
-def _planner_args(spec: PlanSpec, global_batch: int) -> argparse.Namespace:
+def _planner_args(spec: PlanSpec, global_batch: int, cache_dir: str | Path | None = None) -> argparse.Namespace:
     from .plan import add_plan_arguments
 
     parser = argparse.ArgumentParser(prog=f"spec {spec.name}", add_help=False)
     add_plan_arguments(parser)
+    cache = ["--cache", str(cache_dir)] if cache_dir is not None else ["--no-cache"]
     try:
-        return parser.parse_args([*spec.plan_flags, "--global-batch", str(global_batch), "--no-cache"])
+        return parser.parse_args([*spec.plan_flags, "--global-batch", str(global_batch), *cache])
     except SystemExit:
         raise ValueError(f"plan specification {spec.name}: bad plan flags {' '.join(spec.plan_flags)}") from None
 
 
-def plan_spec(spec: PlanSpec) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def plan_spec(
+    spec: PlanSpec, memo: PlannerMemo | None = None, cache_dir: str | Path | None = None
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Plan every global batch of ``spec``; the plan document (of the first batch, with the
-    union of rows) and the selected rows, in order (batch, then rank)."""
-    from .plan import plan_document, planner_from_args, select_rows
+    union of rows) and the selected rows, in order (batch, then rank). The batches' planners share
+    ``memo`` (a new one if None): a schedule is built and validated once. ``cache_dir``: the planner's
+    disk cache of slow generators' schedules (keyed by the schedules package's source; None: none)."""
+    from .plan import PlannerMemo, plan_document, planner_from_args, select_rows
 
+    memo = memo if memo is not None else PlannerMemo()
     doc: dict[str, Any] | None = None
     rows: list[dict[str, Any]] = []
     for batch in spec.global_batches:
-        planner = planner_from_args(_planner_args(spec, batch))
+        planner = planner_from_args(_planner_args(spec, batch, cache_dir), memo)
         result = planner.run(progress=False)
         if spec.pipeline_only:
             result.rows = [row for row in result.rows if row.config.pp > 1]
@@ -153,11 +162,18 @@ def grid_options(spec: PlanSpec, base_dir: str | Path) -> Any:
     )
 
 
-def write_spec_grid(spec: PlanSpec, base_dir: str | Path, out_dir: str | Path | None = None) -> dict[str, Path]:
-    """Plan ``spec`` and write its grid into ``out_dir`` (default ``base_dir / spec.out``)."""
+def write_spec_grid(
+    spec: PlanSpec,
+    base_dir: str | Path,
+    out_dir: str | Path | None = None,
+    memo: PlannerMemo | None = None,
+    cache_dir: str | Path | None = None,
+) -> dict[str, Path]:
+    """Plan ``spec`` and write its grid into ``out_dir`` (default ``base_dir / spec.out``); ``memo`` and
+    ``cache_dir``: see :func:`plan_spec` (one memo for several specs shares their schedules too)."""
     from .slurm import write_grid
 
-    doc, rows = plan_spec(spec)
+    doc, rows = plan_spec(spec, memo, cache_dir)
     out = Path(out_dir) if out_dir is not None else Path(base_dir) / spec.out
     return write_grid(out, doc, rows, grid_options(spec, base_dir))
 

@@ -63,6 +63,8 @@ class Tracer(NullTracer):
         self._last_backward_end = 0.0
         self._iter_ops: list[list[Any]] = []  # [op, start, end] of this iteration's ops
         self.last_iteration_ops: list[list[Any]] = []
+        # bytes held for the whole run (see static_bytes_of); filled by whoever knows the model chunks
+        self.static: dict[str, int] = {}
 
     def _now(self) -> float:
         return time.perf_counter() - self._t0
@@ -217,6 +219,10 @@ class Tracer(NullTracer):
             "iterations": len(self.iterations),
             "measured_bubble_rate": last.get("bubble_rate"),
             "peak_activation_bytes": self.peak_bytes,
+            "static_bytes": dict(self.static),
+            # the rank's memory as the planner's memory model counts it: what is held for the whole run plus
+            # the peak of live activations (None without static_bytes)
+            "peak_bytes": (sum(self.static.values()) + self.peak_bytes) if self.static else None,
             "per_iteration": self.iterations,
             "last_iteration_ops": self.last_iteration_ops,
         }
@@ -226,3 +232,27 @@ class Tracer(NullTracer):
         out.mkdir(parents=True, exist_ok=True)
         (out / f"trace_rank{self.rank}.json").write_text(json.dumps({"traceEvents": self.events}))
         (out / f"summary_rank{self.rank}.json").write_text(json.dumps(self.summary(), indent=1))
+
+
+def static_bytes_of(chunks: Any, optimizer_bytes_per_parameter: float = 8.0) -> dict[str, int]:
+    """Bytes a rank holds for the whole run for its model ``chunks``: parameters and gradient buffers as
+    allocated (megatron DDP's ``main_grad``, else ``grad``, else one per parameter of its size), and the
+    optimizer state by accounting (default: Adam's two fp32 moments per parameter, allocated by its first
+    step, outside the traced iterations)."""
+    params: dict[int, torch.Tensor] = {}
+    for chunk in chunks if isinstance(chunks, list | tuple) else [chunks]:
+        for param in chunk.parameters():
+            params.setdefault(id(param), param)
+    weight = grad = numel = 0
+    for param in params.values():
+        numel += param.numel()
+        weight += param.numel() * param.element_size()
+        buffer = getattr(param, "main_grad", None)
+        if buffer is None:
+            buffer = param.grad
+        grad += buffer.numel() * buffer.element_size() if buffer is not None else param.numel() * param.element_size()
+    return {
+        "parameters": weight,
+        "gradients": grad,
+        "optimizer_accounted": int(numel * optimizer_bytes_per_parameter),
+    }

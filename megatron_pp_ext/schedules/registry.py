@@ -51,7 +51,10 @@ class ScheduleInfo:
         if self.capabilities is None:
             return self.constraints
         declared = self.capabilities.describe()
-        return f"{declared}; {self.constraints}" if self.constraints else declared
+        said = {item.strip() for item in declared.split(", ")}
+        # the generator's own text without what the declaration already says (p >= 1, m >= 1, v ...)
+        further = ", ".join(item for item in self.constraints.split(", ") if item.strip() not in said)
+        return f"{declared}; {further}" if further else declared
 
     def check(self, p: object, m: object, **kwargs: object) -> dict[str, object]:
         """Check a request against the declarations; the keyword arguments the generator takes."""

@@ -64,3 +64,56 @@ def test_a_budget_below_the_2p_schedules_never_picks_one() -> None:
 def test_auto_space_adds_every_schedule_and_the_limits() -> None:
     space = auto_space(SearchSpace(schedules=("1f1b",), memory_limits=("12",)))
     assert space.schedules is None and space.memory_limits == ("12", *AUTO_MEMORY_LIMITS)
+
+
+def test_planner_times_overlap_pairs_as_the_simulator_does() -> None:
+    """The planner's timing of dualpipev (its F&B pairs) equals ``simulate(overlap=F)`` for F = 0, 0.5 and 1,
+    also once the schedule is simulated often enough to get a compiled timing program (which runs pairs
+    serially, so it must not be used when F > 0)."""
+    from megatron_pp_ext.analysis.simulate import Costs, simulate
+    from megatron_pp_ext.analysis.validate import validate
+    from megatron_pp_ext.planner.plan import COMPILE_AFTER
+    from megatron_pp_ext.schedules import registry
+
+    schedule = registry.generate("dualpipev", 4, 16)
+    assert schedule.overlap_pairs and any(schedule.overlap_pairs)
+    lowered = validate(schedule)
+    for overlap in (0.0, 0.5, 1.0):
+        planner = _planner(*PRESETS[0])
+        planner.overlap = overlap
+        built = planner._build("dualpipev", 4, 16, None, None, None)
+        for i in range(COMPILE_AFTER + 3):  # distinct costs (3 digits: the planner's key): new simulations
+            f, b, w = 1.0, 1.1 + i / 10, 0.9
+            costs = Costs((f,) * 8, (b,) * 8, (w,) * 8, None, 0.05)
+            makespan, busy, _ = planner._simulate(("dualpipev", 4, 16, None, None, None), built, costs)
+            expected = simulate(schedule, costs, lowered=lowered, overlap=overlap)
+            assert makespan == pytest.approx(expected.makespan, rel=1e-9), (overlap, i)
+            assert busy == pytest.approx(max(expected.busy), rel=1e-9), (overlap, i)
+
+
+@pytest.mark.parametrize("overlap", [0.0, 1.0])
+def test_auto_honours_the_overlap_factor(overlap: float) -> None:
+    """With the overlap factor, auto still picks the exhaustive plan's first row; at F = 1 dualpipev's
+    best time is below its serial one (its pairs hide a whole op)."""
+    preset = PRESETS[1]  # zb-6.2b on p=4 (dualpipev applies)
+    exhaustive = _planner(*preset, schedules=tuple(names()), memory_limits=AUTO_MEMORY_LIMITS)
+    exhaustive.overlap = overlap
+    rows = exhaustive.run(progress=False).rows
+    planner = _planner(*preset)
+    planner.overlap = overlap
+    decision = decide(planner)
+    assert decision.chosen is not None and decision.chosen.config.id == rows[0].config.id
+    serial = _planner(*preset, schedules=("dualpipev",)).run(progress=False).rows[0].iteration_time
+    mine = next(r for r in rows if r.config.schedule == "dualpipev").iteration_time
+    assert (mine < serial) if overlap else (mine == serial)
+    if overlap:
+        assert "overlap F=1" in decision.table()
+
+
+def test_plan_overlap_flag_range(capsys: pytest.CaptureFixture[str]) -> None:
+    from megatron_pp_ext.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "zb-1.5b", "--overlap", "1.5"])
+    err = capsys.readouterr().err
+    assert "--overlap" in err and "1.5" in err

@@ -112,3 +112,22 @@ def test_log_without_end_of_training_line_is_not_ok(tmp_path: Path) -> None:
     path = tmp_path / f"{OK}.log"
     path.write_text("".join(line for line in text.splitlines(keepends=True) if "[after training is done]" not in line))
     assert parse_log(path).status == "incomplete"
+
+
+def test_cpu_run_zeros_are_not_measurements(tmp_path: Path) -> None:
+    """Megatron on CPU logs 0.0 TFLOP/s and 0 MB allocated (no CUDA allocator): the table says "-" for them,
+    not 0 (launch-local's table once showed a throughput and memory of 0)."""
+    text = (DATA / f"{OK}.log").read_text()
+    text = text.replace("throughput per GPU (TFLOP/s/GPU): 110.9", "throughput per GPU (TFLOP/s/GPU): 0.0")
+    import re
+
+    text = re.sub(
+        r"max allocated: [0-9.]+", "max allocated: 0.00", re.sub(r"max reserved: [0-9.]+", "max reserved: 0.00", text)
+    )
+    text = re.sub(r"\(TFLOP/s/GPU\): [0-9.]+", "(TFLOP/s/GPU): 0.0", text)
+    (tmp_path / f"{OK}.log").write_text(text)
+    rows, _ = collect(tmp_path)
+    assert rows[0]["status"] == "ok" and rows[0]["samples_per_second"] != ""
+    assert rows[0]["tflops_per_gpu"] == "" and rows[0]["max_allocated_mib"] == "" and rows[0]["max_reserved_mib"] == ""
+    line = next(x for x in to_markdown(rows).splitlines() if x.startswith(f"| {OK}"))
+    assert "| 0 |" not in line

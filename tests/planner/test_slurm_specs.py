@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_pp_ext.cli import main
+from megatron_pp_ext.planner.plan import PlannerMemo
 from megatron_pp_ext.planner.specs import load_spec, spec_files, write_spec_grid
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,12 +35,28 @@ def test_every_published_grid_has_a_spec() -> None:
         assert name in NAMES
 
 
+@pytest.fixture(scope="module")
+def memo() -> PlannerMemo:
+    """One planner memo for every spec of this module: a schedule several specs (or global batches) plan is
+    built, validated and compiled once (the plans are what each spec alone produces)."""
+    return PlannerMemo()
+
+
+@pytest.fixture(scope="module")
+def schedule_cache(request: pytest.FixtureRequest) -> Path:
+    """The planner's disk cache of slow generators (v-zb, zb-auto with costs) in pytest's cache directory,
+    keyed by the schedules package's source: a changed generator is run again."""
+    return Path(request.config.cache.mkdir("megatron-pp-schedules"))
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_checked_in_script_is_what_the_generator_writes(name: str, tmp_path: Path) -> None:
+def test_checked_in_script_is_what_the_generator_writes(
+    name: str, tmp_path: Path, memo: PlannerMemo, schedule_cache: Path
+) -> None:
     """Regenerate from the spec into a scratch checkout: every file must be byte-identical
     (`bash scripts/slurm/regenerate.sh` after changing the planner or a spec)."""
     spec = load_spec(REPO / "scripts" / "slurm" / "specs" / f"{name}.json")
-    write_spec_grid(spec, tmp_path)
+    write_spec_grid(spec, tmp_path, memo=memo, cache_dir=schedule_cache)
     for file in FILES:
         fresh = (tmp_path / spec.out / file).read_text()
         checked_in = REPO / spec.out / file

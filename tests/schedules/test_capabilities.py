@@ -61,3 +61,18 @@ def test_an_undeclared_registration_still_works() -> None:
     assert info.requirements == "p >= 1" and info.takes("memory_limit") and not info.takes("costs")
     info.build(2, 3, v=None, memory_limit=None)
     assert seen == {"v": None, "memory_limit": None}
+
+
+def test_requirements_do_not_repeat_the_declaration() -> None:
+    """``megatron-pp list`` and the error lines print the declaration, then only the generator's further rules
+    (bfs once printed "p >= 1, m >= 1, v >= 1 (default 2)" twice)."""
+    from megatron_pp_ext.schedules import registry
+
+    for name in registry.names():
+        info = registry.get(name)
+        if info.capabilities is None:
+            continue
+        declared, _, further = info.requirements.partition("; ")
+        items = [x.strip() for x in declared.split(", ")]
+        assert not any(x in items for x in further.split(", ")), (name, info.requirements)
+    assert registry.get("bfs").requirements.count("v >= 1 (default 2)") == 1
