@@ -77,6 +77,15 @@ class RunSpec:
     megatron_overlap_p2p: bool = False
     # Testing aid: a different schedule for some pipeline ranks from the re-plan on (to provoke a mismatch there).
     replan_overrides: tuple[tuple[int, str], ...] = ()
+    # megatron-core's optimizer (get_megatron_optimizer: Adam, clipping at clip_grad, loss scaling with found-inf
+    # skip when loss_scale is set) instead of torch's Adam; post_validation wraps it (runtime/post_validation.py).
+    megatron_optimizer: bool = False
+    clip_grad: float = 0.0
+    loss_scale: float | None = None
+    post_validation: bool = False
+    # Testing aid: (iteration, pipeline rank) pairs whose first gradient element is made inf before the step.
+    inject_inf: tuple[tuple[int, int], ...] = ()
+    keep_weights: bool = False  # report every parameter after the last step
 
     @property
     def world_size(self) -> int:
@@ -171,10 +180,15 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
             config.param_sync_func = [c.start_param_sync for c in chunks]
         config.finalize_model_grads_func = finalize_model_grads
     params = [p for c in chunks for p in c.parameters()]
+    validator: Any = None
     if spec.fsdp:
         optimizer = torch.optim.Adam([p for c in chunks for p in c.optimizer_params()], lr=spec.lr)
-    elif spec.distributed_optimizer:
+    elif spec.distributed_optimizer or spec.megatron_optimizer:
         optimizer = _megatron_optimizer(spec, chunks)
+        if spec.post_validation:
+            from .post_validation import wrap
+
+            optimizer = validator = wrap(optimizer, params, spec.distributed_optimizer)
     else:
         optimizer = torch.optim.Adam(params, lr=spec.lr)
     replica_group = None
@@ -237,6 +251,8 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
     for iteration in range(spec.iterations):
         if torch.distributed.get_rank() == 0:
             report_progress(f"iteration {iteration + 1} of {spec.iterations}")
+        if validator is not None:  # the last step's complete state, before these weights are used
+            validator.validate()
         for c in chunks:
             if spec.fsdp:
                 c.start_iteration()
@@ -296,8 +312,12 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
                 if spec.use_ddp:
                     p.grad = g.detach().clone()
         grads.append(step)
+        if (iteration, pp_rank) in spec.inject_inf:
+            _inject_inf(chunks[0], spec.use_ddp)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    if validator is not None:
+        validator.finish()
     result: dict[str, Any] = {
         "pp_rank": pp_rank,
         "tp_rank": tp_rank,
@@ -318,22 +338,34 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
         }
     if tracer is not None:
         result["trace"] = tracer.summary()
-    if replica_group is not None:  # final weights, to check that the two copies stayed identical
+    if validator is not None:
+        result["post_validation"] = dataclasses.asdict(validator.stats)
+    if replica_group is not None or spec.keep_weights:  # final weights (the two copies of a replica must agree)
         if spec.distributed_optimizer:  # the last step's gathers are overlapped with a next forward: do them
             for c in chunks:
                 c.start_param_sync(force_sync=True)
         result["weights"] = {
-            f"{tiny_gpt.global_name(name, layout, spec.model.tied_embeddings)}#tp{tp_rank}#stage{layout.stage}": (
-                p.detach().clone()
-            )
+            f"{tiny_gpt.global_name(name, layout, spec.model.tied_embeddings)}#tp{tp_rank}#stage{layout.stage}"
+            + (f"#dp{dp_rank}" if spec.keep_weights else ""): p.detach().clone()
             for chunk, layout in zip(chunks, layouts, strict=True)
             for name, p in tiny_gpt._unwrap(chunk).named_parameters()
         }
     return result
 
 
+def _inject_inf(chunk: Any, use_ddp: bool) -> None:
+    """Testing aid: an overflow in this rank's gradients, as an fp16 backward produces one."""
+    from . import tiny_gpt
+
+    p = next(tiny_gpt._unwrap(chunk).parameters())
+    g = p.main_grad if use_ddp else p.grad
+    g.view(-1)[0] = float("inf")
+
+
 def _megatron_optimizer(spec: RunSpec, chunks: list[Any]) -> Any:
-    """megatron-core's (distributed) Adam, as the training loop builds it; no clipping, no weight decay."""
+    """megatron-core's (distributed) Adam, as the training loop builds it; no weight decay. With a loss
+    scale, megatron's mixed-precision wrapper (fp32 parameters kept as they are; a constant scaler and
+    its found-inf check and skip)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from ..megatron.cpu import enable_megatron_optimizer_on_cpu
@@ -344,8 +376,10 @@ def _megatron_optimizer(spec: RunSpec, chunks: list[Any]) -> Any:
         optimizer="adam",
         lr=spec.lr,
         weight_decay=0.0,
-        clip_grad=0.0,
+        clip_grad=spec.clip_grad,
         use_distributed_optimizer=spec.distributed_optimizer,
+        bf16=spec.loss_scale is not None,  # selects the mixed-precision wrapper; parameters stay fp32
+        loss_scale=spec.loss_scale,
     )
     return get_megatron_optimizer(config, chunks)
 
