@@ -253,8 +253,10 @@ class PostValidatedOptimizer:
         """Clip (with the state's norm) and step, as megatron's step does after its reductions."""
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-        if decision in (SKIP, DEFER):
+        if decision == SKIP:
             return False
+        if decision == DEFER:  # done at validation (a later inf makes the last stage report the skip)
+            return True
         if decision == CLIP:
             norm = self._norm(state)
             for part in self.parts:
