@@ -86,6 +86,7 @@ class PostValidationStats:
     validations: int = 0
     snapshot_bytes: int = 0  # largest snapshot kept
     partial_norms: list[float] = field(default_factory=list)  # per step: norm of stages 0..i (inf: found-inf)
+    complete_norms: list[float] = field(default_factory=list)  # per step, once validated: norm of all stages
 
 
 class _Snapshot:
@@ -292,10 +293,10 @@ class PostValidatedOptimizer:
         self.stats.partial_norms.append(math.inf if state.found_inf > 0 else float(self._norm(state)))
         self.stats.eager[decision] = self.stats.eager.get(decision, 0) + 1
         snapshot = None
-        if not complete and decision == PLAIN:  # may be undone: keep what the step changes
-            snapshot = _Snapshot(self.model_params, self.parts)
-            self.stats.snapshot_bytes = max(self.stats.snapshot_bytes, snapshot.nbytes)
-        elif not complete and decision == DEFER:  # the gradients must outlive the next zero_grad
+        # An unclipped step may be undone (a later stage's inf, clip or skip threshold); a deferred one
+        # needs its gradients after the next zero_grad. Without a loss scaler, clipping or skip threshold
+        # the eager decision is always final and nothing is kept.
+        if not complete and ((decision == PLAIN and self._may_change()) or decision == DEFER):
             snapshot = _Snapshot(self.model_params, self.parts)
             self.stats.snapshot_bytes = max(self.stats.snapshot_bytes, snapshot.nbytes)
         success = self._apply(decision, state)
@@ -316,8 +317,14 @@ class PostValidatedOptimizer:
             self._sends += [dist.isend(packed, dst=r, group=self.chain_group) for r in self.chain_ranks[:-1]]
             self.last_validated = (success, self._reported_norm(state), state.zeros if self._logs_zeros() else None)
             self.stats.validations += 1
+            self.stats.complete_norms.append(self.stats.partial_norms[-1])
         norm = self._reported_norm(state) if decision != SKIP else None
         return success, norm, (state.zeros if self._logs_zeros() else None)
+
+    def _may_change(self) -> bool:
+        """Whether the complete state can ever give another step than a stage's partial one."""
+        threshold = self.config.grad_norm_skip_threshold
+        return bool(self._scalers()) or self.config.clip_grad > 0.0 or math.isfinite(threshold)
 
     def _logs_zeros(self) -> bool:
         return bool(self.config.log_num_zeros_in_grad)
@@ -340,6 +347,7 @@ class PostValidatedOptimizer:
         final = self._decide(final_state, complete=True)
         eager = pending["decision"]
         self.stats.validations += 1
+        self.stats.complete_norms.append(math.inf if final_state.found_inf > 0 else float(self._norm(final_state)))
         changed = not ((eager == PLAIN and final == PLAIN) or (eager in (SKIP, DEFER) and final == SKIP))
         success = final != SKIP
         if changed:

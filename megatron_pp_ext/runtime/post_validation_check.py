@@ -20,6 +20,10 @@ class PostValidationReport:
     bitwise_equal: bool
     max_abs_weight_diff: float
     compared: int  # parameters compared
+    # per step: the gradient norm megatron's synchronous step used (inf: skipped), and whether every
+    # stage of the post-validated run validated against exactly that norm
+    sync_norms: list[float] = field(default_factory=list)
+    norms_equal: bool = False
     # per pipeline rank (tp 0, dp 0): PostValidationStats as a dict
     stats: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -106,6 +110,10 @@ def compare_weights(name: str, sync: list[dict[str, Any]], post: list[dict[str, 
         if r["tp_rank"] == 0 and r["dp_rank"] == 0
     ]
     iterations = len(post[0]["losses"])
+    sync_norms = sync[0]["step_norms"]
+    norms_equal = all(s["complete_norms"] == sync_norms for s in stats) and all(
+        r["step_norms"] == sync_norms for r in sync
+    )
     return PostValidationReport(
         schedule=name,
         p=len(stats),
@@ -114,6 +122,8 @@ def compare_weights(name: str, sync: list[dict[str, Any]], post: list[dict[str, 
         bitwise_equal=bitwise,
         max_abs_weight_diff=diff,
         compared=len(set(want) & set(got)),
+        sync_norms=sync_norms,
+        norms_equal=norms_equal,
         stats=stats,
         problems=problems,
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import os
 import queue
 import socket
@@ -247,12 +248,17 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
     grads: list[dict[str, Any]] = []
     fsdp_counts: list[list[int]] = []  # per iteration, per chunk: parameter all-gathers
     step_times: list[float] = []
+    optimizer_times: list[float] = []  # seconds in optimizer.step()
+    validation_times: list[float] = []  # post-validation: seconds validating before an iteration
+    step_norms: list[float] = []  # megatron's optimizer: the gradient norm each step reported (inf: skipped)
     schedules_used: list[str] = []
     for iteration in range(spec.iterations):
         if torch.distributed.get_rank() == 0:
             report_progress(f"iteration {iteration + 1} of {spec.iterations}")
         if validator is not None:  # the last step's complete state, before these weights are used
+            validating = time.perf_counter()
             validator.validate()
+            validation_times.append(time.perf_counter() - validating)
         for c in chunks:
             if spec.fsdp:
                 c.start_iteration()
@@ -314,7 +320,11 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
         grads.append(step)
         if (iteration, pp_rank) in spec.inject_inf:
             _inject_inf(chunks[0], spec.use_ddp)
-        optimizer.step()
+        stepping = time.perf_counter()
+        returned = optimizer.step()
+        optimizer_times.append(time.perf_counter() - stepping)
+        if spec.megatron_optimizer and validator is None:  # (update_successful, grad_norm, zeros)
+            step_norms.append(math.inf if not returned[0] else float(returned[1] or 0.0))
         optimizer.zero_grad(set_to_none=True)
     if validator is not None:
         validator.finish()
@@ -326,6 +336,9 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
         "loss_microbatches": loss_microbatches,
         "grads": grads if spec.keep_grads else [],
         "step_times": step_times,
+        "step_norms": step_norms,
+        "optimizer_times": optimizer_times,
+        "validation_times": validation_times,
         "schedules_used": schedules_used,
         "measured_costs": None if source is None or source.costs is None else repr(source.costs),
     }
