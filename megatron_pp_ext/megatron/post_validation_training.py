@@ -19,11 +19,25 @@ they still wait for every stage's step; removing them (lagging the log by one it
 
 from __future__ import annotations
 
+import atexit
 from typing import Any
+
+import torch
 
 from ._patching import Patcher
 
 _ACTIVE: list[Any] = []  # the wrapped optimizers of this process
+
+
+def _summary() -> None:
+    """One line per rank at exit: what post-validation did."""
+    for optimizer in _ACTIVE:
+        stats = optimizer.stats
+        print(
+            f"> megatron_pp_ext: post-validation, pipeline stage {optimizer.stage}: {stats.steps} steps, eager "
+            f"{stats.eager}, {stats.rollbacks} rollbacks, {stats.redos} redone, snapshot {stats.snapshot_bytes} bytes",
+            flush=True,
+        )
 
 
 def validate_pending() -> None:
@@ -43,7 +57,11 @@ def patch_megatron(patcher: Patcher) -> None:
         optimizer = original(config, model_chunks, *args, **kwargs)
         params = [p for chunk in model_chunks for p in chunk.parameters()]
         wrapped = wrap(optimizer, params, bool(config.use_distributed_optimizer))
+        if not _ACTIVE:
+            atexit.register(_summary)
         _ACTIVE.append(wrapped)
+        if wrapped.stage == 0 and torch.distributed.get_rank() == 0:
+            print("> megatron_pp_ext: optimizer post-validation on (docs/post_validation.md)", flush=True)
         return wrapped
 
     patcher.replace("megatron.core.optimizer", "get_megatron_optimizer", get_megatron_optimizer)
