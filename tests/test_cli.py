@@ -312,3 +312,18 @@ def test_bench_writes_the_peers_section_and_replaces_it(capsys: pytest.CaptureFi
     assert text.startswith("# Results\n\nkept\n") and text.count("<!-- peers:begin -->") == 1
     assert "| 4 | 8 | 1F1B | **torch:1F1B** |" in text and "repaired F numbering on rank(s) [3]" in text
     assert "| unit | 4 | 8 | torch:InterleavedZeroBubble |" in text  # a case where torch's order is better
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--clip-grad", "1"], "--clip-grad and --inject-inf go with --post-validation"),
+        (["--post-validation", "--inject-inf", "3:0"], "--inject-inf 3:0: ITER must be < --iterations (3)"),
+        (["--post-validation", "--inject-inf", "0:2"], "STAGE < 2"),
+        (["--post-validation", "--no-ddp"], "--post-validation wraps megatron's optimizer"),
+    ],
+)
+def test_verify_post_validation_refuses_bad_input(capsys: pytest.CaptureFixture[str], flags, message) -> None:
+    """Refused with one line before any rank is spawned."""
+    assert main(["verify", "zb-h1", "-p", "2", "-m", "4", *flags]) == 2
+    assert message in capsys.readouterr().err
