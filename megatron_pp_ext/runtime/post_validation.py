@@ -188,6 +188,7 @@ class PostValidatedOptimizer:
         self.stats = PostValidationStats()
         self._pending: dict[str, Any] | None = None
         self._sends: list[Any] = []
+        self._weights_changed_somewhere = False
         self.last_validated: tuple[bool, float | None, int | None] | None = None
         for part in self.parts:
             if any(_is_separate_grad_norm_group(_get_param_grad_norm_group(p)) for p in part.get_parameters()):
@@ -318,8 +319,25 @@ class PostValidatedOptimizer:
             self.last_validated = (success, self._reported_norm(state), state.zeros if self._logs_zeros() else None)
             self.stats.validations += 1
             self.stats.complete_norms.append(self.stats.partial_norms[-1])
+            self._weights_changed_somewhere = self._any_stage_changes(decision, state)
         norm = self._reported_norm(state) if decision != SKIP else None
         return success, norm, (state.zeros if self._logs_zeros() else None)
+
+    def _any_stage_changes(self, final: str, complete: PipelineState) -> bool:
+        """Whether validating this step changes the weights of some stage (the same answer on every
+        stage: it depends on the complete state only). A complete clip changes stage 0 (it stepped
+        unclipped or deferred); a skip changes it iff it stepped unclipped; the partial norm and inf flag
+        only grow along the pipeline, so no other stage changes when stage 0 does not."""
+        if self.p == 1:
+            return False
+        return final == CLIP or (final == SKIP and complete.stage0_plain > 0)
+
+    def weights_changed_somewhere(self) -> bool:
+        """After :meth:`validate`: whether the last validation changed some stage's weights, so that work
+        done with the unvalidated weights since the step (a next iteration's forward-backward run
+        before validating) must be redone. Clears the answer."""
+        changed, self._weights_changed_somewhere = self._weights_changed_somewhere, False
+        return changed
 
     def _may_change(self) -> bool:
         """Whether the complete state can ever give another step than a stage's partial one."""
@@ -349,6 +367,7 @@ class PostValidatedOptimizer:
         self.stats.validations += 1
         self.stats.complete_norms.append(math.inf if final_state.found_inf > 0 else float(self._norm(final_state)))
         changed = not ((eager == PLAIN and final == PLAIN) or (eager in (SKIP, DEFER) and final == SKIP))
+        self._weights_changed_somewhere = self._any_stage_changes(final, final_state)
         success = final != SKIP
         if changed:
             snapshot = pending["snapshot"]

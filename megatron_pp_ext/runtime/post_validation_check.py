@@ -55,9 +55,11 @@ def run_pair(
     model: Any = None,
     timeout_s: float = 60.0,
     fn: Any = None,
+    late: bool = False,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(synchronous run, post-validated run) results. ``fn`` replaces the rank entry point of the
-    post-validated run (tests use it to break the rollback on purpose)."""
+    post-validated run (tests use it to break the rollback on purpose). ``late``: validate after the next
+    iteration's forward-backward (run again when validation changed weights) instead of before it."""
     from .tiny_gpt import TinyGPTSpec
 
     common: dict[str, Any] = {
@@ -82,7 +84,7 @@ def run_pair(
     }
     sync = pool.run(RunSpec(**common))
     _check_errors(sync)
-    spec = RunSpec(**common, post_validation=True)
+    spec = RunSpec(**common, post_validation=True, post_validation_late=late)
     if fn is None:
         post = pool.run(spec)
     else:

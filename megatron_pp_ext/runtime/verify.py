@@ -84,6 +84,9 @@ class RunSpec:
     clip_grad: float = 0.0
     loss_scale: float | None = None
     post_validation: bool = False
+    # False: validate before the next iteration's forward-backward; True: after it, before the next step
+    # (the next iteration runs on the eagerly stepped weights and is run again when validation changed them)
+    post_validation_late: bool = False
     # Testing aid: (iteration, pipeline rank) pairs whose first gradient element is made inf before the step.
     inject_inf: tuple[tuple[int, int], ...] = ()
     keep_weights: bool = False  # report every parameter after the last step
@@ -250,12 +253,13 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
     step_times: list[float] = []
     optimizer_times: list[float] = []  # seconds in optimizer.step()
     validation_times: list[float] = []  # post-validation: seconds validating before an iteration
+    reruns = 0  # post-validation, late: iterations run again because validation changed the weights
     step_norms: list[float] = []  # megatron's optimizer: the gradient norm each step reported (inf: skipped)
     schedules_used: list[str] = []
     for iteration in range(spec.iterations):
         if torch.distributed.get_rank() == 0:
             report_progress(f"iteration {iteration + 1} of {spec.iterations}")
-        if validator is not None:  # the last step's complete state, before these weights are used
+        if validator is not None and not spec.post_validation_late:  # before these weights are used
             validating = time.perf_counter()
             validator.validate()
             validation_times.append(time.perf_counter() - validating)
@@ -280,6 +284,25 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
             decoder_seq_length=spec.model.seq_length,
             forward_only=spec.forward_only,
         )
+        if validator is not None and spec.post_validation_late:
+            validating = time.perf_counter()
+            validator.validate()
+            validation_times.append(time.perf_counter() - validating)
+            if validator.weights_changed_somewhere():  # this iteration ran on weights that were undone: again
+                reruns += 1
+                for c in chunks:
+                    c.zero_grad_buffer()
+                iterators = [iter(batches) for _ in chunks]
+                out = forward_backward(
+                    forward_step_func=tiny_gpt.forward_step,
+                    data_iterator=iterators if len(chunks) > 1 else iterators[0],
+                    model=chunks,
+                    num_microbatches=spec.num_microbatches,
+                    seq_length=spec.model.seq_length,
+                    micro_batch_size=spec.model.micro_batch_size,
+                    decoder_seq_length=spec.model.seq_length,
+                    forward_only=spec.forward_only,
+                )
         step_times.append(time.perf_counter() - started)
         if source is not None:
             schedules_used.append(source(spec.num_microbatches).to_csv())
@@ -352,7 +375,7 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
     if tracer is not None:
         result["trace"] = tracer.summary()
     if validator is not None:
-        result["post_validation"] = dataclasses.asdict(validator.stats)
+        result["post_validation"] = {**dataclasses.asdict(validator.stats), "reruns": reruns}
     if replica_group is not None or spec.keep_weights:  # final weights (the two copies of a replica must agree)
         if spec.distributed_optimizer:  # the last step's gathers are overlapped with a next forward: do them
             for c in chunks:

@@ -169,3 +169,16 @@ def test_without_scaler_clipping_or_skip_threshold_nothing_is_kept(pool):
     _assert_matches_synchronous(report, 0.0)
     assert [s["snapshot_bytes"] for s in report.stats] == [0, 0]
     assert report.stats[0]["validations"] == 3
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_late_validation_reruns_the_iteration_that_used_undone_weights(pool, p):
+    """Validation after the next iteration's forward-backward (so that iteration never waits for the
+    complete state): when validation changes some stage's weights (a clip in step 1, a later stage's
+    inf in step 2), every stage runs that iteration again; the weights end bitwise as the synchronous ones."""
+    schedule = _schedule(p)
+    sync, post = run_pair(schedule, pool, clip_grad=CLIP[p], inject_inf=((1, p - 1),), late=True)
+    report = compare_weights(schedule.name, sync, post)
+    _assert_matches_synchronous(report, CLIP[p])
+    assert [r["post_validation"]["reruns"] for r in post] == [2] * p, [r["post_validation"] for r in post]
+    assert report.rollbacks >= 1
