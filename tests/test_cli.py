@@ -317,7 +317,8 @@ def test_bench_writes_the_peers_section_and_replaces_it(capsys: pytest.CaptureFi
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--clip-grad", "1"], "--clip-grad and --inject-inf go with --post-validation"),
+        (["--clip-grad", "1"], "go with --post-validation"),
+        (["--post-validation-late"], "go with --post-validation"),
         (["--post-validation", "--inject-inf", "3:0"], "--inject-inf 3:0: ITER must be < --iterations (3)"),
         (["--post-validation", "--inject-inf", "0:2"], "STAGE < 2"),
         (["--post-validation", "--no-ddp"], "--post-validation wraps megatron's optimizer"),

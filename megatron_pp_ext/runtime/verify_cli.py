@@ -65,6 +65,12 @@ def add_verify_parser(subparsers: Any) -> None:
         "and check the weights are bitwise those of megatron's synchronous step (docs/post_validation.md)",
     )
     parser.add_argument(
+        "--post-validation-late",
+        action="store_true",
+        help="with --post-validation: validate after the next iteration's forward-backward instead of before it, "
+        "re-running that iteration when validation changed weights",
+    )
+    parser.add_argument(
         "--clip-grad",
         type=nonnegative_float,
         default=0.0,
@@ -111,8 +117,9 @@ def run_verify(args: argparse.Namespace) -> int:
     if args.fsdp_max_unsharded is not None and args.fsdp_max_unsharded < 1:
         print(f"{PROG}: --fsdp-max-unsharded must be >= 1, got {args.fsdp_max_unsharded}", file=sys.stderr)
         return 2
-    if (args.clip_grad or args.inject_inf) and not args.post_validation:
-        print(f"{PROG}: --clip-grad and --inject-inf go with --post-validation", file=sys.stderr)
+    if (args.clip_grad or args.inject_inf or args.post_validation_late) and not args.post_validation:
+        flags = "--clip-grad, --inject-inf and --post-validation-late"
+        print(f"{PROG}: {flags} go with --post-validation", file=sys.stderr)
         return 2
     if args.post_validation and (args.fsdp or args.no_ddp):
         print(
@@ -201,6 +208,7 @@ def _run_post_validation(args: argparse.Namespace, schedule: Any, model: Any) ->
             iterations=args.iterations,
             clip_grad=args.clip_grad,
             inject_inf=tuple(args.inject_inf),
+            late=args.post_validation_late,
             timeout_s=args.timeout,
         )
     except (VerifyRunError, TimeoutError) as exc:
@@ -213,7 +221,8 @@ def _run_post_validation(args: argparse.Namespace, schedule: Any, model: Any) ->
         print(
             f"{status}: post-validation, {pv.compared} parameters after {pv.iterations} steps "
             f"{'bitwise equal to' if pv.bitwise_equal else 'differ from'} megatron's synchronous step "
-            f"(max abs diff {pv.max_abs_weight_diff:.3g}); rollbacks {pv.rollbacks}, redone steps {pv.redos}"
+            f"(max abs diff {pv.max_abs_weight_diff:.3g}); rollbacks {pv.rollbacks}, redone steps {pv.redos}, "
+            f"iterations run again {pv.stats[0].get('reruns', 0) if pv.stats else 0}"
         )
         for stage, stats in enumerate(pv.stats):
             print(
