@@ -314,3 +314,19 @@ def test_bench_writes_the_peers_section_and_replaces_it(capsys: pytest.CaptureFi
     assert "| 4 | 8 | InterleavedZeroBubble | interleaved-zb | 25.500 |" in text  # our counterpart of torch's ZB1P
     better = text.split("### Where torch's order is better")[1].split("###")[0]
     assert "InterleavedZeroBubble" not in better  # interleaved-zb ties ZB1P at its memory (issue 16)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--clip-grad", "1"], "go with --post-validation"),
+        (["--post-validation-late"], "go with --post-validation"),
+        (["--post-validation", "--inject-inf", "3:0"], "--inject-inf 3:0: ITER must be < --iterations (3)"),
+        (["--post-validation", "--inject-inf", "0:2"], "STAGE < 2"),
+        (["--post-validation", "--no-ddp"], "--post-validation wraps megatron's optimizer"),
+    ],
+)
+def test_verify_post_validation_refuses_bad_input(capsys: pytest.CaptureFixture[str], flags, message) -> None:
+    """Refused with one line before any rank is spawned."""
+    assert main(["verify", "zb-h1", "-p", "2", "-m", "4", *flags]) == 2
+    assert message in capsys.readouterr().err

@@ -58,6 +58,13 @@ the decision (a planner search, :mod:`megatron_pp_ext.megatron.auto_schedule`) r
 ``--pipeline-unit-size N|auto``
     ``zeropp``'s scheduling unit (micro-batches, default m); ``auto`` picks it with the simulator for
     ``--pipeline-costs`` under ``--pipeline-memory-limit``. Other schedules reject it.
+``--pipeline-post-validation``
+    Optimizer post-validation (zero-bubble paper, section 4; docs/post_validation.md): the optimizer
+    step reduces its statistics (gradient norm, found-inf, zero count) only within each pipeline stage,
+    passes them stage to stage and steps eagerly; the complete state is validated before the next
+    forward, rolling the step back and redoing it where it differs. Wraps megatron's optimizer
+    (:mod:`megatron_pp_ext.runtime.post_validation`); needs a plugin schedule and megatron DDP (not
+    ``--pipeline-fsdp``).
 ``--cpu``
     Force CPU / gloo mode even when CUDA is available (it is also used when CUDA is not).
 
@@ -373,6 +380,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "for --pipeline-costs under --pipeline-memory-limit.",
     )
     group.add_argument(
+        "--pipeline-post-validation",
+        action="store_true",
+        default=False,
+        help="Optimizer post-validation: no pipeline-wide reduction before the optimizer step; each stage steps "
+        "on the statistics of the stages before it and validates against the complete ones before its next "
+        "forward, rolling back and redoing the step where they differ (docs/post_validation.md).",
+    )
+    group.add_argument(
         "--cpu",
         action="store_true",
         default=False,
@@ -409,6 +424,7 @@ class PipelineConfig:
     pipeline_parallel_size: int | None = None
     virtual_flag: str = "--num-virtual-stages-per-pipeline-rank"
     check_messages: bool = False  # --pipeline-check-messages
+    post_validation: bool = False  # --pipeline-post-validation
     auto_table: str | None = None  # --pipeline-schedule auto: the decision table
     memory_budget: float | None = None  # --pipeline-memory-budget (auto)
     overlap: float | None = None  # --pipeline-overlap (auto)
@@ -583,6 +599,7 @@ def config_from_args(args: Any) -> PipelineConfig:
         ),
         costs=_parsed(parse_costs, getattr(args, "pipeline_costs", None), "--pipeline-costs"),
         check_messages=bool(getattr(args, "pipeline_check_messages", False)),
+        post_validation=bool(getattr(args, "pipeline_post_validation", False)),
         block_file=getattr(args, "pipeline_block_file", None),
         trace_dir=getattr(args, "pipeline_trace", None),
         check_grads=bool(getattr(args, "pipeline_check_grads", False)),
@@ -636,6 +653,7 @@ def validate_arguments(args: Any) -> PipelineConfig:
             ("pipeline_fsdp", "--pipeline-fsdp"),
             ("pipeline_fsdp_max_unsharded", "--pipeline-fsdp-max-unsharded"),
             ("pipeline_unit_size", "--pipeline-unit-size"),
+            ("pipeline_post_validation", "--pipeline-post-validation"),
         ):
             if _given(args, attr):
                 raise PipelineArgumentError(flag, "needs --pipeline-schedule (megatron's own schedule does not use it)")
@@ -657,6 +675,10 @@ def validate_arguments(args: Any) -> PipelineConfig:
     from .fsdp_training import check_arguments as check_fsdp_arguments
 
     check_fsdp_arguments(args)
+    if config.post_validation and config.fsdp:
+        raise PipelineArgumentError(
+            "--pipeline-post-validation", "wraps megatron's optimizer: not with --pipeline-fsdp (its own optimizer)"
+        )
     return check_schedule_flags(args, config)
 
 

@@ -208,6 +208,10 @@ def install(args_or_config: Any = None, *, layout_hooks: bool | None = None) -> 
     p2p.set_check_messages(config.check_messages)
 
     def forward_backward_func(**kwargs: Any) -> Any:
+        if config.post_validation:  # the last optimizer step, validated before these weights are used
+            from .post_validation_training import validate_pending
+
+            validate_pending()
         if tracer_factory is not None and not param_storages:
             model = kwargs.get("model")
             for chunk in model if isinstance(model, list) else [model]:
@@ -259,6 +263,11 @@ def install(args_or_config: Any = None, *, layout_hooks: bool | None = None) -> 
         from .fsdp_training import patch_megatron
 
         patch_megatron(patcher)
+    if config.post_validation:  # wrap megatron's optimizer (post_validation_training.py)
+        from . import post_validation_training
+
+        post_validation_training.patch_megatron(patcher)
+        patcher.on_restore(post_validation_training.forget)
     if _splits_backward(config):
         try:
             _enable_backward_split(patcher, config.label)

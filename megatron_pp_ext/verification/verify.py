@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import os
 import queue
 import socket
@@ -80,6 +81,18 @@ class RunSpec:
     megatron_overlap_p2p: bool = False
     # Testing aid: a different schedule for some pipeline ranks from the re-plan on (to provoke a mismatch there).
     replan_overrides: tuple[tuple[int, str], ...] = ()
+    # megatron-core's optimizer (get_megatron_optimizer: Adam, clipping at clip_grad, loss scaling with found-inf
+    # skip when loss_scale is set) instead of torch's Adam; post_validation wraps it (runtime/post_validation.py).
+    megatron_optimizer: bool = False
+    clip_grad: float = 0.0
+    loss_scale: float | None = None
+    post_validation: bool = False
+    # False: validate before the next iteration's forward-backward; True: after it, before the next step
+    # (the next iteration runs on the eagerly stepped weights and is run again when validation changed them)
+    post_validation_late: bool = False
+    # Testing aid: (iteration, pipeline rank) pairs whose first gradient element is made inf before the step.
+    inject_inf: tuple[tuple[int, int], ...] = ()
+    keep_weights: bool = False  # report every parameter after the last step
 
     @property
     def world_size(self) -> int:
@@ -174,10 +187,15 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
             config.param_sync_func = [c.start_param_sync for c in chunks]
         config.finalize_model_grads_func = finalize_model_grads
     params = [p for c in chunks for p in c.parameters()]
+    validator: Any = None
     if spec.fsdp:
         optimizer = torch.optim.Adam([p for c in chunks for p in c.optimizer_params()], lr=spec.lr)
-    elif spec.distributed_optimizer:
+    elif spec.distributed_optimizer or spec.megatron_optimizer:
         optimizer = _megatron_optimizer(spec, chunks)
+        if spec.post_validation:
+            from ..runtime.post_validation import wrap
+
+            optimizer = validator = wrap(optimizer, params, spec.distributed_optimizer)
     else:
         optimizer = torch.optim.Adam(params, lr=spec.lr)
     replica_group = None
@@ -238,10 +256,18 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
     fsdp_counts: list[list[int]] = []  # per iteration, per chunk: parameter all-gathers
     fsdp_reduces: list[list[int]] = []  # per iteration, per chunk: gradient reduce-scatters
     step_times: list[float] = []
+    optimizer_times: list[float] = []  # seconds in optimizer.step()
+    validation_times: list[float] = []  # post-validation: seconds validating before an iteration
+    reruns = 0  # post-validation, late: iterations run again because validation changed the weights
+    step_norms: list[float] = []  # megatron's optimizer: the gradient norm each step reported (inf: skipped)
     schedules_used: list[str] = []
     for iteration in range(spec.iterations):
         if torch.distributed.get_rank() == 0:
             report_progress(f"iteration {iteration + 1} of {spec.iterations}")
+        if validator is not None and not spec.post_validation_late:  # before these weights are used
+            validating = time.perf_counter()
+            validator.validate()
+            validation_times.append(time.perf_counter() - validating)
         for c in chunks:
             if spec.fsdp:
                 c.start_iteration()
@@ -263,6 +289,25 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
             decoder_seq_length=spec.model.seq_length,
             forward_only=spec.forward_only,
         )
+        if validator is not None and spec.post_validation_late:
+            validating = time.perf_counter()
+            validator.validate()
+            validation_times.append(time.perf_counter() - validating)
+            if validator.weights_changed_somewhere():  # this iteration ran on weights that were undone: again
+                reruns += 1
+                for c in chunks:
+                    c.zero_grad_buffer()
+                iterators = [iter(batches) for _ in chunks]
+                out = forward_backward(
+                    forward_step_func=tiny_gpt.forward_step,
+                    data_iterator=iterators if len(chunks) > 1 else iterators[0],
+                    model=chunks,
+                    num_microbatches=spec.num_microbatches,
+                    seq_length=spec.model.seq_length,
+                    micro_batch_size=spec.model.micro_batch_size,
+                    decoder_seq_length=spec.model.seq_length,
+                    forward_only=spec.forward_only,
+                )
         step_times.append(time.perf_counter() - started)
         if source is not None:
             schedules_used.append(source(spec.num_microbatches).to_csv())
@@ -302,8 +347,16 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
                 if spec.use_ddp:
                     p.grad = g.detach().clone()
         grads.append(step)
-        optimizer.step()
+        if (iteration, pp_rank) in spec.inject_inf:
+            _inject_inf(chunks[0], spec.use_ddp)
+        stepping = time.perf_counter()
+        returned = optimizer.step()
+        optimizer_times.append(time.perf_counter() - stepping)
+        if spec.megatron_optimizer and validator is None:  # (update_successful, grad_norm, zeros)
+            step_norms.append(math.inf if not returned[0] else float(returned[1] or 0.0))
         optimizer.zero_grad(set_to_none=True)
+    if validator is not None:
+        validator.finish()
     result: dict[str, Any] = {
         "pp_rank": pp_rank,
         "tp_rank": tp_rank,
@@ -312,6 +365,9 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
         "loss_microbatches": loss_microbatches,
         "grads": grads if spec.keep_grads else [],
         "step_times": step_times,
+        "step_norms": step_norms,
+        "optimizer_times": optimizer_times,
+        "validation_times": validation_times,
         "schedules_used": schedules_used,
         "measured_costs": None if source is None or source.costs is None else repr(source.costs),
     }
@@ -326,22 +382,34 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
         }
     if tracer is not None:
         result["trace"] = tracer.summary()
-    if replica_group is not None:  # final weights, to check that the two copies stayed identical
+    if validator is not None:
+        result["post_validation"] = {**dataclasses.asdict(validator.stats), "reruns": reruns}
+    if replica_group is not None or spec.keep_weights:  # final weights (the two copies of a replica must agree)
         if spec.distributed_optimizer:  # the last step's gathers are overlapped with a next forward: do them
             for c in chunks:
                 c.start_param_sync(force_sync=True)
         result["weights"] = {
-            f"{tiny_gpt.global_name(name, layout, spec.model.tied_embeddings)}#tp{tp_rank}#stage{layout.stage}": (
-                p.detach().clone()
-            )
+            f"{tiny_gpt.global_name(name, layout, spec.model.tied_embeddings)}#tp{tp_rank}#stage{layout.stage}"
+            + (f"#dp{dp_rank}" if spec.keep_weights else ""): p.detach().clone()
             for chunk, layout in zip(chunks, layouts, strict=True)
             for name, p in tiny_gpt._unwrap(chunk).named_parameters()
         }
     return result
 
 
+def _inject_inf(chunk: Any, use_ddp: bool) -> None:
+    """Testing aid: an overflow in this rank's gradients, as an fp16 backward produces one."""
+    from . import tiny_gpt
+
+    p = next(tiny_gpt._unwrap(chunk).parameters())
+    g = p.main_grad if use_ddp else p.grad
+    g.view(-1)[0] = float("inf")
+
+
 def _megatron_optimizer(spec: RunSpec, chunks: list[Any]) -> Any:
-    """megatron-core's (distributed) Adam, as the training loop builds it; no clipping, no weight decay."""
+    """megatron-core's (distributed) Adam, as the training loop builds it; no weight decay. With a loss
+    scale, megatron's mixed-precision wrapper (fp32 parameters kept as they are; a constant scaler and
+    its found-inf check and skip)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from ..megatron.cpu import enable_megatron_optimizer_on_cpu
@@ -352,8 +420,10 @@ def _megatron_optimizer(spec: RunSpec, chunks: list[Any]) -> Any:
         optimizer="adam",
         lr=spec.lr,
         weight_decay=0.0,
-        clip_grad=0.0,
+        clip_grad=spec.clip_grad,
         use_distributed_optimizer=spec.distributed_optimizer,
+        bf16=spec.loss_scale is not None,  # selects the mixed-precision wrapper; parameters stay fp32
+        loss_scale=spec.loss_scale,
     )
     return get_megatron_optimizer(config, chunks)
 

@@ -58,8 +58,42 @@ def add_verify_parser(subparsers: Any) -> None:
         help="max relative gradient difference (default 1e-6, 1e-5 with --dp > 1: see verify.default_tolerance)",
     )
     parser.add_argument("--timeout", type=positive_float, default=60.0, help="seconds before a stuck send/recv fails")
+    parser.add_argument(
+        "--post-validation",
+        action="store_true",
+        help="also train with optimizer post-validation (--pipeline-post-validation) and megatron's optimizer, "
+        "and check the weights are bitwise those of megatron's synchronous step (docs/post_validation.md)",
+    )
+    parser.add_argument(
+        "--post-validation-late",
+        action="store_true",
+        help="with --post-validation: validate after the next iteration's forward-backward instead of before it, "
+        "re-running that iteration when validation changed weights",
+    )
+    parser.add_argument(
+        "--clip-grad",
+        type=nonnegative_float,
+        default=0.0,
+        help="with --post-validation: megatron's gradient clipping threshold (default 0: off)",
+    )
+    parser.add_argument(
+        "--inject-inf",
+        action="append",
+        default=[],
+        metavar="ITER:STAGE",
+        type=_iteration_stage,
+        help="with --post-validation: make one gradient inf on pipeline stage STAGE in iteration ITER (0-based; "
+        "repeatable), to exercise the found-inf skip and the rollback",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(func=run_verify)
+
+
+def _iteration_stage(text: str) -> tuple[int, int]:
+    parts = text.split(":")
+    if len(parts) != 2 or not all(x.strip().isdigit() for x in parts):
+        raise argparse.ArgumentTypeError(f"expected ITER:STAGE (two integers >= 0), got {text!r}")
+    return int(parts[0]), int(parts[1])
 
 
 def run_verify(args: argparse.Namespace) -> int:
@@ -87,7 +121,25 @@ def run_verify(args: argparse.Namespace) -> int:
     if args.fsdp_max_unsharded is not None and args.fsdp_max_unsharded < 1:
         print(f"{PROG}: --fsdp-max-unsharded must be >= 1, got {args.fsdp_max_unsharded}", file=sys.stderr)
         return 2
+    if (args.clip_grad or args.inject_inf or args.post_validation_late) and not args.post_validation:
+        flags = "--clip-grad, --inject-inf and --post-validation-late"
+        print(f"{PROG}: {flags} go with --post-validation", file=sys.stderr)
+        return 2
+    if args.post_validation and (args.fsdp or args.no_ddp):
+        print(
+            f"{PROG}: --post-validation wraps megatron's optimizer: use it with megatron DDP, without --fsdp",
+            file=sys.stderr,
+        )
+        return 2
     schedule = _schedule_from_args(args)
+    bad = [f"{i}:{s}" for i, s in args.inject_inf if i >= args.iterations or s >= schedule.num_ranks]
+    if bad:
+        print(
+            f"{PROG}: --inject-inf {bad[0]}: ITER must be < --iterations ({args.iterations}) and STAGE < "
+            f"{schedule.num_ranks}",
+            file=sys.stderr,
+        )
+        return 2
     if args.fsdp_max_unsharded is None:
         from ..schedules.collectives import declared_fsdp_limit
 
@@ -139,5 +191,52 @@ def run_verify(args: argparse.Namespace) -> int:
             print(f"  problem: {problem}")
     if not report.ok:
         print(f"{PROG}: verify failed for {report.schedule}", file=sys.stderr)
+        return 1
+    if args.post_validation:
+        return _run_post_validation(args, schedule, model)
+    return 0
+
+
+def _run_post_validation(args: argparse.Namespace, schedule: Any, model: Any) -> int:
+    from ..schedule_args import PROG
+    from .post_validation_check import verify_post_validation
+    from .verify import VerifyRunError
+
+    print(f"{PROG} verify: post-validation against megatron's synchronous step", file=sys.stderr, flush=True)
+    try:
+        pv = verify_post_validation(
+            schedule,
+            model=model,
+            tp=args.tp,
+            dp=args.dp,
+            distributed_optimizer=args.distributed_optimizer,
+            iterations=args.iterations,
+            clip_grad=args.clip_grad,
+            inject_inf=tuple(args.inject_inf),
+            late=args.post_validation_late,
+            timeout_s=args.timeout,
+        )
+    except (VerifyRunError, TimeoutError) as exc:
+        print(f"{PROG}: post-validation run of {schedule.name} failed on a rank: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(pv.to_json_dict()))
+    else:
+        status = "OK" if pv.ok else "MISMATCH"
+        print(
+            f"{status}: post-validation, {pv.compared} parameters after {pv.iterations} steps "
+            f"{'bitwise equal to' if pv.bitwise_equal else 'differ from'} megatron's synchronous step "
+            f"(max abs diff {pv.max_abs_weight_diff:.3g}); rollbacks {pv.rollbacks}, redone steps {pv.redos}, "
+            f"iterations run again {pv.stats[0].get('reruns', 0) if pv.stats else 0}"
+        )
+        for stage, stats in enumerate(pv.stats):
+            print(
+                f"  stage {stage}: eager {stats['eager']}, rollbacks {stats['rollbacks']}, redone {stats['redos']}, "
+                f"snapshot {stats['snapshot_bytes']} bytes"
+            )
+        for problem in pv.problems:
+            print(f"  problem: {problem}")
+    if not pv.ok:
+        print(f"{PROG}: post-validation differs from the synchronous step for {schedule.name}", file=sys.stderr)
         return 1
     return 0

@@ -293,3 +293,13 @@ def test_pipeline_unit_size_for_zeropp() -> None:
     assert err.flag == "--pipeline-unit-size" and "needs --pipeline-schedule" in str(err)
     with pytest.raises(SystemExit):
         make_args(["--pipeline-schedule", "zeropp", "--pipeline-unit-size", "0"])
+
+
+def test_pipeline_post_validation_flag() -> None:
+    config = validate_arguments(make_args(["--pipeline-schedule", "zb-h1", "--pipeline-post-validation"]))
+    assert config.post_validation
+    assert not validate_arguments(make_args(["--pipeline-schedule", "zb-h1"])).post_validation
+    err = error_of(make_args(["--pipeline-post-validation"]))
+    assert err.flag == "--pipeline-post-validation" and "needs --pipeline-schedule" in str(err)
+    err = error_of(make_args(["--pipeline-schedule", "zb-h1", "--pipeline-fsdp", "--pipeline-post-validation"]))
+    assert err.flag in ("--pipeline-post-validation", "--pipeline-fsdp")
