@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_pp_ext.cli import main
-from megatron_pp_ext.planner import plan as plan_module
+from megatron_pp_ext.planner import extrapolate
 from megatron_pp_ext.planner.costs import DEVICES, CostModel, get_device, model_flops_per_iteration
 from megatron_pp_ext.planner.memory import GIB, TrainingSetup
 from megatron_pp_ext.planner.models import get_model
@@ -101,7 +101,7 @@ def test_extrapolation_matches_exact_simulation(monkeypatch: pytest.MonkeyPatch)
     space = {"tp": (1,), "pp": (4,), "micro_batch": (1,), "recompute": ("none",), "schedules": FAST_SCHEDULES}
     extrapolated = {r.config.id: r for r in _planner("zb-1.5b", 4, 96, **space).run(progress=False).rows}
     assert any(r.extrapolated for r in extrapolated.values())  # m = 96 > 4p
-    monkeypatch.setattr(plan_module, "EXACT_MIN", 10**9)
+    monkeypatch.setattr(extrapolate, "EXACT_MIN", 10**9)
     exact = {r.config.id: r for r in _planner("zb-1.5b", 4, 96, **space).run(progress=False).rows}
     assert set(exact) == set(extrapolated)
     for key, row in exact.items():

@@ -1,0 +1,310 @@
+"""The search: :class:`Planner` enumerates every configuration of a model on a GPU count at a global batch
+whose shapes divide (``TP`` divides the heads and at most one node, ``TP*PP*DP = GPUs``, ``DP*micro_batch``
+divides the global batch), each registered schedule's variants at it (:mod:`.variants`: chunk counts,
+memory limits, unit sizes; a generator that refuses ``(p, m, v)`` makes the configuration inapplicable,
+with its reason), evaluates them (:mod:`.evaluate`: memory, simulated time, extrapolated from anchors,
+:mod:`.extrapolate`) and ranks those within the memory budget by estimated throughput. Schedules,
+their validation, activation profiles and simulations are kept in a :class:`.memo.PlannerMemo`; slow
+generators' output on disk in a :class:`.schedule_cache.ScheduleCache`."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from ..analysis.simulate import Costs, simulate
+from ..analysis.validate import validate
+from ..schedules import registry
+from ..schedules.ir import ScheduleError
+from ..schedules.schedule import Schedule
+from .costs import CostModel
+from .evaluate import evaluate
+from .fsdp import FsdpSimulator, fsdp_options
+from .memo import (
+    POST_VALIDATION_ITERATIONS,
+    SIM_KWARGS,
+    SIM_OVERLAP,
+    Built,
+    PlannerMemo,
+    Sim,
+    build_key,
+    normalise,
+    simulate_once,
+)
+from .memory import GIB, ActivationProfile, StageInfo, TrainingSetup, activation_profile
+from .models import ModelSpec
+from .result import PlanResult, PlanRow
+from .schedule_cache import DISK_CACHE_MIN_SECONDS, ScheduleCache
+from .space import SearchSpace, default_schedules, divisors
+from .variants import first_line, resolve_limit, schedule_variants
+
+
+class Planner:
+    """Enumerates, filters and ranks configurations (see the module doc)."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        num_gpus: int,
+        global_batch: int,
+        cost_model: CostModel,
+        *,
+        memory_budget_gib: float | None = None,
+        memory_reserve_gib: float = 2.0,
+        space: SearchSpace | None = None,
+        cache_dir: str | Path | None = None,
+        w_memory: float | None = None,
+        post_validation: bool = False,
+        memo: PlannerMemo | None = None,
+        overlap: float = SIM_OVERLAP,
+    ) -> None:
+        if num_gpus < 1:
+            raise ValueError(f"number of GPUs must be >= 1, got {num_gpus}")
+        if global_batch < 1:
+            raise ValueError(f"global batch must be >= 1, got {global_batch}")
+        if isinstance(overlap, bool) or not 0.0 <= overlap <= 1.0:
+            raise ValueError(f"overlap must be a number in [0, 1], got {overlap!r}")
+        self.overlap = float(overlap)  # timing of overlap pairs: max + (1 - overlap) x min, as simulate()
+        self.model = model
+        self.num_gpus = int(num_gpus)
+        self.global_batch = int(global_batch)
+        self.costs = cost_model
+        self.setup: TrainingSetup = cost_model.setup
+        # what a pending W keeps, for the schedules that count it (zb-auto); None = whole activations
+        self.w_memory = None if w_memory is None or w_memory == 1.0 else float(w_memory)
+        # optimizer post-validation: an iteration takes the simulator's back-to-back time without the
+        # step synchronisation (schedules.timing.repeat_iterations), and zb-auto minimises it
+        self.post_validation = bool(post_validation)
+        budget = cost_model.device.memory_gib if memory_budget_gib is None else memory_budget_gib
+        self.budget_bytes = (budget - memory_reserve_gib) * GIB
+        self.space = space or SearchSpace()
+        # v-block without a block file is v-half's block: list it only when asked for
+        names = self.space.schedules if self.space.schedules is not None else default_schedules()
+        self.schedule_names = tuple(registry.get(n).name for n in names)
+        self.memo = memo if memo is not None else PlannerMemo()
+        self._built = self.memo.built
+        self._profiles = self.memo.profiles
+        self._sims = self.memo.sims
+        self._reductions = self.memo.reductions
+        self.stats: Counter[str] = Counter()
+        self.disk_cache = ScheduleCache(cache_dir) if cache_dir is not None else None
+        self.fsdp_sim = FsdpSimulator()
+
+    # ---- enumeration ----------------------------------------------------------------------------
+    def shapes(self) -> Iterator[tuple[int, int, int, int, int]]:
+        """``(tp, pp, dp, micro_batch, num_microbatches)`` whose sizes divide."""
+        model, n = self.model, self.num_gpus
+        max_tp = self.space.max_tp or self.costs.device.gpus_per_node
+        tps = self.space.tp or tuple(divisors(n))
+        for t in tps:
+            if n % t or t > max_tp or (t > 1 and self.costs.device.gpus_per_node % t):
+                continue  # a TP group must sit inside one node
+            if model.num_attention_heads % t or model.query_groups % t or model.ffn % t:
+                continue
+            pps = self.space.pp or tuple(divisors(n // t))
+            for p in pps:
+                if (n // t) % p or p > 2 * model.num_layers:
+                    continue
+                d = n // (t * p)
+                if self.global_batch % d:
+                    continue
+                per_replica = self.global_batch // d
+                for b in self._micro_batches(per_replica):
+                    yield t, p, d, b, per_replica // b
+
+    def _micro_batches(self, per_replica: int) -> list[int]:
+        if self.space.micro_batch is not None:
+            return [b for b in self.space.micro_batch if per_replica % b == 0]
+        cands = {1, 2, 4, 8, 16}
+        if self.model.default_micro_batch:
+            cands.add(self.model.default_micro_batch)
+        return sorted(b for b in cands if per_replica % b == 0)
+
+    def count_steps(self) -> int:
+        """(shape, schedule, memory limit) triples :meth:`run` visits (the progress bar's total)."""
+        return sum(1 for _ in self.shapes()) * len(self.schedule_names) * (1 + len(self.space.memory_limits))
+
+    # ---- schedules ------------------------------------------------------------------------------
+    def _build(
+        self,
+        name: str,
+        p: int,
+        m: int,
+        v: int | None,
+        memory_limit: str | None,
+        costs_key: tuple[float, ...] | None,
+        unit: int | None = None,
+    ) -> Built:
+        key = build_key(name, p, m, v, memory_limit, costs_key, unit)
+        w_memory = self.w_memory if self.w_memory is not None and registry.get(name).takes("w_memory") else None
+        if w_memory is not None:
+            key += (("w_memory", w_memory),)
+        objective = "span" if self.post_validation and registry.get(name).takes("objective") else None
+        if objective is not None:
+            key += (("objective", objective),)
+        hit = self._built.get(key)
+        if hit is not None:
+            return hit
+        schedule: Schedule | None = None
+        error: str | None = None
+        cached = self.disk_cache.load(key) if self.disk_cache is not None else None
+        if isinstance(cached, Schedule):
+            schedule = cached
+            self.stats["schedules from disk cache"] += 1
+        elif isinstance(cached, str):
+            error = cached
+        else:
+            info = registry.get(name)
+            kwargs: dict[str, object] = {"v": v, "memory_limit": resolve_limit(memory_limit, p)}
+            if costs_key is not None:
+                kwargs["costs"] = Costs(costs_key[0], costs_key[1], costs_key[2], None, costs_key[3])
+            if unit is not None:
+                kwargs["unit_size"] = unit
+            if w_memory is not None:
+                kwargs["w_memory"] = w_memory
+            if objective is not None:
+                kwargs["objective"] = objective
+            started = time.perf_counter()
+            try:
+                schedule = info.build(p, m, **kwargs)
+            except (ScheduleError, ValueError, TypeError) as exc:  # a generator's own argument checks
+                error = first_line(exc)
+            if self.disk_cache is not None and time.perf_counter() - started > DISK_CACHE_MIN_SECONDS:
+                self.disk_cache.store(key, schedule if schedule is not None else error or "not applicable")
+        if schedule is None:
+            built = Built(None, None, error)
+        else:
+            try:
+                lowered = validate(schedule)
+            except ScheduleError as exc:
+                built = Built(None, None, f"INVALID schedule generated (a bug): {first_line(exc)}")
+            else:
+                built = Built(schedule, lowered, None)
+                self.stats["schedules built"] += 1
+        self._built[key] = built
+        return built
+
+    def _profile(self, key: tuple[Any, ...], schedule: Schedule, layout: Sequence[StageInfo]) -> ActivationProfile:
+        pkey = (key, tuple(i.layers for i in layout), self.setup.w_retained_fraction)
+        prof = self._profiles.get(pkey)
+        if prof is None:
+            prof = activation_profile(schedule, layout, self.setup.w_retained_fraction)
+            self._profiles[pkey] = prof
+        return prof
+
+    def _simulate(self, key: tuple[Any, ...], built: Built, costs: Costs) -> tuple[float, float, float]:
+        """``(makespan, busy_max, span_max)`` in seconds."""
+        assert built.schedule is not None and built.lowered is not None
+        scale, ckey = normalise(costs, built.schedule.num_stages)
+        overlap = self.overlap if built.schedule.overlap_pairs else 0.0  # only pairs are timed differently
+        skey = (key, ckey, overlap) + (("post-validation",) if self.post_validation else ())  # memos are shared
+        sim = self._sims.get(skey)
+        if sim is None:
+            f, b, w, c = ckey
+            built.uses += 1
+            if self.post_validation:  # iteration time = back-to-back time without the step synchronisation
+                result = simulate(
+                    built.schedule,
+                    Costs(f, b, w, None, c),
+                    lowered=built.lowered,
+                    iterations=POST_VALIDATION_ITERATIONS,
+                    post_validation=True,
+                    **SIM_KWARGS,
+                    **({"overlap": overlap} if overlap else {}),
+                )
+                assert result.iterations is not None
+                sim = Sim(result.iterations.time, max(result.busy), max(result.span))
+            else:
+                sim = simulate_once(built, f, b, w, c, overlap)
+            self._sims[skey] = sim
+            self.stats["simulations"] += 1
+        else:
+            self.stats["simulation cache hits"] += 1
+        return sim.makespan * scale, sim.busy_max * scale, sim.span_max * scale
+
+    # ---- evaluation -----------------------------------------------------------------------------
+    def run(self, progress: bool | None = None, stream: TextIO | None = None) -> PlanResult:
+        start = time.perf_counter()
+        cpu_start = time.process_time()
+        bar = Progress(self.count_steps(), progress, stream)
+        rows: list[PlanRow] = []
+        inapplicable: dict[str, Counter[str]] = {}
+        over_best: dict[str, float] = {}
+        evaluated = over = 0
+        for t, p, d, b, m in self.shapes():
+            for name in self.schedule_names:
+                for limit in (None, *self.space.memory_limits):
+                    variants = schedule_variants(self, name, p, m, limit, t, d, b)
+                    bar.update(1, f"{evaluated} configurations, {len(rows)} fit")
+                    for item in variants:
+                        if isinstance(item, str):
+                            if limit is None:  # a schedule without a memory limit parameter refuses those
+                                inapplicable.setdefault(name, Counter())[item] += 1
+                            continue
+                        shards = fsdp_options(name, t, d, self.model, self.space.fsdp or (False,))
+                        if isinstance(shards, str):
+                            inapplicable.setdefault(name, Counter())[shards] += 1
+                            continue
+                        for recompute in self.space.recompute:
+                            for fsdp in shards:
+                                evaluated += 1
+                                row = evaluate(self, item, t, p, d, b, m, recompute, fsdp)
+                                if isinstance(row, str):
+                                    inapplicable.setdefault(name, Counter())[row] += 1
+                                elif isinstance(row, float):
+                                    over += 1
+                                    label = name + (f"@{limit}" if limit else "")
+                                    over_best[label] = min(over_best.get(label, math.inf), row)
+                                else:
+                                    rows.append(row)
+        bar.close()
+        rows.sort(key=lambda r: (-r.samples_per_second, r.peak_memory))
+        for i, row in enumerate(rows, 1):
+            row.rank = i
+        return PlanResult(
+            rows=rows,
+            evaluated=evaluated,
+            over_budget=over,
+            over_budget_best=over_best,
+            inapplicable=inapplicable,
+            elapsed=time.perf_counter() - start,
+            cpu=time.process_time() - cpu_start,
+            stats={**self.stats, "FSDP simulations": self.fsdp_sim.simulations},
+            budget_bytes=self.budget_bytes,
+        )
+
+
+class Progress:
+    """A one-line progress bar on a terminal (silent otherwise unless forced)."""
+
+    def __init__(self, total: int, enabled: bool | None = None, stream: TextIO | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = self.stream.isatty() if enabled is None else enabled
+        self.total = max(1, total)
+        self.done = 0
+        self.start = time.perf_counter()
+        self._last = 0.0
+
+    def update(self, n: int = 1, note: str = "") -> None:
+        self.done += n
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if now - self._last < 0.1 and self.done < self.total:
+            return
+        self._last = now
+        frac = min(1.0, self.done / self.total)
+        width = 30
+        bar = "#" * int(frac * width) + "." * (width - int(frac * width))
+        self.stream.write(f"\r[{bar}] {self.done}/{self.total} {now - self.start:5.1f}s {note}")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()

@@ -1,0 +1,70 @@
+"""What the planner searches: the search space (:class:`SearchSpace`) and one point of it (:class:`Config`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..schedules import registry
+
+NO_PIPELINE = "none (pp=1)"  # how a configuration without pipeline parallelism is listed
+
+
+def default_schedules() -> tuple[str, ...]:
+    """Every registered schedule except ``v-block`` (which, without a block file, is ``v-half``)."""
+    return tuple(n for n in registry.names() if n != "v-block")
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Values to try; ``None`` means every valid value."""
+
+    tp: tuple[int, ...] | None = None
+    pp: tuple[int, ...] | None = None
+    micro_batch: tuple[int, ...] | None = None  # default: powers of two up to 16 (and the preset's)
+    virtual: tuple[int, ...] = (1, 2, 3, 4)  # chunks per rank to try for loop placements that take v
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    schedules: tuple[str, ...] | None = None  # default: every registered schedule
+    memory_limits: tuple[str, ...] = ()  # extra memory limits ("p", "2p", "12") for memory-aware schedules
+    layer_split: str = "auto"  # auto | even | embedding-loss
+    max_tp: int | None = None  # default: GPUs per node
+    fsdp: tuple[bool, ...] | None = None  # FSDP off / on per candidate (planner/fsdp.py); default: off only
+    unit_sizes: tuple[int, ...] | None = None  # zeropp's unit sizes U; default: every divisor of m
+
+
+@dataclass(frozen=True)
+class Config:
+    """One point of the grid."""
+
+    schedule: str
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    num_microbatches: int
+    chunks: int  # model chunks per rank (from the schedule's placement)
+    placement: str
+    recompute: str
+    split: tuple[int, ...]  # layers per model slice
+    v_flag: int | None = None  # megatron's virtual pipeline size to pass (None: schedule default)
+    memory_limit: str | None = None
+    costs_flag: str | None = None  # --pipeline-costs for cost-aware schedules
+    unit_size: int | None = None  # --pipeline-unit-size (zeropp; None: the schedule's default)
+    fsdp: bool = False  # --pipeline-fsdp
+
+    @property
+    def id(self) -> str:
+        name = self.schedule + (f"@{self.memory_limit}" if self.memory_limit else "")
+        return (
+            f"{name}-t{self.tp}p{self.pp}d{self.dp}-b{self.micro_batch}m{self.num_microbatches}"
+            f"-v{self.chunks}-{self.recompute}"
+            + (f"-u{self.unit_size}" if self.unit_size is not None else "")
+            + ("-fsdp" if self.fsdp else "")
+        )
+
+    @property
+    def uneven(self) -> bool:
+        return len(set(self.split)) > 1
