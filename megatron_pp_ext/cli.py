@@ -463,12 +463,12 @@ def _verify_unavailable(reason: str) -> int:
 
 
 # >>> planner subcommands (megatron_pp_ext.planner) >>>
-# `plan`, `grid`, `collect` and `launch-local` live in megatron_pp_ext/planner (plan.py, slurm.py,
+# `plan`, `grid`, `collect` and `launch-local` live in megatron_pp_ext/planner (plan_cli.py, slurm.py,
 # collect.py, local.py); each module's add_parser(subparsers) adds its parser and sets `func`.
 def _add_planner_parsers(subparsers: Any) -> None:
-    from .planner import collect, local, plan, slurm
+    from .planner import collect, local, plan_cli, slurm
 
-    for module in (plan, slurm, collect, local):
+    for module in (plan_cli, slurm, collect, local):
         module.add_parser(subparsers)
 
 

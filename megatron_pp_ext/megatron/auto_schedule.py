@@ -25,8 +25,11 @@ from typing import Any
 
 from ..analysis.simulate import Costs
 from ..planner.auto import AutoDecision, decide
+from ..planner.memo import SIM_OVERLAP
 from ..planner.memory import GIB
-from ..planner.plan import SIM_OVERLAP, Planner, PlanRow, SearchSpace
+from ..planner.result import PlanRow
+from ..planner.search import Planner
+from ..planner.space import SearchSpace
 from ..schedules import registry
 from ..schedules.placement import make_placement
 from .arguments import (

@@ -7,7 +7,9 @@ Pure Python (no torch) except where a launcher starts ``scripts/pretrain_gpt.py`
 from .costs import DEVICES, CostModel, Device, LayerTimes, get_device, model_flops_per_iteration
 from .memory import GIB, RankMemory, TrainingSetup, bytes_per_parameter, layer_activation_bytes, rank_memory
 from .models import PRESETS, ModelSpec, get_model, model_names
-from .plan import Config, Planner, PlanResult, PlanRow, SearchSpace
+from .result import PlanResult, PlanRow
+from .search import Planner
+from .space import Config, SearchSpace
 
 __all__ = [
     "DEVICES",

@@ -19,7 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .memory import GIB
-from .plan import Planner, PlanResult, PlanRow, SearchSpace, format_table, row_label
+from .report import format_table, row_label
+from .result import PlanResult, PlanRow
+from .search import Planner
+from .space import SearchSpace
 
 __all__ = ["AUTO", "AUTO_MEMORY_LIMITS", "AutoDecision", "auto_space", "decide"]
 

@@ -100,7 +100,7 @@ def run_local(
 
 
 def add_parser(subparsers: Any) -> None:
-    from .plan import add_plan_arguments
+    from .plan_cli import add_plan_arguments
 
     p = subparsers.add_parser(
         "launch-local",

@@ -425,7 +425,7 @@ def unknown_flags(grid_dir: str | Path, known: set[str]) -> list[str]:
 
 # ---- command line ---------------------------------------------------------------------------------
 def add_parser(subparsers: Any) -> None:
-    from .plan import add_plan_arguments
+    from .plan_cli import add_plan_arguments
 
     p = subparsers.add_parser(
         "grid",
@@ -472,7 +472,8 @@ def add_parser(subparsers: Any) -> None:
 
 def load_or_plan(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The plan document and its selected rows: from ``--plan`` or by planning now."""
-    from .plan import plan_document, planner_from_args
+    from .plan_cli import planner_from_args
+    from .report import plan_document
 
     if args.plan:
         try:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .plan import PlannerMemo
+    from .memo import PlannerMemo
 
 __all__ = ["SPEC_DIR", "PlanSpec", "load_spec", "plan_spec", "spec_files", "write_spec_grid"]
 
@@ -99,7 +99,7 @@ def spec_files(directory: str | Path = SPEC_DIR) -> list[Path]:
 
 
 def _planner_args(spec: PlanSpec, global_batch: int, cache_dir: str | Path | None = None) -> argparse.Namespace:
-    from .plan import add_plan_arguments
+    from .plan_cli import add_plan_arguments
 
     parser = argparse.ArgumentParser(prog=f"spec {spec.name}", add_help=False)
     add_plan_arguments(parser)
@@ -117,7 +117,9 @@ def plan_spec(
     union of rows) and the selected rows, in order (batch, then rank). The batches' planners share
     ``memo`` (a new one if None): a schedule is built and validated once. ``cache_dir``: the planner's
     disk cache of slow generators' schedules (keyed by the schedules package's source; None: none)."""
-    from .plan import PlannerMemo, plan_document, planner_from_args, select_rows
+    from .memo import PlannerMemo
+    from .plan_cli import planner_from_args
+    from .report import plan_document, select_rows
 
     memo = memo if memo is not None else PlannerMemo()
     doc: dict[str, Any] | None = None

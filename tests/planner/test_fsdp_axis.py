@@ -1,4 +1,4 @@
-"""FSDP inside the pipeline and zeropp's unit size as planner axes (planner/fsdp.py, plan.py)."""
+"""FSDP inside the pipeline and zeropp's unit size as planner axes (planner/fsdp.py, variants.py, evaluate.py)."""
 
 from __future__ import annotations
 
