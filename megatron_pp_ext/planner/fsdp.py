@@ -19,7 +19,6 @@ Simulations are cached by costs and collective times normalised by the largest f
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +28,7 @@ from ..schedules import registry
 from ..schedules.collectives import CollectiveKind, CollectivePlan, derive_collectives, policy_for
 from ..schedules.lowering import LoweredSchedule
 from ..schedules.schedule import Schedule
+from .memo import normalise, round_sig
 from .models import ModelSpec
 
 __all__ = ["RUNTIME_NOTE", "FsdpSimulator", "FsdpTiming", "fsdp_options", "fsdp_refusal"]
@@ -72,12 +72,6 @@ class FsdpTiming:
     gathers: int  # FSDP all-gathers per iteration on the rank that issues the most
 
 
-def _sig(x: float, digits: int = 3) -> float:
-    if x == 0 or not math.isfinite(x):
-        return x
-    return round(x, digits - 1 - math.floor(math.log10(abs(x))))
-
-
 class FsdpSimulator:
     """Collective plans and data-parallel-stream simulations of FSDP candidates, cached."""
 
@@ -105,15 +99,8 @@ class FsdpSimulator:
     ) -> FsdpTiming:
         """Iteration time (seconds) of ``schedule`` at ``costs`` (seconds) with FSDP over
         ``data_parallel`` ranks at ``bandwidth`` bytes/s, chunk ``s`` moving ``stage_bytes[s]``."""
-        f, b, w, _ = costs.per_stage(schedule.num_stages)
-        scale = max(f) or 1.0
-        norm = (
-            tuple(_sig(x / scale) for x in f),
-            tuple(_sig(x / scale) for x in b),
-            tuple(_sig(x / scale) for x in w),
-            _sig(float(costs.t_comm) / scale),
-        )
-        sizes = tuple(_sig(x / (bandwidth * scale)) for x in stage_bytes)
+        scale, norm = normalise(costs, schedule.num_stages)
+        sizes = tuple(round_sig(x / (bandwidth * scale)) for x in stage_bytes)
         skey = (key, norm, sizes, int(data_parallel))
         hit = self._times.get(skey)
         if hit is None:
