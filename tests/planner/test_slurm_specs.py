@@ -43,10 +43,14 @@ def memo() -> PlannerMemo:
 
 
 @pytest.fixture(scope="module")
-def schedule_cache(request: pytest.FixtureRequest) -> Path:
+def schedule_cache(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The planner's disk cache of slow generators (v-zb, zb-auto with costs) in pytest's cache directory,
-    keyed by the schedules package's source: a changed generator is run again."""
-    return Path(request.config.cache.mkdir("megatron-pp-schedules"))
+    keyed by the schedules package's source: a changed generator is run again. Without the cache plugin
+    (``-p no:cacheprovider``, as scripts/run_tests.sh runs) a fresh directory for this module."""
+    cache = getattr(request.config, "cache", None)
+    if cache is None:
+        return tmp_path_factory.mktemp("megatron-pp-schedules")
+    return Path(cache.mkdir("megatron-pp-schedules"))
 
 
 @pytest.mark.parametrize("name", NAMES)
