@@ -445,6 +445,7 @@ class _Run:
                 "device": self.device,
                 "num_stages": self.placement.num_stages,
                 "num_microbatches": self.num_microbatches,
+                "schedule": self.schedule.name,
             }
         )
         self.tracer.begin_iteration(self.forward_only)

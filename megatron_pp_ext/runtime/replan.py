@@ -16,6 +16,11 @@ Only the order of ops changes, so the training math does not (the verify
 harness checks loss and gradients at every iteration across the switch). The
 profile is logged and can be written to a JSON file and passed back later
 (``--pipeline-costs FILE``) to skip the profiling.
+
+Test hook (never set it in a real run): ``MEGATRON_PP_TEST_SCALE_MEASURED`` (e.g. ``b=4`` or ``w=0.5,b=4``)
+multiplies the agreed profile's F, B or W times before the rebuild, so a test can make a measured profile
+favour a chosen kind of schedule deterministically (``--pipeline-schedule auto --pipeline-replan``'s switch).
+The scaled profile is what is logged and written, and a warning line says it was scaled.
 """
 
 from __future__ import annotations
@@ -23,11 +28,14 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
+import os
 import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +187,37 @@ def agree_on_costs(
     return Costs(t_f=t_f, t_b=t_b, t_w=t_w, t_comm=hop_time)
 
 
+TEST_SCALE_ENV = "MEGATRON_PP_TEST_SCALE_MEASURED"
+
+
+def parse_test_scale(text: str) -> dict[str, float]:
+    """``KIND=FACTOR[,KIND=FACTOR...]`` (KIND f, b or w; FACTOR finite > 0); ValueError naming the variable."""
+    scale: dict[str, float] = {}
+    for cell in (c.strip() for c in text.split(",") if c.strip()):
+        kind, sep, value = cell.partition("=")
+        try:
+            factor = float(value)
+        except ValueError:
+            factor = math.nan
+        if not sep or kind.strip().lower() not in ("f", "b", "w") or not math.isfinite(factor) or factor <= 0:
+            raise ValueError(
+                f"{TEST_SCALE_ENV} (test-only): expected KIND=FACTOR[,KIND=FACTOR...] with KIND f, b or w and "
+                f"FACTOR a finite number > 0, got {text!r}"
+            )
+        scale[kind.strip().lower()] = factor
+    return scale
+
+
+def scaled_for_test(costs: Costs, scale: dict[str, float]) -> Costs:
+    """``costs`` with its F, B and W times multiplied by ``scale``'s factors (the test hook above)."""
+
+    def times(value: Any, factor: float) -> Any:
+        return tuple(x * factor for x in value) if isinstance(value, tuple) else value * factor
+
+    fields = {f"t_{kind}": times(getattr(costs, f"t_{kind}"), factor) for kind, factor in scale.items()}
+    return replace(costs, **fields)  # t_bw: None (B + W) as agree_on_costs gives it
+
+
 def costs_to_json(costs: Costs) -> dict[str, Any]:
     return {"t_f": costs.t_f, "t_b": costs.t_b, "t_w": costs.t_w, "t_comm": costs.t_comm}
 
@@ -228,6 +267,11 @@ class ReplanningSource:
         pp_group = ctx["pp_group"]
         hop = measure_hop_time(pp_group, ctx["tensor_shape"], ctx["dtype"], ctx["device"])
         self.costs = agree_on_costs(tracer.durations, ctx["num_stages"], pp_group, hop)
+        scale_text = os.environ.get(TEST_SCALE_ENV)
+        if scale_text:  # test-only: see the module docstring
+            scale = parse_test_scale(scale_text)
+            self.costs = scaled_for_test(self.costs, scale)
+            self.log(f"megatron_pp_ext: WARNING: {TEST_SCALE_ENV}={scale_text} scaled the measured profile (test hook)")
         self.replanned = True
         schedule = self(ctx["num_microbatches"])
         self.log(

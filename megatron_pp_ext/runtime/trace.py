@@ -65,12 +65,16 @@ class Tracer(NullTracer):
         self.last_iteration_ops: list[list[Any]] = []
         # bytes held for the whole run (see static_bytes_of); filled by whoever knows the model chunks
         self.static: dict[str, int] = {}
+        self._schedule = ""  # the name of the schedule the executor runs (bound per iteration)
 
     def _now(self) -> float:
         return time.perf_counter() - self._t0
 
     def live_bytes(self) -> int:
         return sum(self._live.values()) + self._held
+
+    def bind(self, context: dict[str, Any]) -> None:
+        self._schedule = str(context.get("schedule", ""))
 
     def begin_iteration(self, forward_only: bool = False) -> None:
         self._iter_start = self._now()
@@ -93,6 +97,7 @@ class Tracer(NullTracer):
             counts[launch["kind"]] = counts.get(launch["kind"], 0) + 1
         self.iterations.append(
             {
+                "schedule": self._schedule,  # what the executor ran (a re-plan may switch it)
                 "step_time_s": total,
                 "busy_s": self._busy,
                 "span_s": span,

@@ -3,6 +3,11 @@
 * ``--pipeline-replan``: after one profiled iteration, auto decides again from the measured costs. The log
   line must carry the measured profile (the one ``--pipeline-profile-out`` writes), and its choice and time
   must be what the planner gives for those costs (recomputed here from the written profile).
+* The switch: at 10 micro-batches (bitpipe excluded) auto starts with dualpipev; the test hook
+  ``MEGATRON_PP_TEST_SCALE_MEASURED=b=4`` makes the measured profile backward-heavy, where the planner ranks
+  another V schedule (v-zb) first by a few per cent. The run must log the switch, its executor must run the new
+  schedule's op order on every rank from the iteration after the profiled one (the trace), and its losses must
+  fall and match a run that keeps dualpipev (dropout off: only the op order differs).
 * Memory: with a budget between the memory model's zb-h1 and zb-h2 peaks (excluding the 2p schedules), the
   MEASURED peak of auto's pick (parameters and gradient buffers as allocated, Adam's moments by accounting,
   plus the tracer's peak of live activation bytes) is within the budget, and zb-h2's measured peak is not.
@@ -53,8 +58,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _launch(tmp: Path, name: str, extra: list[str]) -> tuple[subprocess.Popen[bytes], Path]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _launch(
+    tmp: Path, name: str, extra: list[str], env_extra: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], Path]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     log = tmp / f"{name}.log"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(_free_port())]
@@ -120,6 +127,67 @@ def test_replan_redecides_from_the_measured_profile(tmp_path: Path) -> None:
     assert again[0] == label and again[3] == f"{decision.chosen.iteration_time * 1e3:.3g}", (again, label)
     assert f"re-planned '{label.split('@')[0]}' from a profile of 1 iteration(s)" in text
     assert name in registry.names()
+
+
+SWITCH = re.compile(r"auto re-decided from the measured profile .*: switching (\S+) -> (\S+)")
+M10 = ["--global-batch-size", "20", "--hidden-dropout", "0", "--attention-dropout", "0"]  # 10 micro-batches
+
+
+@pytest.mark.gloo
+def test_replan_switches_and_the_run_trains_with_the_new_schedule(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from megatron_pp_ext.megatron.arguments import PipelineConfig, parse_memory_limit
+    from megatron_pp_ext.megatron.auto_schedule import planner_for_run
+    from megatron_pp_ext.planner.auto import decide
+    from megatron_pp_ext.runtime.replan import TEST_SCALE_ENV, load_costs
+    from megatron_pp_ext.schedules import registry
+
+    iterations, profile, trace = 4, tmp_path / "profile.json", tmp_path / "trace"
+    extra = [*M10, "--pipeline-schedule", "auto", "--pipeline-memory-budget", "4", "--pipeline-replan"]
+    extra += ["--pipeline-profile-iters", "1", "--train-iters", str(iterations)]
+    extra += ["--pipeline-profile-out", str(profile), "--pipeline-trace", str(trace)]
+    auto = _launch(tmp_path, "switch", extra, {TEST_SCALE_ENV: "b=4"})
+    keep = _launch(tmp_path, "keep", [*M10, "--pipeline-schedule", "dualpipev", "--train-iters", str(iterations)])
+    text = _finish(*auto, iterations=iterations)
+    reference = _finish(*keep, iterations=iterations)
+
+    first = CHOICE.search(text)
+    assert first is not None and first.group(1) == "dualpipev", text[-3000:]
+    assert f"{TEST_SCALE_ENV}=b=4 scaled the measured profile" in text
+    switch = SWITCH.search(text)
+    assert switch is not None, text[-4000:]
+    before, after = switch.groups()
+    name, _, limit = after.partition("@")
+    assert before == "dualpipev" and name != "dualpipev", switch.group(0)
+    # the planner, given the profile the ranks agreed on (scaled, as written), ranks `after` first
+    costs = load_costs(profile)
+    f, b, w, _ = costs.per_stage(8)
+    stage_ms = tuple(sum(x) / 4 * 1e3 for x in (f, b, w))  # V placement: 8 stages, one replica, p = 4
+    args = make_args(["--pipeline-schedule", "auto", "--cpu"], **{**SHAPE, "global_batch_size": 20})
+    names = tuple(n for n in registry.names() if registry.get(n).placement == "v" and n != "v-block")
+    chosen = decide(planner_for_run(args, budget_gib=4.0, stage_costs_ms=stage_ms, cpu=True), names).chosen  # type: ignore[arg-type]
+    assert chosen is not None and chosen.config.schedule == name
+    assert (chosen.config.memory_limit or "") == limit
+    # the executor ran dualpipev in the profiled iteration and the new schedule (built with the profile's
+    # costs) op for op on every rank afterwards
+    running = PipelineConfig(schedule="dualpipev").build(4, 10)
+    switched = replace(
+        PipelineConfig(schedule=name, costs=costs), memory_limit=parse_memory_limit(limit) if limit else None
+    ).build(4, 10)
+    assert switched.name == name and switched.ops != running.ops
+    for rank in range(4):
+        summary = json.loads((trace / f"summary_rank{rank}.json").read_text())
+        ran = [it["schedule"] for it in summary["per_iteration"]]
+        assert ran == ["dualpipev"] + [name] * (iterations - 1), (rank, ran)
+        assert [op[0] for op in summary["last_iteration_ops"]] == [str(op) for op in switched.ops[rank]], rank
+    # it trains: the loss falls, and matches the run that kept dualpipev (only the order of ops differs)
+    losses = [float(x[2]) for x in ITERATION.findall(text)]
+    kept = [float(x[2]) for x in ITERATION.findall(reference)]
+    print(f"losses after the switch to {after}: {losses}; dualpipev throughout: {kept}")
+    assert losses[-1] < losses[0]
+    assert losses[0] == kept[0]  # the profiled iteration ran the same schedule
+    assert losses == pytest.approx(kept, rel=1e-5)
 
 
 def _worst_peak(trace_dir: Path) -> int:

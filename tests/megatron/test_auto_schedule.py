@@ -118,3 +118,47 @@ def test_auto_runs_the_unit_size_it_evaluated(monkeypatch: pytest.MonkeyPatch) -
     config = _decided(args)
     assert config.schedule == "zeropp" and config.unit_size == 2
     assert config.build(4, 8).params["unit_size"] == 2
+
+
+def test_redecision_switches_to_what_the_measured_costs_favour() -> None:
+    """At 10 micro-batches the start-up choice is dualpipev; a backward-heavy measured profile (F 5, B 20, W 4.5 ms
+    per 1F1B stage) makes the planner rank v-zb@2p first: the re-decision switches, logs it, and the configuration
+    it returns builds v-zb with the measured costs; a second call returns the same decision."""
+    from megatron_pp_ext.analysis.simulate import Costs
+    from megatron_pp_ext.megatron.auto_schedule import Redecision
+
+    argv = ["--pipeline-schedule", "auto", "--cpu", "--pipeline-memory-budget", "4", "--pipeline-replan"]
+    args = make_args(argv, **{**TINY, "global_batch_size": 20})
+    config = _decided(args)
+    assert config.schedule == "dualpipev" and isinstance(config.redecide, Redecision)
+    logged: list[str] = []
+    config.redecide.log = logged.append
+    # per global stage of the V placement (8 stages, one replica): one 1F1B stage (2 of them) is F 5, B 20, W 4.5 ms
+    measured = Costs(t_f=2.5e-3, t_b=10e-3, t_w=2.25e-3, t_comm=1e-4)
+    new = config.redecide(measured)
+    assert config.redecide.measured_stage_ms == pytest.approx((5.0, 20.0, 4.5))
+    assert (new.schedule, str(new.memory_limit)) == ("v-zb", "2p"), logged
+    assert new.costs is measured
+    assert "switching dualpipev -> v-zb@2p" in logged[0]
+    built = new.build(4, 10)
+    assert built.name == "v-zb" and built.ops != config.build(4, 10).ops
+    assert config.redecide(Costs(t_f=1.0, t_b=1.0, t_w=1.0)) is new and len(logged) == 1  # decided once
+
+
+def test_redecision_keeps_the_running_schedule_when_it_is_still_first() -> None:
+    """Running v-zb@2p under the same measured costs: kept (rebuilt with the measured costs, it is cost-aware)."""
+    from dataclasses import replace
+
+    from megatron_pp_ext.analysis.simulate import Costs
+    from megatron_pp_ext.megatron.arguments import parse_memory_limit
+    from megatron_pp_ext.megatron.auto_schedule import Redecision
+
+    argv = ["--pipeline-schedule", "auto", "--cpu", "--pipeline-memory-budget", "4", "--pipeline-replan"]
+    args = make_args(argv, **{**TINY, "global_batch_size": 20})
+    running = replace(_decided(args), schedule="v-zb", memory_limit=parse_memory_limit("2p"))
+    logged: list[str] = []
+    again = Redecision(args, running, cpu=True, overlap=0.0, log=logged.append)
+    measured = Costs(t_f=2.5e-3, t_b=10e-3, t_w=2.25e-3)
+    kept = again(measured)
+    assert (kept.schedule, kept.memory_limit) == ("v-zb", running.memory_limit) and kept.costs is measured
+    assert "keeping v-zb@2p" in logged[0] and "switching" not in logged[0]

@@ -34,3 +34,18 @@ def test_zb_auto_replans_mid_training_with_identical_math(pool):
     report = compare("zb-auto", p, m, 1, ref, run)
     assert report.problems == []
     assert report.ok, report  # loss and every gradient at every iteration, before and after the switch
+
+
+def test_the_test_only_scale_hook_multiplies_the_named_times_and_refuses_bad_values() -> None:
+    import pytest
+
+    from megatron_pp_ext.analysis.simulate import Costs
+    from megatron_pp_ext.runtime.replan import TEST_SCALE_ENV, parse_test_scale, scaled_for_test
+
+    measured = Costs(t_f=(1.0, 2.0), t_b=(3.0, 4.0), t_w=0.5, t_comm=0.1)
+    scaled = scaled_for_test(measured, parse_test_scale("b=4, W=2"))
+    got = (scaled.t_f, scaled.t_b, scaled.t_w, scaled.t_bw, scaled.t_comm)
+    assert got == ((1.0, 2.0), (12.0, 16.0), 1.0, None, 0.1)
+    for bad in ("b", "x=2", "b=0", "b=-1", "b=nan", "b=inf", "b=two"):
+        with pytest.raises(ValueError, match=f"{TEST_SCALE_ENV} \\(test-only\\): expected KIND=FACTOR"):
+            parse_test_scale(bad)

@@ -39,11 +39,11 @@ stage activations) so that a rank's first backward comes within its warm-up.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ..capabilities import Capabilities, Chunks, MemoryLimit
-from ..engine import Engine, Timing, backward, forward, replay
+from ..engine import Engine, Timing, backward, forward, replay, span_key
 from ..ir import Op, OpKind
 from ..placement import loop_placement
 from ..registry import ScheduleInfo, register
@@ -59,6 +59,7 @@ __all__ = [
     "best_order",
     "interleaved_zb",
     "interleaved_zb_order",
+    "policy_orders",
     "zb_auto_looped",
 ]
 
@@ -104,10 +105,11 @@ def _passes(p: int, m: int, v: int, limit: int, policy: Policy, r: int) -> list[
 
 
 def interleaved_zb_order(
-    p: int, m: int, v: int, sc: StageCosts, limit: int, policy: Policy
+    p: int, m: int, v: int, sc: StageCosts, limit: int, policy: Policy, w_memory: float = 1.0
 ) -> tuple[list[list[Op]], Timing] | None:
-    """Rows and timing of one policy (``limit`` in stage activations per rank); None if it stalls."""
-    eng = Engine(loop_placement(p, v), m, sc)
+    """Rows and timing of one policy (``limit`` in stage activations per rank, counted with the engine's
+    ``w_memory``: the share of an activation a pending ``W`` keeps); None if it stalls."""
+    eng = Engine(loop_placement(p, v), m, sc, w_memory=w_memory)
     passes = [_passes(p, m, v, limit, policy, r) for r in range(p)]
     lag = [_LAGS[policy.lag](r) for r in range(p)]
 
@@ -118,7 +120,7 @@ def interleaved_zb_order(
             return (clock, 0, None) if pending else None  # the last W passes
         which = passes[r][done]
         w_now = (clock, 0, None) if pending else None
-        if (which < v and eng.live[r] >= limit) or (which >= v and len(pending) > lag[r]):
+        if (which < v and eng.live[r] + 1 > limit + 1e-9) or (which >= v and len(pending) > lag[r]):
             return w_now  # memory full before a forward / too many W pending before a backward
         at = eng.arrival(r, which)
         if pending and (at is None or at >= clock + eng.w_duration(r) or (at > clock and not policy.fit)):
@@ -137,18 +139,28 @@ def _stage_limit(memory_limit: float | None, p: int, m: int, v: int) -> int:
     return v * m if math.isinf(memory_limit) else min(math.floor(v * memory_limit + 1e-9), v * m)
 
 
+def policy_orders(
+    p: int, m: int, v: int, sc: StageCosts, limit: int, w_memory: float = 1.0
+) -> Iterator[tuple[str, list[list[Op]], Timing]]:
+    """``(policy name, rows, timing)`` of every policy of :data:`POLICIES` that does not stall, in order;
+    AssertionError if they all do."""
+    built_any = False
+    for policy in POLICIES:
+        built = interleaved_zb_order(p, m, v, sc, limit, policy, w_memory)
+        if built is not None:
+            built_any = True
+            yield policy.name, built[0], built[1]
+    if not built_any:  # pragma: no cover - not seen: the k=0 policy has not stalled on any case tried
+        raise AssertionError(f"interleaved-zb: every policy stalls at p={p}, m={m}, v={v}, limit={limit}")
+
+
 def best_order(
     p: int, m: int, v: int, sc: StageCosts, limit: int
 ) -> tuple[tuple[float, float, int], str, list[list[Op]]]:
-    """The fastest policy's ``(timing key, policy name, rows)``."""
-    best = None
-    for policy in POLICIES:
-        built = interleaved_zb_order(p, m, v, sc, limit, policy)
-        if built is not None and (best is None or built[1].key < best[0]):
-            best = (built[1].key, policy.name, built[0])
-    if best is None:  # pragma: no cover - not seen: the k=0 policy has not stalled on any case tried
-        raise AssertionError(f"interleaved-zb: every policy stalls at p={p}, m={m}, v={v}, limit={limit}")
-    return best
+    """The fastest policy's ``(timing key, policy name, rows)`` (the first of equal keys)."""
+    orders = policy_orders(p, m, v, sc, limit)
+    key, _, name, rows = min((t.key, i, name, rows) for i, (name, rows, t) in enumerate(orders))
+    return key, name, rows
 
 
 def interleaved_zb(p: int, m: int, *, v: int = 2, costs: object = None, memory_limit: float | None = None) -> Schedule:
@@ -161,11 +173,23 @@ def interleaved_zb(p: int, m: int, *, v: int = 2, costs: object = None, memory_l
     )
 
 
-def zb_auto_looped(p: int, m: int, v: int, costs: object, memory_limit: float | None) -> Schedule:
+def zb_auto_looped(
+    p: int,
+    m: int,
+    v: int,
+    costs: object,
+    memory_limit: float | None,
+    *,
+    objective: str = "makespan",
+    w_memory: float = 1.0,
+) -> Schedule:
     """``zb-auto`` with ``v >= 2`` chunks per rank on the loop placement: the search of :data:`POLICIES`
     within ``memory_limit`` stage activations per rank (zb-auto's unit: one stage's activation for one
-    micro-batch; default ``2pv``, the bytes of zb-auto's ``2p`` at ``v = 1``), plus ``bfs-zb``'s order
-    when it fits; the fastest under ``costs``."""
+    micro-batch; default ``2pv``, the bytes of zb-auto's ``2p`` at ``v = 1``), counted with ``w_memory``
+    (the share of an activation a pending ``W`` keeps; ``B`` frees the rest), plus ``bfs-zb``'s order
+    when it fits; the best under ``objective``, as for ``v = 1`` (:func:`.zero_bubble.zb_auto`): ``makespan``
+    (then the longest span, then the peak) or ``span`` (the post-validated time per iteration first,
+    :func:`..engine.span_key`)."""
     if memory_limit is None:
         limit = min(2 * p * v, v * m)
     else:
@@ -176,13 +200,23 @@ def zb_auto_looped(p: int, m: int, v: int, costs: object, memory_limit: float | 
             f"{v} stage activations before its first backward), got {memory_limit!r}"
         )
     sc = stage_costs(costs, p * v)
-    key, name, rows = best_order(p, m, v, sc, limit)
     placement = loop_placement(p, v)
+    candidates = list(policy_orders(p, m, v, sc, limit, w_memory))
     breadth_first = fill_w(p, bfs_order(p, m, v, m, OpKind.B), m, costs)
-    timing = replay(placement, m, sc, breadth_first)
-    if max(timing.peaks) <= limit and timing.key < key:
-        key, name, rows = timing.key, "bfs-zb", breadth_first
-    return build_schedule("zb-auto", placement, m, rows, v=v, memory_limit=limit, candidate=name, makespan=key[0])
+    timing = replay(placement, m, sc, breadth_first, w_memory=w_memory)
+    if max(timing.peaks) <= limit + 1e-9:
+        candidates.append(("bfs-zb", breadth_first, timing))
+    span = objective == "span"
+    keys = [span_key(placement, m, sc, rows, t) if span else t.key for _, rows, t in candidates]
+    best = min(range(len(candidates)), key=lambda i: (keys[i], i))
+    key, (name, rows, _) = keys[best], candidates[best]
+    extra: dict[str, object] = {"objective": objective, "iteration_time": key[0]} if span else {}
+    if w_memory != 1.0:
+        extra["w_memory"] = w_memory
+    makespan = key[2] if span else key[0]
+    return build_schedule(
+        "zb-auto", placement, m, rows, v=v, memory_limit=limit, candidate=name, makespan=makespan, **extra
+    )
 
 
 INTERLEAVED_ZB = Capabilities(

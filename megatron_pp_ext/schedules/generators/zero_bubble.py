@@ -41,12 +41,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..capabilities import Capabilities, Chunks, MemoryLimit
-from ..engine import Engine, Timing, replay
+from ..engine import SPAN_ITERATIONS, Engine, Timing, replay, span_key
+from ..engine import post_validated_time as _post_validated_time
 from ..ir import B, F, Op, OpKind, W
 from ..placement import loop_placement
 from ..registry import ScheduleInfo, register
 from ..schedule import Schedule, build_schedule
-from ..timing import repeat_iterations
 from .common import ScheduleParameterError, StageCosts, stage_costs
 from .interleaved_zb import zb_auto_looped
 from .zb_rounds import ROUND_VARIANTS, rounds_order
@@ -96,8 +96,6 @@ ZB_AUTO = Capabilities(
     keywords=("variants", "objective", "w_memory"),
 )
 OBJECTIVES = ("makespan", "span")
-#: Back-to-back iterations the ``span`` objective times each candidate over (post-validation).
-SPAN_ITERATIONS = 3
 
 
 def _memory_limit(limit: float | None, p: int, m: int) -> int:
@@ -131,14 +129,9 @@ def peak_activations(rows: Sequence[Row], w_memory: float = 1.0) -> float:
 
 
 def post_validated_time(rows: Sequence[Row], m: int, sc: StageCosts, iterations: int = SPAN_ITERATIONS) -> float:
-    """Time per iteration of ``rows`` run back to back with optimizer post-validation (no step
-    synchronisation), on the engine's clock: the notion the simulator's ``iterations`` report."""
-    placement = loop_placement(len(rows))
-
-    def run_once(start: list[float]) -> tuple[float, ...]:
-        return replay(placement, m, sc, rows, start=start).ends
-
-    return repeat_iterations(run_once, len(rows), iterations, post_validation=True).time
+    """Time per iteration of one-chunk ``rows`` run back to back with optimizer post-validation
+    (:func:`..engine.post_validated_time` on the loop placement)."""
+    return _post_validated_time(loop_placement(len(rows)), m, sc, rows, iterations)
 
 
 def pair_receives(rows: Sequence[Row]) -> list[Row]:
@@ -437,34 +430,30 @@ def zb_auto(
     The result's ``params`` record the winning candidate (``candidate``) and its predicted
     ``makespan`` (and, when not the defaults, ``objective``, ``w_memory`` and the predicted
     ``iteration_time`` with post-validation). ``v >= 2``: loop placement with ``v`` chunks per rank, searched by
-    :func:`.interleaved_zb.zb_auto_looped` (``variants`` are the one-chunk greedy's: not taken there;
-    nor, yet, ``objective`` span and a ``w_memory`` below 1).
+    :func:`.interleaved_zb.zb_auto_looped` with the same ``objective`` and ``w_memory`` (``variants`` are the
+    one-chunk greedy's: not taken there).
     """
-    if v > 1:
-        if variants is not None:
-            raise ScheduleParameterError(f"zb-auto takes variants only with v=1 (one chunk per rank), got v={v}")
-        if objective not in (None, "makespan") or (w_memory is not None and w_memory != 1):
-            raise ScheduleParameterError(
-                f"zb-auto with v={v} (looped) searches by makespan with whole activations until W: "
-                f"objective span and w_memory < 1 are for v=1, got objective={objective!r}, w_memory={w_memory!r}"
-            )
-        return zb_auto_looped(p, m, v, costs, memory_limit)
-    limit = _memory_limit(memory_limit, p, m)
-    sc = stage_costs(costs, p)
     objective = "makespan" if objective is None else objective
     if objective not in OBJECTIVES:
         raise ScheduleParameterError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     w = 1.0 if w_memory is None else check_w_memory(w_memory)
+    if v > 1:
+        if variants is not None:
+            raise ScheduleParameterError(f"zb-auto takes variants only with v=1 (one chunk per rank), got v={v}")
+        return zb_auto_looped(p, m, v, costs, memory_limit, objective=objective, w_memory=w)
+    limit = _memory_limit(memory_limit, p, m)
+    sc = stage_costs(costs, p)
     tried = DEFAULT_VARIANTS if variants is None else tuple(variants)
     if not tried:
         raise ScheduleParameterError("variants must list at least one GreedyVariant")
     span = objective == "span"
+    placement = loop_placement(p)
     candidates: list[tuple[tuple[float, ...], int, str, list[Row]]] = []
 
     def add(name: str, rows: list[Row], timing: Timing) -> None:
         key: tuple[float, ...] = timing.key
         if span:
-            key = (round(post_validated_time(rows, m, sc), 9), round(max(timing.spans), 9), *key)
+            key = span_key(placement, m, sc, rows, timing)
         candidates.append((key, len(candidates), name, rows))
 
     for handcrafted, order in (("zb-h1", zb_h1_order), ("zb-h2", zb_h2_order)):
