@@ -36,7 +36,8 @@ def flags(p: int) -> list[str]:
         "--micro-batch-size", "2", "--global-batch-size", str(4 * p),
         "--train-iters", str(ITERS), "--lr", "1e-3", "--lr-warmup-iters", "1",
         "--lr-decay-style", "linear", "--lr-decay-iters", str(ITERS), "--min-lr", "1e-4",
-        "--clip-grad", "1.0",
+        # between stage 0's partial norm and the complete one in some iterations (rollback, then re-run)
+        "--clip-grad", "1.0" if p == 2 else "0.8",
         "--eval-interval", "1000", "--eval-iters", "0", "--log-interval", "1", "--num-workers", "0",
     ]  # fmt: skip
 
@@ -117,7 +118,7 @@ def test_late_post_validation_in_pretrain_matches_synchronous_bitwise(tmp_path: 
     logged = {name: LOG_LINE.findall(text) for name, text in logs.items()}
     assert [int(x[0]) for x in logged["sync"]] == list(range(1, ITERS + 1))
     assert logged["late"] == logged["sync"]  # megatron's logged loss and grad norm
-    assert len(losses(tmp_path, "sync")) == ITERS * 4
+    assert len(losses(tmp_path, "sync")) == ITERS * 2 * p  # global batch 4p, micro-batch 2
     assert losses(tmp_path, "late") == losses(tmp_path, "sync")  # every micro-batch, bitwise
     want, got = weights(tmp_path, "sync", p), weights(tmp_path, "late", p)
     assert want.keys() == got.keys()
