@@ -15,11 +15,11 @@ Patches, all reversible through install()'s :class:`~._patching.Patcher`:
   validates first, so a checkpoint never holds an unvalidated step, and ``train`` (training.py,
   called by ``pretrain``) validates when it returns, so the model ``pretrain()`` leaves is validated.
 
-What stays synchronous: ``train_step`` (megatron/training/training.py) all-reduces
-``update_successful``, the gradient norm and the zero count over the model-parallel group right
-after the step, for its log and the learning-rate schedule. With post-validation those reductions
-give the exact values (the last stage's state is complete; the norm only grows along the chain), but
-they still wait for every stage's step; removing them (lagging the log by one iteration) is left.
+* ``train_step``'s (megatron/training/training.py) post-step all-reduces of ``update_successful``, the
+  gradient norm and the zero count over the model-parallel group, and ``training_log``'s of the learning
+  rate, run over the stage's tensor-parallel group when every step's ``update_successful`` is final (no
+  loss scaler, no skip threshold): see :func:`_stage_local`. With a loss scaler they stay as megatron has
+  them (exact values: the last stage's state is complete, the norm only grows along the chain).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ EVENTS: list[tuple[str, int]] = []
 # (it is run again): e.g. scripts/pretrain_gpt.py's loss recorder.
 _LISTENERS: list[Callable[[str], None]] = []
 _CALLS = [0]
+_STAGE_LOCAL = [0]  # post-step reductions done over the stage instead of the model-parallel group
 
 
 def add_listener(listener: Callable[[str], None]) -> None:
@@ -70,6 +71,7 @@ def _summary() -> None:
         record = {
             "stages": [{"stage": o.stage, **dataclasses.asdict(o.stats)} for o in _ACTIVE],
             "events": EVENTS,
+            "stage_local_reductions": _STAGE_LOCAL[0],
         }
         with open(f"{path}.rank{_ACTIVE[0].rank}", "w") as out:
             json.dump(record, out)
@@ -253,6 +255,45 @@ def patch_megatron(patcher: Patcher) -> None:
         return result
 
     patcher.replace("megatron.training.training", "train", train)
+    _patch_post_step_reductions(patcher, training)
+
+
+def _stage_local(group: Any) -> Any:
+    """The group to reduce train_step's / training_log's statistics over instead of the model-parallel
+    group, or None to keep megatron's: the tensor-parallel group (this stage) when every step's
+    ``update_successful`` is final (:meth:`~..runtime.post_validation.PostValidatedOptimizer.success_is_final`).
+    The logged grad norm and zero count come from the last rank, whose state is complete."""
+    from megatron.core import parallel_state as ps
+
+    if not _ACTIVE or not all(optimizer.success_is_final() for optimizer in _ACTIVE):
+        return None
+    if group is not None and group is not ps.get_model_parallel_group():
+        return None
+    _STAGE_LOCAL[0] += 1
+    return ps.get_tensor_model_parallel_group()
+
+
+def _patch_post_step_reductions(patcher: Patcher, training: Any) -> None:
+    """train_step all-reduces update_successful, grad norm and zero count over the model-parallel group
+    (TP x PP) after the step, training_log the learning rate: a wait for every stage's step each iteration.
+    Over the stage only when that gives the same values (see :func:`_stage_local`)."""
+    original_and = training.logical_and_across_model_parallel_group
+    original_max = training.reduce_max_stat_across_model_parallel_group
+
+    def logical_and_across_model_parallel_group(value: bool, group: Any = None) -> bool:
+        return original_and(value, group=_stage_local(group) or group)
+
+    def reduce_max_stat_across_model_parallel_group(stat: Any, group: Any = None) -> Any:
+        return original_max(stat, group=_stage_local(group) or group)
+
+    patcher.replace(
+        "megatron.training.training", "logical_and_across_model_parallel_group", logical_and_across_model_parallel_group
+    )
+    patcher.replace(
+        "megatron.training.training",
+        "reduce_max_stat_across_model_parallel_group",
+        reduce_max_stat_across_model_parallel_group,
+    )
 
 
 def forget() -> None:

@@ -354,6 +354,11 @@ class PostValidatedOptimizer:
         threshold = self.config.grad_norm_skip_threshold
         return bool(self._scalers()) or self.config.clip_grad > 0.0 or math.isfinite(threshold)
 
+    def success_is_final(self) -> bool:
+        """Whether the ``update_successful`` each stage's step returns is always the synchronous one: only a
+        skip makes it False, and without a loss scaler (found-inf) or skip threshold nothing skips."""
+        return not self._scalers() and not math.isfinite(self.config.grad_norm_skip_threshold)
+
     def _logs_zeros(self) -> bool:
         return bool(self.config.log_num_zeros_in_grad)
 
