@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "pretrain_gpt.py"
 ELAPSED = re.compile(r"iteration\s+(\d+)/\s*\d+ .*elapsed time per iteration \(ms\): ([0-9.]+)")
-SUMMARY = re.compile(r"post-validation, pipeline stage (\d+): (.*)")
+SUMMARY = re.compile(r"post-validation, pipeline stage (\d+): (.*?snapshot \d+ bytes)")
 
 
 def free_port() -> int:
