@@ -154,6 +154,39 @@ def _write_losses() -> None:
 
 if _LOSS_FILE:
     atexit.register(_write_losses)
+_LOSS_MARK = [0]
+
+
+def _drop_discarded_losses(event: str) -> None:
+    """Post-validation (late) runs a forward-backward again when validation changed weights: the losses
+    of the discarded pass are not the iteration's."""
+    if event == "start":
+        _LOSS_MARK[0] = len(_LOSSES)
+    elif event == "discard":
+        del _LOSSES[_LOSS_MARK[0] :]
+
+
+# Testing aid: with MEGATRON_PP_EXT_WEIGHTS_FILE=PATH every rank saves its model parameters after training
+# (torch.save of {"<chunk>.<name>": tensor}) to PATH.rank<global rank>.
+_WEIGHTS_FILE = os.environ.get("MEGATRON_PP_EXT_WEIGHTS_FILE")
+
+
+def _save_weights_after_training() -> None:
+    import megatron.training.training as training
+
+    original = training.train
+
+    def train(forward_step_func: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(forward_step_func, model, *args, **kwargs)
+        weights = {
+            f"{i}.{name}": param.detach().clone().cpu()
+            for i, chunk in enumerate(model)
+            for name, param in chunk.named_parameters()
+        }
+        torch.save(weights, f"{_WEIGHTS_FILE}.rank{torch.distributed.get_rank()}")
+        return result
+
+    training.train = train
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -299,6 +332,12 @@ def main() -> None:
         raise SystemExit(2) from None
     if installed is not None:  # megatron untouched without --pipeline-schedule
         print_rank_0(f"> megatron_pp_ext: {describe(args)}")
+    if _LOSS_FILE and getattr(args, "pipeline_post_validation", False):
+        from megatron_pp_ext.megatron import post_validation_training
+
+        post_validation_training.add_listener(_drop_discarded_losses)
+    if _WEIGHTS_FILE:  # after install(): wraps post-validation's train (validated last step)
+        _save_weights_after_training()
     model_cfg = gpt_config_from_args(args)
     try:
         pretrain(

@@ -64,7 +64,11 @@ the decision (a planner search, :mod:`megatron_pp_ext.megatron.auto_schedule`) r
     passes them stage to stage and steps eagerly; the complete state is validated before the next
     forward, rolling the step back and redoing it where it differs. Wraps megatron's optimizer
     (:mod:`megatron_pp_ext.runtime.post_validation`); needs a plugin schedule and megatron DDP (not
-    ``--pipeline-fsdp``).
+    ``--pipeline-fsdp``). Validation is *late* by default: after the next iteration's forward-backward,
+    which runs again on every stage when validation changed some stage's weights.
+``--pipeline-post-validation-early``
+    With ``--pipeline-post-validation``: validate before the next forward-backward instead (no re-run, but
+    the next iteration waits for the complete state).
 ``--cpu``
     Force CPU / gloo mode even when CUDA is available (it is also used when CUDA is not).
 
@@ -388,6 +392,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "forward, rolling back and redoing the step where they differ (docs/post_validation.md).",
     )
     group.add_argument(
+        "--pipeline-post-validation-early",
+        action="store_true",
+        default=False,
+        help="With --pipeline-post-validation: validate the last step before the next forward-backward (the "
+        "next iteration waits for the complete state) instead of after it (default: re-run the forward-backward "
+        "when validation changed weights).",
+    )
+    group.add_argument(
         "--cpu",
         action="store_true",
         default=False,
@@ -425,6 +437,7 @@ class PipelineConfig:
     virtual_flag: str = "--num-virtual-stages-per-pipeline-rank"
     check_messages: bool = False  # --pipeline-check-messages
     post_validation: bool = False  # --pipeline-post-validation
+    post_validation_early: bool = False  # --pipeline-post-validation-early
     auto_table: str | None = None  # --pipeline-schedule auto: the decision table
     memory_budget: float | None = None  # --pipeline-memory-budget (auto)
     overlap: float | None = None  # --pipeline-overlap (auto)
@@ -600,6 +613,7 @@ def config_from_args(args: Any) -> PipelineConfig:
         costs=_parsed(parse_costs, getattr(args, "pipeline_costs", None), "--pipeline-costs"),
         check_messages=bool(getattr(args, "pipeline_check_messages", False)),
         post_validation=bool(getattr(args, "pipeline_post_validation", False)),
+        post_validation_early=bool(getattr(args, "pipeline_post_validation_early", False)),
         block_file=getattr(args, "pipeline_block_file", None),
         trace_dir=getattr(args, "pipeline_trace", None),
         check_grads=bool(getattr(args, "pipeline_check_grads", False)),
@@ -654,6 +668,7 @@ def validate_arguments(args: Any) -> PipelineConfig:
             ("pipeline_fsdp_max_unsharded", "--pipeline-fsdp-max-unsharded"),
             ("pipeline_unit_size", "--pipeline-unit-size"),
             ("pipeline_post_validation", "--pipeline-post-validation"),
+            ("pipeline_post_validation_early", "--pipeline-post-validation-early"),
         ):
             if _given(args, attr):
                 raise PipelineArgumentError(flag, "needs --pipeline-schedule (megatron's own schedule does not use it)")
@@ -662,6 +677,8 @@ def validate_arguments(args: Any) -> PipelineConfig:
     for attr, flag in (("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm"),):
         if _given(args, attr):
             raise PipelineArgumentError(flag, "megatron's combined 1F1B schedule cannot run with --pipeline-schedule")
+    if config.post_validation_early and not config.post_validation:
+        raise PipelineArgumentError("--pipeline-post-validation-early", "goes with --pipeline-post-validation")
     if config.schedule == AUTO:
         check_auto_flags(args, config)
         from .fsdp_training import check_arguments as check_fsdp_arguments

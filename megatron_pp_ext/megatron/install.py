@@ -208,10 +208,13 @@ def install(args_or_config: Any = None, *, layout_hooks: bool | None = None) -> 
     p2p.set_check_messages(config.check_messages)
 
     def forward_backward_func(**kwargs: Any) -> Any:
-        if config.post_validation:  # the last optimizer step, validated before these weights are used
-            from .post_validation_training import validate_pending
+        if config.post_validation:  # the last optimizer step validated, after (late) or before this pass
+            from .post_validation_training import run
 
-            validate_pending()
+            return run(forward_backward, kwargs, late=not config.post_validation_early)
+        return forward_backward(**kwargs)
+
+    def forward_backward(**kwargs: Any) -> Any:
         if tracer_factory is not None and not param_storages:
             model = kwargs.get("model")
             for chunk in model if isinstance(model, list) else [model]:

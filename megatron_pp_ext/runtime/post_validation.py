@@ -32,6 +32,7 @@ post-validated.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +86,9 @@ class PostValidationStats:
     redos: int = 0  # step (re)done at validation with the complete state
     validations: int = 0
     snapshot_bytes: int = 0  # largest snapshot kept
+    reruns: int = (
+        0  # late validation: forward-backward passes run again (pretrain(), megatron/post_validation_training.py)
+    )
     partial_norms: list[float] = field(default_factory=list)  # per step: norm of stages 0..i (inf: found-inf)
     complete_norms: list[float] = field(default_factory=list)  # per step, once validated: norm of all stages
 
@@ -183,13 +187,16 @@ class PostValidatedOptimizer:
         self.stage_group = stage_group
         self.chain_group = chain_group
         self.chain_ranks = chain_ranks
-        self.stage = chain_ranks.index(dist.get_rank())
+        self.rank = dist.get_rank()
+        self.stage = chain_ranks.index(self.rank)
         self.p = len(chain_ranks)
         self.stats = PostValidationStats()
         self._pending: dict[str, Any] | None = None
         self._sends: list[Any] = []
         self._weights_changed_somewhere = False
         self.last_validated: tuple[bool, float | None, int | None] | None = None
+        # called with "step" after each step and "received" when validate() has the complete state
+        self.observer: Callable[[str], None] | None = None
         for part in self.parts:
             if any(_is_separate_grad_norm_group(_get_param_grad_norm_group(p)) for p in part.get_parameters()):
                 raise NotImplementedError("post-validation: parameters in a separate grad-norm group")
@@ -302,6 +309,8 @@ class PostValidatedOptimizer:
             self.stats.snapshot_bytes = max(self.stats.snapshot_bytes, snapshot.nbytes)
         success = self._apply(decision, state)
         packed = state.pack()
+        if self.observer is not None:
+            self.observer("step")
         if not complete:
             self._sends.append(dist.isend(packed, dst=self.chain_ranks[self.stage + 1], group=self.chain_group))
             complete_msg = torch.empty(4, dtype=torch.float64)
@@ -311,6 +320,7 @@ class PostValidatedOptimizer:
                 "scalers": scalers,
                 "found_inf": state.found_inf,
                 "snapshot": snapshot,
+                "hyperparameters": self._hyperparameters() if snapshot is not None else None,
                 "message": complete_msg,
                 "receive": receive,
             }
@@ -344,6 +354,11 @@ class PostValidatedOptimizer:
         threshold = self.config.grad_norm_skip_threshold
         return bool(self._scalers()) or self.config.clip_grad > 0.0 or math.isfinite(threshold)
 
+    def success_is_final(self) -> bool:
+        """Whether the ``update_successful`` each stage's step returns is always the synchronous one: only a
+        skip makes it False, and without a loss scaler (found-inf) or skip threshold nothing skips."""
+        return not self._scalers() and not math.isfinite(self.config.grad_norm_skip_threshold)
+
     def _logs_zeros(self) -> bool:
         return bool(self.config.log_num_zeros_in_grad)
 
@@ -361,6 +376,8 @@ class PostValidatedOptimizer:
         if pending is None:
             return False
         pending["receive"].wait()
+        if self.observer is not None:
+            self.observer("received")
         final_state = PipelineState.unpack(pending["message"])
         final = self._decide(final_state, complete=True)
         eager = pending["decision"]
@@ -377,7 +394,13 @@ class PostValidatedOptimizer:
             if eager == PLAIN:
                 self.stats.rollbacks += 1
             if final != SKIP:
-                self._apply(final, final_state)
+                # with the learning rate (etc.) of the step, not what the scheduler set since
+                later = self._hyperparameters()
+                self._set_hyperparameters(pending["hyperparameters"])
+                try:
+                    self._apply(final, final_state)
+                finally:
+                    self._set_hyperparameters(later)
                 self.stats.redos += 1
             for p in cleared:  # megatron DDP's backward hook would add a left-over .grad into main_grad
                 p.grad = None
@@ -392,6 +415,18 @@ class PostValidatedOptimizer:
             final_state.zeros if self._logs_zeros() else None,
         )
         return changed
+
+    def _param_groups(self) -> list[dict[str, Any]]:
+        return [group for part in self.parts for group in getattr(part.optimizer, "param_groups", [])]
+
+    def _hyperparameters(self) -> list[dict[str, Any]]:
+        """Each parameter group's settings (lr, weight decay, ...): megatron's OptimizerParamScheduler
+        changes them after the step, before a redo of it."""
+        return [{k: v for k, v in group.items() if k != "params"} for group in self._param_groups()]
+
+    def _set_hyperparameters(self, values: list[dict[str, Any]]) -> None:
+        for group, settings in zip(self._param_groups(), values, strict=True):
+            group.update(settings)
 
     def _scalers(self) -> list[Any]:
         return [s for s in (getattr(part, "grad_scaler", None) for part in self.parts) if s is not None]

@@ -303,3 +303,8 @@ def test_pipeline_post_validation_flag() -> None:
     assert err.flag == "--pipeline-post-validation" and "needs --pipeline-schedule" in str(err)
     err = error_of(make_args(["--pipeline-schedule", "zb-h1", "--pipeline-fsdp", "--pipeline-post-validation"]))
     assert err.flag in ("--pipeline-post-validation", "--pipeline-fsdp")
+    early = ["--pipeline-schedule", "zb-h1", "--pipeline-post-validation", "--pipeline-post-validation-early"]
+    assert validate_arguments(make_args(early)).post_validation_early
+    assert not config.post_validation_early  # late by default
+    err = error_of(make_args(["--pipeline-schedule", "zb-h1", "--pipeline-post-validation-early"]))
+    assert err.flag == "--pipeline-post-validation-early" and "goes with --pipeline-post-validation" in str(err)
