@@ -13,10 +13,10 @@ kept exactly (``repr``); ``--check`` reports every difference and exits 1 if the
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from typing import Any
+
+from snapshot_check import write_or_check
 
 from megatron_pp_ext.analysis.simulate import Costs, simulate
 from megatron_pp_ext.analysis.validate import ScheduleValidationError
@@ -79,24 +79,7 @@ def collect() -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    group = parser.add_mutually_exclusive_group(required=True)
-    group.add_argument("--write", metavar="FILE")
-    group.add_argument("--check", metavar="FILE")
-    args = parser.parse_args()
-    now = json.loads(json.dumps(collect()))  # the same float round trip as the stored file
-    if args.write:
-        with open(args.write, "w") as f:
-            json.dump(now, f)
-        print(f"wrote {len(now)} cases to {args.write}")
-        return
-    with open(args.check) as f:
-        before = json.load(f)
-    differ = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
-    for key in differ[:20]:
-        print(f"differs: {key}")
-    print(f"{len(now)} cases, {len(differ)} differ")
-    sys.exit(1 if differ else 0)
+    write_or_check(__doc__ or "", lambda: json.loads(json.dumps(collect())), "cases")  # the stored float round trip
 
 
 if __name__ == "__main__":

@@ -10,11 +10,10 @@ Floats are kept exactly (``repr``); ``--check`` exits 1 on any difference.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 from typing import Any
+
+from snapshot_check import write_or_check
 
 from megatron_pp_ext.analysis.simulate import Costs
 from megatron_pp_ext.schedules.costs import stage_costs
@@ -49,24 +48,7 @@ def collect() -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    group = parser.add_mutually_exclusive_group(required=True)
-    group.add_argument("--write", metavar="FILE")
-    group.add_argument("--check", metavar="FILE")
-    args = parser.parse_args()
-    now = collect()
-    if args.write:
-        with open(args.write, "w") as f:
-            json.dump(now, f)
-        print(f"wrote {len(now)} candidates to {args.write}")
-        return
-    with open(args.check) as f:
-        before = json.load(f)
-    differ = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
-    for key in differ[:20]:
-        print(f"differs: {key}")
-    print(f"{len(now)} candidates ({sum(v is None for v in now.values())} stall), {len(differ)} differ")
-    sys.exit(1 if differ else 0)
+    write_or_check(__doc__ or "", collect, "candidates", lambda now: f" ({sum(v is None for v in now.values())} stall)")
 
 
 if __name__ == "__main__":

@@ -61,6 +61,18 @@ class Patcher:
         self._done.append((module_name, attr, original, new))
         return original
 
+    def call_after(self, module_name: str, attr: str, then: Any) -> None:
+        """Replace ``module.attr`` (as it is now, possibly already wrapped) by a call to it followed by
+        ``then(result)``; the call's result is returned unchanged."""
+        current = getattr(importlib.import_module(module_name), attr)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            result = current(*args, **kwargs)
+            then(result)
+            return result
+
+        self.replace(module_name, attr, wrapped)
+
     def original(self, module_name: str, attr: str) -> object | None:
         for mod, name, original, _ in self._done:
             if (mod, name) == (module_name, attr):

@@ -209,20 +209,6 @@ def tie_local_embeddings(model_chunks: Any) -> None:
                 chunk.shared_embedding_or_output_weight().copy_(source.shared_embedding_or_output_weight())
 
 
-def _wrap_builder(module_name: str, attr: str) -> None:
-    """Make megatron's model builder ``module.attr`` call :func:`tie_local_embeddings` on what it built."""
-    import importlib
-
-    original = getattr(importlib.import_module(module_name), attr)
-
-    def build(*args: Any, **kwargs: Any) -> Any:
-        model = original(*args, **kwargs)
-        tie_local_embeddings(model)
-        return model
-
-    _PATCHER.replace(module_name, attr, build)
-
-
 _BUILDERS = (
     ("megatron.training.models.dist_utils", "build_virtual_pipeline_stages"),  # config-container path
     ("megatron.training.training", "get_model"),  # model_provider path
@@ -254,7 +240,7 @@ def activate(placement: Placement, num_layers: int, split: LayerSplit | None = N
             pass
     for module, attr in _BUILDERS:
         try:
-            _wrap_builder(module, attr)
+            _PATCHER.call_after(module, attr, tie_local_embeddings)  # ties what megatron built
         except ImportError:
             pass
 

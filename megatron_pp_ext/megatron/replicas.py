@@ -23,7 +23,6 @@ rank ``r`` and the up replica's copy on the mirror rank ``p-1-r``
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from ..schedules.placement import Placement
@@ -120,18 +119,6 @@ class ReplicaSyncForMegatron:
         self._get().finish()
 
 
-def _after(patcher: Patcher, module_name: str, attr: str, then: Any) -> None:
-    """Replace ``module.attr`` (as it is now, possibly already wrapped) by a call to it followed by ``then``."""
-    current = getattr(importlib.import_module(module_name), attr)
-
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        result = current(*args, **kwargs)
-        then(result)
-        return result
-
-    patcher.replace(module_name, attr, wrapped)
-
-
 def _make_group(_: Any) -> None:
     from megatron.core import parallel_state
 
@@ -155,10 +142,10 @@ def activate(placement: Placement, patcher: Patcher) -> None:
     if parallel_state.model_parallel_is_initialized():  # install() after megatron's groups exist
         _make_group(None)
     else:
-        _after(patcher, "megatron.core.parallel_state", "initialize_model_parallel", _make_group)
+        patcher.call_after("megatron.core.parallel_state", "initialize_model_parallel", _make_group)
     for module, attr in BUILDERS:
         try:
-            _after(patcher, module, attr, prepare_copies)
+            patcher.call_after(module, attr, prepare_copies)
         except ImportError:
             pass
     patcher.on_restore(_STATE.clear)
