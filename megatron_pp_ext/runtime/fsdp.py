@@ -46,6 +46,7 @@ from __future__ import annotations
 import datetime
 import math
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -363,11 +364,17 @@ class ShardedChunk(torch.nn.Module):
             self.memory.add("full_grads", self.full_grad_bytes)
 
     def _make_grad_hook(self, name: str) -> Any:
+        # The hook reaches its chunk through a weak reference: torch keeps a tensor's post-accumulate-grad
+        # hooks where the cycle collector does not look (torch 2.13), so a hook holding the chunk strongly
+        # would keep the chunk, its module and every process group they reference alive forever.
+        chunk_ref = weakref.ref(self)
+
         def hook(param: torch.Tensor) -> None:
             # megatron DDP's rule (distributed_data_parallel.py, _make_backward_post_hook).
-            if param.grad is None:
+            chunk = chunk_ref()
+            if param.grad is None or chunk is None:
                 return
-            self.ensure_grad_buffer()
+            chunk.ensure_grad_buffer()
             if not getattr(param, "grad_added_to_main_grad", False) or getattr(param, "zero_out_wgrad", False):
                 param.main_grad.add_(param.grad)  # type: ignore[attr-defined]
             param.grad = None

@@ -113,3 +113,37 @@ def test_a_missing_peer_times_out_naming_rank_and_op(pool):
     _check_errors(results)
     message = results[0]["timeout_error"]
     assert "rank 0" in message and "all-gather (unshard)" in message and "chunk 0" in message
+
+
+def live_chunks_and_gloo_threads(_payload: object, _rank: int, _init_method: str) -> dict[str, int]:
+    """In a pool worker, after its runs: ShardedChunk objects still alive and gloo threads still running."""
+    import gc
+    import os
+
+    from megatron_pp_ext.runtime.fsdp import ShardedChunk
+
+    gc.collect()
+    tasks = f"/proc/{os.getpid()}/task"
+    comms = []
+    for tid in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{tid}/comm") as f:
+                comms.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    chunks = sum(isinstance(o, ShardedChunk) for o in gc.get_objects())
+    return {"chunks": chunks, "gloo_threads": sum(c == "gloo_tcp_loop" for c in comms)}
+
+
+def test_finished_runs_release_their_chunks_and_process_groups(pool):
+    """A chunk's gradient hooks live on its parameters, where torch's cycle collector does not look: if they
+    held the chunk strongly, every finished run would keep its chunks, modules and process groups (and their
+    gloo threads) alive in the worker, and a worker reused for many runs would pile up hundreds of threads."""
+    for _ in range(2):
+        _run(pool, FsdpCase(microbatches=2))
+    after = pool.run_fn(live_chunks_and_gloo_threads, None, 2, 60)
+    for r in after:
+        assert r["chunks"] == 0, after
+    _run(pool, FsdpCase(microbatches=2))
+    again = pool.run_fn(live_chunks_and_gloo_threads, None, 2, 60)
+    assert [r["gloo_threads"] for r in again] == [r["gloo_threads"] for r in after], (after, again)
