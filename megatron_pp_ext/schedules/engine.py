@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .costs import StageCosts
-from .ir import Op, OpKind
+from .ir import Op, OpKind, op_grid
 from .placement import Placement
 from .timing import OpTimes, repeat_iterations, time_ops
 
@@ -56,6 +56,9 @@ __all__ = [
 SPAN_ITERATIONS = 3
 
 _KIND_F, _KIND_W = OpKind.F, OpKind.W
+# a pass of one rank: (its ops by micro-batch, the W ops a backward defers or None, duration, end times it writes,
+# end times of its input, hop time)
+_Entry = tuple[tuple[Op, ...], tuple[Op, ...] | None, float, list[float], list[float] | None, float]
 _op = tuple.__new__  # Op(kind, stage, microbatch) without the NamedTuple constructor's overhead
 
 
@@ -128,14 +131,13 @@ class Engine:
 
     ``stage_of[r][c]`` is the stage of chunk ``c`` on rank ``r``; ``next[r][x]`` the next
     micro-batch of pass ``x``; ``f_end`` / ``b_end`` the end time of each stage's forward /
-    backward per micro-batch (``-1``: not run yet); ``pending_w[r]`` the ``(stage, micro-batch)``
+    backward per micro-batch (``-1``: not run yet); ``pending_w[r]`` the ``W`` ops
     whose ``W`` is still to run; ``live`` / ``peak`` activations held.
     """
 
     __slots__ = (
-        "_b_frees", "_inputs", "_table", "_w_frees", "b_end", "busy", "clock", "count", "f_end", "first", "idle",
-        "last_stage", "live", "m", "next", "p", "peak", "pending_w", "rank_of", "record", "rows", "sc", "stage_of",
-        "total", "v",
+        "_b_frees", "_inputs", "_table", "_w_frees", "b_end", "clock", "count", "f_end", "first", "idle", "last_stage",
+        "live", "m", "next", "p", "peak", "pending_w", "rank_of", "rows", "sc", "stage_of", "total", "v",
     )  # fmt: skip
 
     def __init__(
@@ -143,7 +145,6 @@ class Engine:
         placement: Placement,
         m: int,
         costs: StageCosts,
-        record: bool = True,
         w_memory: float = 1.0,
         start: Sequence[float] | None = None,
     ) -> None:
@@ -158,7 +159,7 @@ class Engine:
         self.f_end = [[-1.0] * m for _ in range(placement.num_stages)]
         self.b_end = [[-1.0] * m for _ in range(placement.num_stages)]
         self.next = [[0] * (2 * v) for _ in range(p)]
-        self.pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]
+        self.pending_w: list[deque[Op]] = [deque() for _ in range(p)]
         # w_memory = 1 keeps the counts integral (the default accounting, identical to before)
         self._w_frees: float = 1 if w_memory == 1 else float(w_memory)
         self._b_frees: float = 0 if w_memory == 1 else 1.0 - float(w_memory)
@@ -166,26 +167,26 @@ class Engine:
         self.peak: list[float] = [0] * p
         self.clock = [0.0] * p if start is None else [float(x) for x in start]
         self.first = [-1.0] * p
-        self.busy = [0.0] * p
         self.idle = [0.0] * p  # per rank, waits after its first op
         self.rows: list[list[Op]] = [[] for _ in range(p)]
         self.count = [0] * p  # ops run per rank
         self.total = 3 * v * m  # ops of a rank
-        self.record = record  # False: keep times only (replay), no rows
-        # per rank and pass: (stage, op kind, duration, end times it writes, end times of its input, hop time)
-        self._table: list[list[tuple[int, OpKind, float, list[float], list[float] | None, float]]] = []
+        # per rank and pass (_Entry); the ops are shared (ir.op_grid)
+        stages = placement.num_stages
+        f_ops, b_ops, w_ops = (op_grid(kind, stages, m) for kind in (OpKind.F, OpKind.B, OpKind.W))
+        self._table: list[list[_Entry]] = []
         for r in range(p):
-            row = []
+            row: list[_Entry] = []
             for which in range(2 * v):
                 st = self.stage_of[r][which % v]
                 src = self.producer(r, which)
                 hop = costs.comm if src is not None and self.rank_of[src] != r else 0.0
                 if which < v:
                     ends = None if src is None else self.f_end[src]
-                    row.append((st, OpKind.F, costs.f[st], self.f_end[st], ends, hop))
+                    row.append((f_ops[st], None, costs.f[st], self.f_end[st], ends, hop))
                 else:
                     ends = self.f_end[st] if src == st else self.b_end[src]  # type: ignore[index]
-                    row.append((st, OpKind.B, costs.b[st], self.b_end[st], ends, hop))
+                    row.append((b_ops[st], w_ops[st], costs.b[st], self.b_end[st], ends, hop))
             self._table.append(row)
         self._inputs = [[(ends, hop) for *_, ends, hop in row] for row in self._table]
 
@@ -232,24 +233,25 @@ class Engine:
     # ---- committing ops ----------------------------------------------------------------------------
     def run(self, r: int, which: int, start: float) -> None:
         """Run rank ``r``'s next ``which`` pass at ``start``."""
-        s, kind, duration, ends, _, _ = self._table[r][which]
-        k = self.next[r][which]
-        self.next[r][which] = k + 1
+        ops, w_ops, duration, ends, _, _ = self._table[r][which]
+        nxt = self.next[r]
+        k = nxt[which]
+        nxt[which] = k + 1
+        clock = self.clock
         if self.first[r] < 0:
             self.first[r] = start
         else:
-            self.idle[r] += start - self.clock[r]
-        ends[k] = self.clock[r] = start + duration
-        self.busy[r] += duration
+            self.idle[r] += start - clock[r]
+        ends[k] = clock[r] = start + duration
         self.count[r] += 1
-        if self.record:
-            self.rows[r].append(_op(Op, (kind, s, k)))
-        if kind is _KIND_F:
-            live = self.live[r] = self.live[r] + 1
-            if live > self.peak[r]:
-                self.peak[r] = live
+        self.rows[r].append(ops[k])
+        if w_ops is None:  # a forward
+            live = self.live
+            now = live[r] = live[r] + 1
+            if now > self.peak[r]:
+                self.peak[r] = now
         else:
-            self.pending_w[r].append((s, k))
+            self.pending_w[r].append(w_ops[k])
             if self._b_frees:
                 self.live[r] -= self._b_frees
 
@@ -264,20 +266,14 @@ class Engine:
 
     def w_duration(self, r: int) -> float:
         """Duration of rank ``r``'s oldest deferred ``W`` (it must have one)."""
-        return self.sc.w[self.pending_w[r][0][0]]
+        return self.sc.w[self.pending_w[r][0][1]]
 
     def run_w(self, r: int, start: float | None = None) -> None:
         """Run rank ``r``'s oldest deferred ``W`` (at its clock by default); it frees the activation."""
-        s, k = self.pending_w[r].popleft()
-        start = self.clock[r] if start is None else start
-        if self.first[r] < 0:  # pragma: no cover - a W always follows its B on the rank
-            self.first[r] = start
-        duration = self.sc.w[s]
-        self.clock[r] = start + duration
-        self.busy[r] += duration
+        op = self.pending_w[r].popleft()
+        self.clock[r] = (self.clock[r] if start is None else start) + self.sc.w[op[1]]
         self.count[r] += 1
-        if self.record:
-            self.rows[r].append(_op(Op, (_KIND_W, s, k)))
+        self.rows[r].append(op)
         self.live[r] -= self._w_frees
 
     def earliest_first(self, choose: Callable[[int], tuple[float, int, int | None] | None]) -> bool:
@@ -355,7 +351,18 @@ class Engine:
 
     def timing(self) -> Timing:
         spans = tuple(self.clock[r] - max(self.first[r], 0.0) for r in range(self.p))
-        return Timing(max(self.clock), spans, tuple(self.busy), tuple(self.peak), tuple(self.clock))
+        return Timing(max(self.clock), spans, self.busy_times(), tuple(self.peak), tuple(self.clock))
+
+    def busy_times(self) -> tuple[float, ...]:
+        """Per rank, the durations of the ops run so far, summed in the order the rank ran them."""
+        by_kind = {_KIND_F: self.sc.f, OpKind.B: self.sc.b, _KIND_W: self.sc.w}
+        busy = []
+        for row in self.rows:
+            total = 0.0
+            for kind, s, _ in row:
+                total += by_kind[kind][s]
+            busy.append(total)
+        return tuple(busy)
 
 
 def order_times(

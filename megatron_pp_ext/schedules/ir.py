@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Iterable
-from functools import partial
+from functools import lru_cache, partial
 from itertools import repeat
 from typing import NamedTuple
 
@@ -93,3 +93,11 @@ def W(stage: int, microbatch: int) -> Op:
 
 def BW(stage: int, microbatch: int) -> Op:
     return Op(OpKind.BW, stage, microbatch)
+
+
+@lru_cache(maxsize=4)
+def op_grid(kind: OpKind, num_stages: int, num_microbatches: int) -> tuple[tuple[Op, ...], ...]:
+    """``grid[stage][microbatch]``: every op of one kind, built once and shared (ops are immutable).
+    List schedulers that try several orders of the same ``(stages, micro-batches)`` take their ops from
+    here instead of building one tuple per op per try."""
+    return tuple(tuple(ops_of(kind, repeat(s, num_microbatches), range(num_microbatches))) for s in range(num_stages))

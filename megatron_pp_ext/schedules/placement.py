@@ -19,7 +19,7 @@ Styles:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 from .ir import ScheduleError
 
@@ -151,6 +151,7 @@ def _check_ranks(num_ranks: int) -> None:
         raise ScheduleError(f"pipeline parallel size must be an integer >= 1, got {num_ranks!r}")
 
 
+@lru_cache(maxsize=64, typed=True)  # placements are immutable: generators and timers share them
 def loop_placement(num_ranks: int, chunks: int = 1) -> Placement:
     _check_ranks(num_ranks)
     if chunks < 1:
@@ -159,6 +160,7 @@ def loop_placement(num_ranks: int, chunks: int = 1) -> Placement:
     return Placement("loop", num_ranks, stages, tuple((s % num_ranks, s // num_ranks) for s in range(stages)))
 
 
+@lru_cache(maxsize=64, typed=True)  # placements are immutable: generators and timers share them
 def v_placement(num_ranks: int) -> Placement:
     _check_ranks(num_ranks)
     p = num_ranks
@@ -166,6 +168,7 @@ def v_placement(num_ranks: int) -> Placement:
     return Placement("v", p, 2 * p, tuple(locs))
 
 
+@lru_cache(maxsize=64, typed=True)  # placements are immutable: generators and timers share them
 def bidirectional_placement(num_ranks: int) -> Placement:
     _check_ranks(num_ranks)
     p = num_ranks

@@ -176,7 +176,7 @@ def _hold(s: _Rounds, r: int) -> bool:
     room, extra_w, live = 0.0, 0, eng.live[r] + 1
     pending = eng.pending_w[r]
     while live > s.limit + _EPS and extra_w < len(pending):
-        room += sc.w[pending[extra_w][0]]
+        room += sc.w[pending[extra_w].stage]
         live -= eng._w_frees
         extra_w += 1
     if eng.clock[r] + sc.f[r] + room <= down:

@@ -37,13 +37,13 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..capabilities import Capabilities, Chunks, MemoryLimit
 from ..engine import SPAN_ITERATIONS, Engine, Timing, replay, span_key
 from ..engine import post_validated_time as _post_validated_time
-from ..ir import B, F, Op, OpKind, W
+from ..ir import Op, OpKind, op_grid
 from ..placement import loop_placement
 from ..registry import ScheduleInfo, register
 from ..schedule import Schedule, build_schedule
@@ -185,56 +185,56 @@ def _delay_forwards(row: Row, limits: tuple[list[int], list[int]]) -> Row:
         return i < later[j + 1] and (i < limit[j] or (next_is_b and i <= limit[j])) if j < m else True
 
     new: Row = []
-    postponed: list[int] = []
+    postponed: list[Op] = []  # forwards held back, in order
     j = 0  # the rank's next backward
     last = len(row) - 1
-    stage = row[0].stage if row else 0
     for k, op in enumerate(row):
         kind, i = op.kind, op.microbatch
         if kind is _KF:
             if postponed or not (
                 i < later[j + 1] and (i < limit[j] or (i == limit[j] and k < last and row[k + 1].kind is _KB))
             ):
-                postponed.append(i)
+                postponed.append(op)
             else:
                 new.append(op)
         elif kind is _KB:
             if postponed:
-                while postponed and allowed(postponed[0], len(postponed) == 1, j):
-                    new.append(F(stage, postponed.pop(0)))
+                while postponed and allowed(postponed[0].microbatch, len(postponed) == 1, j):
+                    new.append(postponed.pop(0))
             new.append(op)
             j = i + 1
-            while postponed and allowed(postponed[0], False, j):
-                new.append(F(stage, postponed.pop(0)))
+            while postponed and allowed(postponed[0].microbatch, False, j):
+                new.append(postponed.pop(0))
         else:
             new.append(op)
-    new += [F(stage, i) for i in postponed]
-    return new
+    return new + postponed
 
 
 # ---- ZB-H1 ------------------------------------------------------------------------------------------
 def zb_h1_order(p: int, m: int) -> list[Row]:
     """ZB-H1 rows: 1F1B's F/B order; rank ``r`` defers the W of its first ``r`` steady-state
     backwards to after its last backward; every other W runs right after its B."""
+    f_ops, b_ops, w_ops = (op_grid(kind, p, m) for kind in (_KF, _KB, _KW))
     rows = []
     for r in range(p):
+        f, b, w = f_ops[r], b_ops[r], w_ops[r]
         warmup = min(p - 1 - r, m)
         steady = m - warmup
         deferred = min(r, steady)
-        row: Row = [F(r, i) for i in range(warmup)]
+        row: Row = list(f[:warmup])
         for i in range(steady):
-            row += [F(r, warmup + i), B(r, i)]
+            row += [f[warmup + i], b[i]]
             if i >= deferred:
-                row.append(W(r, i))
+                row.append(w[i])
         for i in range(steady, m):
-            row += [B(r, i), W(r, i)]
-        row += [W(r, i) for i in range(deferred)]
+            row += [b[i], w[i]]
+        row += w[:deferred]
         rows.append(row)
     return rows
 
 
 # ---- ZB-H2 ------------------------------------------------------------------------------------------
-def zb_h2_order(p: int, m: int) -> list[Row]:
+def zb_h2_order(p: int, m: int, greedy: Callable[..., tuple[list[Row], Timing]] | None = None) -> list[Row]:
     """ZB-H2 rows: the rule below played once with ``T_F = T_B = T_W = 1`` and free communication
     (the order is then fixed, whatever the real costs), then :func:`pair_receives`.
 
@@ -246,8 +246,8 @@ def zb_h2_order(p: int, m: int) -> list[Row]:
     with the deferred ``W`` passes between and after them: the parallelogram layout, with every
     rank busy from its first ``F`` to its last ``W`` once ``m >= 2p``.
     """
-    unit = StageCosts((1.0,) * p, (1.0,) * p, (1.0,) * p, 0.0)
-    return pair_receives(_greedy(p, m, unit, min(2 * p, m), GreedyVariant("zb-h2"))[0])
+    run = _greedy if greedy is None else greedy  # zb-auto passes its memo of greedy passes
+    return pair_receives(run(p, m, stage_costs(None, p), min(2 * p, m), _H2_POLICY)[0])
 
 
 # ---- ZB-auto: greedy list scheduler ------------------------------------------------------------------
@@ -276,6 +276,7 @@ DEFAULT_VARIANTS: tuple[GreedyVariant, ...] = (
     GreedyVariant("h2-warmup-w-eager", w_slack=_INF, warmup=(2, -1)),
     GreedyVariant("1f1b-warmup", warmup=(1, 0)),
 )
+_H2_POLICY = GreedyVariant("zb-h2")  # ZB-H2's rule: the greedy's default flags, played at unit costs
 
 
 def _greedy(
@@ -292,7 +293,8 @@ def _greedy(
     eng = Engine(loop_placement(p), m, sc, w_memory=w_memory)
     room = limit - 1 + 1e-9  # an F fits while the live activations are at most this
     tf, tb, tw, c = sc.f, sc.b, sc.w, sc.comm
-    clock, nxt, pending, count, total = eng.clock, eng.next, eng.pending_w, eng.count, eng.total
+    clock, nxt, count, total = eng.clock, eng.next, eng.count, eng.total
+    run, run_w, live = eng.run, eng.run_w, eng.live
     w_slack = [variant.w_slack * x for x in tw]
     f_slack = [variant.f_slack * x for x in tf]
     if variant.warmup is None:
@@ -327,7 +329,7 @@ def _greedy(
                 return _B, t
         # Next F, if allowed: micro-batches left, warm-up cap before the first B, memory.
         rf = lb_f = _INF
-        mem_ok = eng.live[r] <= room
+        mem_ok = live[r] <= room
         if i_f < m and (i_b > 0 or i_f < cap[r]):  # eng.arrival(r, _F), inline
             ends_f, hop = f_in[r]
             if ends_f is None:
@@ -338,7 +340,7 @@ def _greedy(
                     rf = end + hop
                 else:
                     lb_f = clock[r - 1] + tf[r - 1] + c
-        has_w = bool(pending[r])
+        has_w = 2 * i_b + i_f > count[r]  # W passes pending: backwards run minus W passes run
         if rf <= t:
             if mem_ok:
                 if t + tf[r] <= min(rb, lb_b) + f_slack[r] or force:
@@ -385,9 +387,9 @@ def _greedy(
         which, start = choice
         start = max(start, clock[r])
         if which == _W:
-            eng.run_w(r, start)
+            run_w(r, start)
         else:
-            eng.run(r, which, start)
+            run(r, which, start)
         remaining -= 1
         for q in (r - 1, r, r + 1):
             if 0 <= q < p and not queued[q] and count[q] < total:
@@ -456,13 +458,24 @@ def zb_auto(
             key = span_key(placement, m, sc, rows, timing)
         candidates.append((key, len(candidates), name, rows))
 
-    for handcrafted, order in (("zb-h1", zb_h1_order), ("zb-h2", zb_h2_order)):
+    done: dict[tuple[object, ...], tuple[list[Row], Timing]] = {}
+
+    def greedy(
+        p: int, m: int, costs: StageCosts, lim: float, policy: GreedyVariant, w_mem: float = 1.0
+    ) -> tuple[list[Row], Timing]:
+        """:func:`_greedy`, each pass once: at unit costs ZB-H2's pass is the "fit" variant's."""
+        key = (costs, lim, policy.w_slack, policy.f_slack, policy.warmup, w_mem)
+        if key not in done:
+            done[key] = _greedy(p, m, costs, lim, policy, w_mem)
+        return done[key]
+
+    for handcrafted, order in (("zb-h1", zb_h1_order), ("zb-h2", lambda p, m: zb_h2_order(p, m, greedy))):
         if handcrafted == "zb-h2" and min(2 * p - 1, m) > limit:
             continue  # its rank 0 runs 2p-1 warm-up forwards before any backward: it cannot fit
         rows = order(p, m)
         if peak_activations(rows, w) <= limit + 1e-9:  # a fixed order's memory needs no timing
             add(handcrafted, rows, time_order(rows, m, sc, w))
-    passes = [(v.name, lambda v=v: _greedy(p, m, sc, limit, v, w)) for v in tried]
+    passes = [(v.name, lambda v=v: greedy(p, m, sc, limit, v, w)) for v in tried]
     if span:
         passes += [(v.name, lambda v=v: rounds_order(p, m, sc, limit, v, w)) for v in ROUND_VARIANTS]
     for name, run in passes:
