@@ -24,24 +24,21 @@ channels never move a receive.
   :mod:`.zb_rounds`). ``w_memory``: the fraction of an activation a pending ``W`` keeps (paper
   Table 1, ``M_W / M_B``; 1 = the whole activation until ``W``, the default).
 
-The greedy passes run on the list-scheduling engine (:mod:`..engine`): its clock is the simulator's
-async model and its memory count the simulator's default (an ``F`` adds one activation on its rank,
-the matching ``W`` frees it; ``B`` frees nothing); this module keeps only the decisions. Under the
-simulator's ``comm="blocking"`` model a gradient receive that the lowering posts early (to keep
-rendezvous sends free of deadlock) would make its rank wait: :func:`pair_receives` reorders forwards
-so that this never happens, so the orders cost the same under both models. :func:`time_order`
-times a fixed order on the engine's clock.
+The greedy pass and its policy flags are in :mod:`.zb_greedy` (on the list-scheduling engine: the
+simulator's async clock and memory count), the paper's round-based heuristic in :mod:`.zb_rounds`, and
+the reordering that keeps the lowering from posting a gradient receive early (so that every order costs
+the same under the simulator's ``blocking`` and ``async`` models) in :mod:`.receive_pairing`. This module
+holds the closed-form orders, the candidate search and the registrations; :func:`time_order` times a
+fixed order on the engine's clock.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from ..capabilities import Capabilities, Chunks, MemoryLimit
-from ..engine import SPAN_ITERATIONS, Engine, Timing, replay, span_key
+from ..engine import SPAN_ITERATIONS, Timing, replay, span_key
 from ..engine import post_validated_time as _post_validated_time
 from ..ir import Op, OpKind, op_grid
 from ..placement import loop_placement
@@ -49,6 +46,8 @@ from ..registry import ScheduleInfo, register
 from ..schedule import Schedule, build_schedule
 from .common import ScheduleParameterError, StageCosts, stage_costs
 from .interleaved_zb import zb_auto_looped
+from .receive_pairing import pair_receives
+from .zb_greedy import DEFAULT_VARIANTS, H2_POLICY, GreedyVariant, greedy_pass
 from .zb_rounds import ROUND_VARIANTS, rounds_order
 
 __all__ = [
@@ -67,8 +66,6 @@ __all__ = [
 ]
 
 _KF, _KB, _KW = OpKind.F, OpKind.B, OpKind.W
-_F, _B, _W = 0, 1, 2  # the engine's passes on a one-chunk rank (forward, backward), and a deferred W
-_INF = math.inf
 Row = list[Op]
 
 
@@ -134,82 +131,6 @@ def post_validated_time(rows: Sequence[Row], m: int, sc: StageCosts, iterations:
     return _post_validated_time(loop_placement(len(rows)), m, sc, rows, iterations)
 
 
-def pair_receives(rows: Sequence[Row]) -> list[Row]:
-    """Delay forwards so that the lowering never has to post a gradient receive early.
-
-    Between ranks ``r`` and ``r+1`` the lowering sends ``act(i)`` after ``F_r(i)``, receives it
-    before ``F_{r+1}(i)``, sends ``grad(j)`` after ``B_{r+1}(j)`` and receives it before ``B_r(j)``;
-    messages in adjacent gaps share one exchange. If rank ``r`` sends ``act(i)`` before it
-    receives ``grad(j)`` while rank ``r+1`` sends ``grad(j)`` before it receives ``act(i)`` (in
-    different exchanges on both sides), rendezvous sends would deadlock, so the lowering moves
-    the receive of ``grad(j)`` up to ``F_r(i)`` and rank ``r`` waits there. With ``T`` the
-    forwards rank ``r+1`` runs before ``B_{r+1}(j)`` this cannot happen while rank ``r`` runs at
-    most ``T`` forwards before ``B_r(j)``, one more when ``F_{r+1}(T)`` directly follows
-    ``B_{r+1}(j)``, and one more when ``B_r(j)`` directly follows its last forward. Rank by rank
-    from the last, a forward beyond that moves to just after the next backward; forwards only
-    move later, so dependencies and the peak memory of every rank still hold.
-    """
-    out = [list(row) for row in rows]
-    m = sum(1 for op in out[0] if op.kind is _KB)
-    for r in range(len(rows) - 2, -1, -1):
-        out[r] = _delay_forwards(out[r], _forward_limits(out[r + 1], m))
-    return out
-
-
-def _forward_limits(down: Row, m: int) -> tuple[list[int], list[int]]:
-    """From the downstream rank's row: ``limit[j]``, the forwards the upstream rank may run before
-    ``B(j)`` if ``B(j)`` directly follows its last one, plus one (``T + 1`` if ``F(T)`` directly
-    follows ``B_{r+1}(j)``, else ``T``); and ``later[j] = min(limit[j:])``."""
-    limit = [0] * m
-    count = 0
-    last = len(down) - 1
-    for k, op in enumerate(down):
-        if op.kind is _KF:
-            count += 1
-        elif op.kind is _KB:
-            limit[op.microbatch] = count + 1 if k < last and down[k + 1].kind is _KF else count
-    later = limit[:]
-    for j in range(m - 2, -1, -1):
-        if later[j + 1] < later[j]:
-            later[j] = later[j + 1]
-    return limit, later
-
-
-def _delay_forwards(row: Row, limits: tuple[list[int], list[int]]) -> Row:
-    limit, later = limits
-    m = len(limit)
-    later.append(m + 1)  # sentinel: no constraint after the last backward
-    limit.append(m + 1)
-
-    def allowed(i: int, next_is_b: bool, j: int) -> bool:
-        return i < later[j + 1] and (i < limit[j] or (next_is_b and i <= limit[j])) if j < m else True
-
-    new: Row = []
-    postponed: list[Op] = []  # forwards held back, in order
-    j = 0  # the rank's next backward
-    last = len(row) - 1
-    for k, op in enumerate(row):
-        kind, i = op.kind, op.microbatch
-        if kind is _KF:
-            if postponed or not (
-                i < later[j + 1] and (i < limit[j] or (i == limit[j] and k < last and row[k + 1].kind is _KB))
-            ):
-                postponed.append(op)
-            else:
-                new.append(op)
-        elif kind is _KB:
-            if postponed:
-                while postponed and allowed(postponed[0].microbatch, len(postponed) == 1, j):
-                    new.append(postponed.pop(0))
-            new.append(op)
-            j = i + 1
-            while postponed and allowed(postponed[0].microbatch, False, j):
-                new.append(postponed.pop(0))
-        else:
-            new.append(op)
-    return new + postponed
-
-
 # ---- ZB-H1 ------------------------------------------------------------------------------------------
 def zb_h1_order(p: int, m: int) -> list[Row]:
     """ZB-H1 rows: 1F1B's F/B order; rank ``r`` defers the W of its first ``r`` steady-state
@@ -246,156 +167,8 @@ def zb_h2_order(p: int, m: int, greedy: Callable[..., tuple[list[Row], Timing]] 
     with the deferred ``W`` passes between and after them: the parallelogram layout, with every
     rank busy from its first ``F`` to its last ``W`` once ``m >= 2p``.
     """
-    run = _greedy if greedy is None else greedy  # zb-auto passes its memo of greedy passes
-    return pair_receives(run(p, m, stage_costs(None, p), min(2 * p, m), _H2_POLICY)[0])
-
-
-# ---- ZB-auto: greedy list scheduler ------------------------------------------------------------------
-@dataclass(frozen=True)
-class GreedyVariant:
-    """Policy flags of one greedy pass.
-
-    ``w_slack``: how long (in units of the rank's ``T_W``) a filler ``W`` may delay a ``B`` or ``F``
-    that arrives while it runs (0 = only in gaps it fits; ``inf`` = whenever the rank would idle).
-    ``f_slack``: the same for an ``F`` that would delay an arriving ``B`` (``inf`` = run ready
-    forwards at once). ``warmup``: cap ``(a, b)`` on the forwards rank ``r`` runs before its first
-    backward, ``a (p - r) + b`` (``None`` = only the memory limit). ZB-H2's ``(2, -1)`` keeps the
-    warm-ups of neighbours 2 apart, which the lowering pairs without posting a receive early.
-    """
-
-    name: str
-    w_slack: float = 0.0
-    f_slack: float = _INF
-    warmup: tuple[int, int] | None = None
-
-
-DEFAULT_VARIANTS: tuple[GreedyVariant, ...] = (
-    GreedyVariant("fit"),
-    GreedyVariant("w-half", w_slack=0.5),
-    GreedyVariant("h2-warmup", warmup=(2, -1)),
-    GreedyVariant("h2-warmup-w-eager", w_slack=_INF, warmup=(2, -1)),
-    GreedyVariant("1f1b-warmup", warmup=(1, 0)),
-)
-_H2_POLICY = GreedyVariant("zb-h2")  # ZB-H2's rule: the greedy's default flags, played at unit costs
-
-
-def _greedy(
-    p: int, m: int, sc: StageCosts, limit: float, variant: GreedyVariant, w_memory: float = 1.0
-) -> tuple[list[Row], Timing]:
-    """One list-scheduling pass on the engine (:class:`..engine.Engine`): ranks decide in order of
-    their clocks; an op starts when its rank is free and its input is there; B before F before W,
-    with the variant's slack rules, never more than ``limit`` activations held.
-
-    A rank whose choice depends on an arrival not known yet (its producer is not scheduled)
-    waits until a neighbour schedules something, then decides at its own clock: timings stay
-    exact because an op's start only depends on ops scheduled before it.
-    """
-    eng = Engine(loop_placement(p), m, sc, w_memory=w_memory)
-    room = limit - 1 + 1e-9  # an F fits while the live activations are at most this
-    tf, tb, tw, c = sc.f, sc.b, sc.w, sc.comm
-    clock, nxt, count, total = eng.clock, eng.next, eng.count, eng.total
-    run, run_w, live = eng.run, eng.run_w, eng.live
-    w_slack = [variant.w_slack * x for x in tw]
-    f_slack = [variant.f_slack * x for x in tf]
-    if variant.warmup is None:
-        cap = [m] * p
-    else:
-        a, b = variant.warmup
-        cap = [max(1, min(m, a * (p - r) + b)) for r in range(p)]
-    f_in = [eng._inputs[r][_F] for r in range(p)]  # (end times of the input, hop) per rank
-    b_in: list[tuple[list[float], float]] = []
-    for r in range(p):
-        ends_b, hop_b = eng._inputs[r][_B]
-        assert ends_b is not None  # a backward always has an input (its own F on the last stage)
-        b_in.append((ends_b, hop_b))
-    heap = [(0.0, r) for r in range(p)]
-    queued = [True] * p
-    remaining = 3 * p * m
-
-    def decide(r: int, force: bool) -> tuple[int, float] | None:
-        """``(pass or _W, start)`` of rank ``r``'s next op, or ``None`` to wait for a neighbour."""
-        t = clock[r]
-        i_f, i_b = nxt[r]
-        # Next B: known arrival rb, or unknown with lower bound lb_b; inf when not possible yet.
-        rb = lb_b = _INF
-        if i_b < i_f:  # eng.arrival(r, _B), inline (the hot path)
-            ends, hop = b_in[r]
-            end = ends[i_b]
-            if end >= 0:
-                rb = end + hop
-            else:
-                lb_b = clock[r + 1] + tb[r + 1] + c
-            if rb <= t:
-                return _B, t
-        # Next F, if allowed: micro-batches left, warm-up cap before the first B, memory.
-        rf = lb_f = _INF
-        mem_ok = live[r] <= room
-        if i_f < m and (i_b > 0 or i_f < cap[r]):  # eng.arrival(r, _F), inline
-            ends_f, hop = f_in[r]
-            if ends_f is None:
-                rf = 0.0
-            else:
-                end = ends_f[i_f]
-                if end >= 0:
-                    rf = end + hop
-                else:
-                    lb_f = clock[r - 1] + tf[r - 1] + c
-        has_w = 2 * i_b + i_f > count[r]  # W passes pending: backwards run minus W passes run
-        if rf <= t:
-            if mem_ok:
-                if t + tf[r] <= min(rb, lb_b) + f_slack[r] or force:
-                    return _F, t
-                if t + tf[r] <= rb + f_slack[r]:  # only an unknown B might be delayed: learn it first
-                    return None
-            elif has_w:
-                return _W, t  # memory full: a W frees the activation the F needs
-        if not mem_ok:
-            rf = lb_f = _INF
-        if has_w:
-            known, unknown = min(rb, rf), min(lb_b, lb_f)
-            end = t + tw[r]
-            if end <= min(known, unknown) + w_slack[r]:
-                return _W, t
-            if end <= known + w_slack[r] and not force:
-                return None  # only an unknown arrival might be delayed by the W: learn it first
-            if force and known == _INF:
-                return _W, t
-        # Idle until the earliest known arrival, unless an unknown one may come first.
-        if rb == _INF and rf == _INF:
-            return None
-        if not force and min(lb_b, lb_f) < min(rb, rf):
-            return None
-        return (_B, rb) if rb <= rf else (_F, rf)
-
-    while remaining:
-        if heap:
-            _, r = heapq.heappop(heap)
-            queued[r] = False
-            choice = decide(r, False)
-            if choice is None:
-                continue
-        else:  # every rank waits for another: the earliest known op goes first
-            best: tuple[float, int, tuple[int, float]] | None = None
-            for q in range(p):
-                if count[q] < total:
-                    option = decide(q, True)
-                    if option is not None and (best is None or option[1] < best[0]):
-                        best = (option[1], q, option)
-            if best is None:  # pragma: no cover - impossible for limit >= 1 (see tests)
-                raise AssertionError("zb-auto greedy: no rank can proceed")
-            _, r, choice = best
-        which, start = choice
-        start = max(start, clock[r])
-        if which == _W:
-            run_w(r, start)
-        else:
-            run(r, which, start)
-        remaining -= 1
-        for q in (r - 1, r, r + 1):
-            if 0 <= q < p and not queued[q] and count[q] < total:
-                queued[q] = True
-                heapq.heappush(heap, (clock[q], q))
-    return eng.rows, eng.timing()
+    run = greedy_pass if greedy is None else greedy  # zb-auto passes its memo of greedy passes
+    return pair_receives(run(p, m, stage_costs(None, p), min(2 * p, m), H2_POLICY)[0])
 
 
 # ---- generators ---------------------------------------------------------------------------------------
@@ -466,7 +239,7 @@ def zb_auto(
         """:func:`_greedy`, each pass once: at unit costs ZB-H2's pass is the "fit" variant's."""
         key = (costs, lim, policy.w_slack, policy.f_slack, policy.warmup, w_mem)
         if key not in done:
-            done[key] = _greedy(p, m, costs, lim, policy, w_mem)
+            done[key] = greedy_pass(p, m, costs, lim, policy, w_mem)
         return done[key]
 
     for handcrafted, order in (("zb-h1", zb_h1_order), ("zb-h2", lambda p, m: zb_h2_order(p, m, greedy))):
