@@ -31,16 +31,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_pp_ext.analysis.simulate import Costs, simulate
-from megatron_pp_ext.analysis.validate import validate
-from megatron_pp_ext.analysis.zeropp_auto import choose_unit_size
+from megatron_pp_ext.analysis.simulate import Costs
+from megatron_pp_ext.analysis.zeropp_auto import choose_unit_size, measure_schedule
 from megatron_pp_ext.planner.auto import decide
 from megatron_pp_ext.planner.costs import CostModel, get_device
 from megatron_pp_ext.planner.memory import GIB, TrainingSetup, layer_activation_bytes, parameter_counts
 from megatron_pp_ext.planner.models import get_model
 from megatron_pp_ext.planner.plan import Planner, PlanRow, SearchSpace, row_label
 from megatron_pp_ext.schedules import generate
-from megatron_pp_ext.schedules.collectives import CollectiveKind, declared_fsdp_limit, policy_for
 from megatron_pp_ext.schedules.schedule import Schedule
 
 MODEL, DEVICE, MICRO_BATCH = "zb-6.2b", "A100-80GB", 1
@@ -83,34 +81,26 @@ class Setting:
 
     def run(self, schedule: Schedule, label: str) -> Row:
         v = schedule.chunks_per_rank
-        costs = self.costs(v)
-        lowered = validate(schedule)
-        plain = simulate(schedule, costs, lowered=lowered)
-        policy = policy_for(schedule, fsdp=True)
-        result = simulate(
+        got = measure_schedule(
             schedule,
-            costs,
-            lowered=lowered,
-            collectives=policy,
+            self.costs(v),
             dp=self.dp,
             dp_bandwidth=self.bandwidth,
             param_bytes=self.chunk_bytes(v),
+            fsdp=True,
+            activation_bytes=self.layers / (self.p * v) * self.layer_act,
         )
-        data = result.data_parallel
-        assert data is not None
-        act = max(plain.peak_activations) * self.layers / (self.p * v) * self.layer_act
-        limit = declared_fsdp_limit(schedule) or 1
-        gathered = min(limit, v) * self.chunk_bytes(v)
+        assert got.memory_bytes is not None
         return Row(
             schedule.name,
             v,
             label,
-            data.iteration_time,
-            plain.sync_bubble_rate,
-            max(data.exposed),
-            max(data.plan.count(CollectiveKind.UNSHARD, r) for r in range(self.p)),
-            max(data.reduction_count(r) for r in range(self.p)),
-            (act + gathered) / 1e9,
+            got.iteration_time,
+            got.bubble,
+            got.exposed,
+            got.gathers,
+            got.reductions,
+            got.memory_bytes / 1e9,
         )
 
 

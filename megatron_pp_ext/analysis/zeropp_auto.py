@@ -24,7 +24,7 @@ from ..schedules.schedule import Schedule
 from .simulate import Costs, simulate
 from .validate import validate
 
-__all__ = ["UnitCandidate", "UnitChoice", "choose_unit_size", "evaluate_unit_size"]
+__all__ = ["Measurement", "UnitCandidate", "UnitChoice", "choose_unit_size", "evaluate_unit_size", "measure_schedule"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,59 @@ class UnitChoice:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Measurement:
+    """One schedule simulated as :func:`evaluate_unit_size` measures it (any schedule, not only zeropp)."""
+
+    iteration_time: float  # makespan, or the data-parallel iteration time with dp > 1
+    bubble: float  # sync bubble rate of the compute alone
+    peak_activations: float  # worst rank, in stage activations (the simulator's count)
+    gathers: int
+    reductions: int
+    exposed: float
+    memory_bytes: float | None
+
+
+def measure_schedule(
+    schedule: Schedule,
+    costs: object = None,
+    *,
+    dp: int = 1,
+    dp_bandwidth: float | None = None,
+    param_bytes: float | None = None,
+    fsdp: bool = False,
+    activation_bytes: float | None = None,
+) -> Measurement:
+    """Simulate ``schedule`` alone and, with ``dp > 1``, with its data-parallel stream (FSDP collectives
+    from its declared policy when ``fsdp``); memory = peak activations x ``activation_bytes`` (one stage's,
+    one micro-batch) + the FSDP chunks it gathers at once (``param_bytes`` each). See the module doc."""
+    lowered = validate(schedule)
+    plain = simulate(schedule, costs, lowered=lowered)  # type: ignore[arg-type]
+    time, gathers, reductions, exposed = plain.makespan, 0, 0, 0.0
+    p = schedule.num_ranks
+    if dp > 1:
+        result = simulate(
+            schedule,
+            costs,  # type: ignore[arg-type]
+            lowered=lowered,
+            collectives=policy_for(schedule, fsdp=fsdp),
+            dp=dp,
+            dp_bandwidth=dp_bandwidth,
+            param_bytes=param_bytes,
+        )
+        data = result.data_parallel
+        assert data is not None
+        time, exposed = data.iteration_time, max(data.exposed)
+        gathers = max(data.plan.count(CollectiveKind.UNSHARD, r) for r in range(p)) if fsdp else 0
+        reductions = max(data.reduction_count(r) for r in range(p))
+    memory = None
+    if activation_bytes is not None:
+        memory = max(plain.peak_activations) * activation_bytes
+        if fsdp and param_bytes is not None:
+            memory += min(declared_fsdp_limit(schedule) or 1, schedule.chunks_per_rank) * param_bytes
+    return Measurement(time, plain.sync_bubble_rate, max(plain.peak_activations), gathers, reductions, exposed, memory)
+
+
 def evaluate_unit_size(
     p: int,
     m: int,
@@ -88,40 +141,24 @@ def evaluate_unit_size(
     """Generate ``zeropp`` with ``unit_size`` and measure it (see the module doc). ``param_bytes``: one
     chunk's parameters; ``activation_bytes``: one looped stage's activation for one micro-batch."""
     schedule = zeropp(p, m, v=v, unit_size=unit_size, costs=costs, memory_limit=memory_limit)
-    chunks = schedule.chunks_per_rank
-    lowered = validate(schedule)
-    plain = simulate(schedule, costs, lowered=lowered)
-    time, gathers, reductions, exposed = plain.makespan, 0, 0, 0.0
-    if dp > 1:
-        policy = policy_for(schedule, fsdp=fsdp)
-        result = simulate(
-            schedule,
-            costs,
-            lowered=lowered,
-            collectives=policy,
-            dp=dp,
-            dp_bandwidth=dp_bandwidth,
-            param_bytes=param_bytes,
-        )
-        data = result.data_parallel
-        assert data is not None
-        time, exposed = data.iteration_time, max(data.exposed)
-        gathers = max(data.plan.count(CollectiveKind.UNSHARD, r) for r in range(p)) if fsdp else 0
-        reductions = max(data.reduction_count(r) for r in range(p))
-    memory = None
-    if activation_bytes is not None:
-        memory = max(plain.peak_activations) * activation_bytes
-        if fsdp and param_bytes is not None:
-            memory += min(declared_fsdp_limit(schedule) or 1, chunks) * param_bytes
+    got = measure_schedule(
+        schedule,
+        costs,
+        dp=dp,
+        dp_bandwidth=dp_bandwidth,
+        param_bytes=param_bytes,
+        fsdp=fsdp,
+        activation_bytes=activation_bytes,
+    )
     candidate = UnitCandidate(
         unit_size,
-        time,
-        plain.sync_bubble_rate,
-        max(plain.peak_activations) / chunks,
-        gathers,
-        reductions,
-        exposed,
-        memory,
+        got.iteration_time,
+        got.bubble,
+        got.peak_activations / schedule.chunks_per_rank,
+        got.gathers,
+        got.reductions,
+        got.exposed,
+        got.memory_bytes,
         True,
     )
     return schedule, candidate
