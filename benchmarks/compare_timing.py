@@ -7,7 +7,7 @@ For every case of the golden grid (``tests/schedules/golden.py``) under two cost
 the simulator's per-op start times, makespan, spans, busy times and peaks under ``comm="async"``
 and ``comm="blocking"``, with overlap pairs (``overlap=0.5``) where the schedule has them, with
 a data-parallel stream (``dp=2``, gradient reduction, and FSDP with one gathered chunk), and the
-engine's :func:`~megatron_pp_ext.schedules.engine.replay` timing of the same order. Floats are
+engine's :func:`~megatron_pp_ext.schedules.order_timing.replay` timing of the same order. Floats are
 kept exactly (``repr``); ``--check`` reports every difference and exits 1 if there is one.
 """
 
@@ -23,8 +23,8 @@ from megatron_pp_ext.analysis.validate import ScheduleValidationError
 from megatron_pp_ext.schedules import generate
 from megatron_pp_ext.schedules.collectives import CollectivePolicy
 from megatron_pp_ext.schedules.costs import stage_costs
-from megatron_pp_ext.schedules.engine import replay
 from megatron_pp_ext.schedules.ir import OpKind, ScheduleError
+from megatron_pp_ext.schedules.order_timing import replay
 from tests.schedules import golden
 
 COSTS = {"unit": Costs(1.0, 1.0, 1.0, None, 0.0), "fbw-comm": Costs(1.0, 1.5, 0.7, None, 0.1)}

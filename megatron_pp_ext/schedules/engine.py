@@ -10,8 +10,8 @@ A generator decides *which* op a rank runs next; the engine keeps everything els
   another rank arrives ``T_comm`` after its producer ends, a local hand-off at once. That is the
   simulator's ``comm="async"`` model, so the times a generator decides with are the times the
   simulator reports. A finished order is timed by the one timing core (:func:`.timing.time_ops`,
-  which the simulator uses too) through :func:`order_times` / :func:`replay`; while an order is
-  being built, :meth:`Engine.arrival` and :meth:`Engine.run` apply the same rule one op at a time
+  which the simulator uses too) through :mod:`.order_timing` (``order_times``, ``replay``); while an
+  order is being built, :meth:`Engine.arrival` and :meth:`Engine.run` apply the same rule one op at a time
   (``tests/schedules/test_engine.py`` checks the two agree to the bit).
 * **memory** as the simulator counts it: an ``F`` adds one activation of its stage on its rank; with
   ``w_memory`` = 1 (default) the matching ``W`` frees it and ``B`` frees nothing; with a fraction ``f``
@@ -30,30 +30,13 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from .costs import StageCosts
 from .ir import Op, OpKind, op_grid
+from .order_timing import Timing
 from .placement import Placement
-from .timing import OpTimes, repeat_iterations, time_ops
 
-__all__ = [
-    "SPAN_ITERATIONS",
-    "Engine",
-    "Timing",
-    "backward",
-    "forward",
-    "input_of",
-    "order_times",
-    "output_of",
-    "pass_op",
-    "post_validated_time",
-    "replay",
-    "span_key",
-]
-
-#: Back-to-back iterations :func:`post_validated_time` times an order over (zb-auto's ``span`` objective).
-SPAN_ITERATIONS = 3
+__all__ = ["Engine", "backward", "forward", "input_of", "output_of", "pass_op"]
 
 _KIND_F, _KIND_W = OpKind.F, OpKind.W
 # a pass of one rank: (its ops by micro-batch, the W ops a backward defers or None, duration, end times it writes,
@@ -100,30 +83,6 @@ def output_of(op: Op, last_stage: int) -> Op | None:
     if kind is _KIND_W:
         return None
     return op._replace(stage=s - 1) if s > 0 else None
-
-
-@dataclass(frozen=True)
-class Timing:
-    """What a built order takes on the engine's clock: makespan, per-rank spans (first op start to
-    last op end), busy time, peak live activations (in stage activations) and per-rank end of the
-    last op (``ends``)."""
-
-    makespan: float
-    spans: tuple[float, ...]
-    busy: tuple[float, ...]
-    peaks: tuple[float, ...]
-    ends: tuple[float, ...] = ()
-
-    @property
-    def key(self) -> tuple[float, float, int]:
-        """Makespan, then the longest span, then the worst peak (rounded: ties are ties)."""
-        return (round(self.makespan, 9), round(max(self.spans), 9), max(self.peaks))
-
-    @property
-    def bubble_rate(self) -> float:
-        """``(C - W) / C`` with ``C`` the longest span and ``W`` the most busy time (zero-bubble paper)."""
-        span = max(self.spans)
-        return max(0.0, (span - max(self.busy)) / span) if span > 0 else 0.0
 
 
 class Engine:
@@ -363,119 +322,3 @@ class Engine:
                 total += by_kind[kind][s]
             busy.append(total)
         return tuple(busy)
-
-
-def order_times(
-    placement: Placement,
-    m: int,
-    costs: StageCosts,
-    rows: Sequence[Sequence[Op]],
-    *,
-    start: Sequence[float] | None = None,
-) -> OpTimes:
-    """Time a fixed per-rank order with the timing core (:func:`.timing.time_ops`, the simulator's
-    async model): each op as early as its rank and input allow. Every output is a message (to the
-    consumer's rank, ``T_comm`` later; a local hand-off to the same rank at once), so an order in
-    which a rank waits for something it runs later raises ``RuntimeError``."""
-    return _time_order(placement, m, costs, rows, start=start)[0]
-
-
-def replay(
-    placement: Placement,
-    m: int,
-    costs: StageCosts,
-    rows: Sequence[Sequence[Op]],
-    *,
-    w_memory: float = 1.0,
-    start: Sequence[float] | None = None,
-) -> Timing:
-    """The :class:`Timing` of a fixed per-rank order on the engine's clock (:func:`order_times`).
-    ``start``: when each rank is free to begin (default 0); ``w_memory``: see :class:`Engine`."""
-    try:
-        times, busy, peaks = _time_order(placement, m, costs, rows, w_memory=w_memory, start=start)
-    except RuntimeError:
-        raise AssertionError("replay: the order deadlocks") from None
-    spans = tuple(end - row[0] if row else 0.0 for row, end in zip(times.starts, times.last_end, strict=True))
-    return Timing(max(times.last_end, default=0.0), spans, tuple(busy), tuple(peaks), tuple(times.last_end))
-
-
-def post_validated_time(
-    placement: Placement,
-    m: int,
-    costs: StageCosts,
-    rows: Sequence[Sequence[Op]],
-    iterations: int = SPAN_ITERATIONS,
-) -> float:
-    """Time per iteration of a fixed order run back to back with optimizer post-validation (no step
-    synchronisation, :func:`.timing.repeat_iterations`), on the engine's clock: the notion the
-    simulator's ``iterations`` report."""
-
-    def run_once(start: list[float]) -> tuple[float, ...]:
-        return replay(placement, m, costs, rows, start=start).ends
-
-    return repeat_iterations(run_once, placement.num_ranks, iterations, post_validation=True).time
-
-
-def span_key(
-    placement: Placement, m: int, costs: StageCosts, rows: Sequence[Sequence[Op]], timing: Timing
-) -> tuple[float, ...]:
-    """How the ``span`` objective ranks a candidate order (``timing``: its :func:`replay`): the
-    post-validated time per iteration, then the longest per-rank span, then ``timing.key``."""
-    return (round(post_validated_time(placement, m, costs, rows), 9), round(max(timing.spans), 9), *timing.key)
-
-
-def _time_order(
-    placement: Placement,
-    m: int,
-    costs: StageCosts,
-    rows: Sequence[Sequence[Op]],
-    *,
-    w_memory: float = 1.0,
-    start: Sequence[float] | None = None,
-) -> tuple[OpTimes, list[float], list[float]]:
-    """:func:`order_times`, plus per rank its busy time and peak live activations."""
-    stages = placement.num_stages
-    rank_of = [rank for rank, _ in placement.locations]
-    last = stages - 1
-    # message (stage, micro-batch, is-backward) -> id (2 (stage m + mb) + is-backward); its receiver
-    dst = [0] * (2 * stages * m)
-    for s in range(stages):
-        to_f, to_b = rank_of[s + 1] if s < last else rank_of[s], rank_of[s - 1] if s > 0 else rank_of[s]
-        dst[2 * s * m : 2 * (s + 1) * m : 2] = [to_f] * m
-        dst[2 * s * m + 1 : 2 * (s + 1) * m : 2] = [to_b] * m
-    hop = costs.comm
-    latency = [0.0 if dst[mid] == rank_of[mid // (2 * m)] else hop for mid in range(len(dst))]
-    # per op kind and stage: (duration, id of its input message for micro-batch 0 or -1, the same for
-    # its output, live activations it adds); w_memory as in :class:`Engine` (1: integral counts)
-    w_frees: float = 1 if w_memory == 1 else float(w_memory)
-    b_frees: float = 0 if w_memory == 1 else 1.0 - float(w_memory)
-    table: dict[OpKind, list[tuple[float, int, int, float]]] = {
-        _KIND_F: [(costs.f[s], 2 * (s - 1) * m if s > 0 else -1, 2 * s * m, 1) for s in range(stages)],
-        _KIND_W: [(costs.w[s], -1, -1, -w_frees) for s in range(stages)],
-    }
-    table[OpKind.B] = table[OpKind.BW] = [
-        (costs.b[s], 2 * (s + 1) * m + 1 if s < last else 2 * s * m, 2 * s * m + 1 if s > 0 else -1, -b_frees)
-        for s in range(stages)
-    ]
-    durations, waits, sends, busy, peaks = [], [], [], [], []
-    for row in rows:
-        dur: list[float] = []
-        wait: list[int] = []
-        send: list[int] = []
-        total, live, peak = 0.0, 0.0, 0.0
-        for kind, s, i in row:
-            d, need, out, grows = table[kind][s]
-            dur.append(d)
-            wait.append(need + 2 * i if need >= 0 else -1)
-            send.append(out + 2 * i if out >= 0 else -1)
-            total += d  # in order, as the rank runs them (sum()'s rounding may differ)
-            if grows:
-                live += grows
-                if live > peak:
-                    peak = live
-        durations.append(dur)
-        waits.append(wait)
-        sends.append(send)
-        busy.append(total)
-        peaks.append(peak)
-    return time_ops(durations, waits, sends, dst, latency, start=start), busy, peaks

@@ -12,7 +12,7 @@ waits for and what a rank runs besides its ops:
 * ``collectives`` / ``gates``: one collective stream per rank (data parallelism, FSDP).
 
 The callers are thin: :func:`op_start_times` and :func:`op_start_times_with_stream` time a lowered
-schedule for :func:`megatron_pp_ext.analysis.simulate.simulate`; :func:`~.engine.replay` times a
+schedule for :func:`megatron_pp_ext.analysis.simulate.simulate`; :func:`~.order_timing.replay` times a
 generator's candidate order (its local hand-offs are messages of latency 0 to the same rank).
 """
 

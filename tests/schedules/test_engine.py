@@ -7,8 +7,9 @@ import pytest
 from megatron_pp_ext.analysis.simulate import simulate
 from megatron_pp_ext.schedules import generate
 from megatron_pp_ext.schedules.costs import Costs, stage_costs
-from megatron_pp_ext.schedules.engine import Engine, backward, forward, replay
+from megatron_pp_ext.schedules.engine import Engine, backward, forward
 from megatron_pp_ext.schedules.ir import B, F, W
+from megatron_pp_ext.schedules.order_timing import replay
 from megatron_pp_ext.schedules.placement import loop_placement, v_placement
 
 COSTS = (Costs(1.0, 1.0, 1.0), Costs(1.0, 1.5, 0.7, None, 0.1), Costs((1.0, 1.2, 0.9, 1.1) * 2, 1.4, 0.6, None, 0.05))

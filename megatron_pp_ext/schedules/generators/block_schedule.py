@@ -1,6 +1,6 @@
 """A building block repeated into a schedule: repeat, squeeze, reorder (see :mod:`.building_block`).
 
-Squeezing is the timing core's (:func:`~..engine.order_times` with unit passes and free hops); the
+Squeezing is the timing core's (:func:`~..order_timing.order_times` with unit passes and free hops); the
 reorder is this module's policy: passes of the warm-up and cool-down move into earlier idle slots
 without raising the block's memory or crossing two messages between neighbouring ranks.
 """
@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..costs import StageCosts
-from ..engine import input_of, order_times, output_of
+from ..engine import input_of, output_of
 from ..ir import Op, OpKind
+from ..order_timing import order_times
 from ..placement import v_placement
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ _MAX_ROUNDS = 4  # squeeze-and-reorder rounds; the published blocks settle withi
 
 def _squeeze(order: list[list[Op]], m: int) -> dict[Op, int]:
     """Start slot of every op when each rank runs its order as early as its inputs allow (unit
-    passes, free hops: the timing core's :func:`~..engine.order_times`)."""
+    passes, free hops: the timing core's :func:`~..order_timing.order_times`)."""
     stages = 2 * len(order)
     unit = StageCosts((1.0,) * stages, (1.0,) * stages, (1.0,) * stages, 0.0)
     starts = order_times(v_placement(len(order)), m, unit, order).starts

@@ -43,8 +43,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ..capabilities import Capabilities, Chunks, MemoryLimit
-from ..engine import Engine, Timing, backward, forward, replay, span_key
+from ..engine import Engine, backward, forward
 from ..ir import Op, OpKind
+from ..order_timing import Timing, replay, span_key
 from ..placement import loop_placement
 from ..registry import ScheduleInfo, register
 from ..schedule import Schedule, build_schedule
@@ -189,7 +190,7 @@ def zb_auto_looped(
     (the share of an activation a pending ``W`` keeps; ``B`` frees the rest), plus ``bfs-zb``'s order
     when it fits; the best under ``objective``, as for ``v = 1`` (:func:`.zero_bubble.zb_auto`): ``makespan``
     (then the longest span, then the peak) or ``span`` (the post-validated time per iteration first,
-    :func:`..engine.span_key`)."""
+    :func:`..order_timing.span_key`)."""
     if memory_limit is None:
         limit = min(2 * p * v, v * m)
     else:

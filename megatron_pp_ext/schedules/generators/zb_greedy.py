@@ -16,8 +16,9 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from ..engine import Engine, Timing
+from ..engine import Engine
 from ..ir import Op
+from ..order_timing import Timing
 from ..placement import loop_placement
 from .common import StageCosts
 

@@ -22,7 +22,7 @@ program gives (what the simulator and the runtime see).
 
 The constructions run on the list-scheduling engine (:mod:`..engine`: op encoding, the simulator's
 async clock, memory); this module keeps their decisions, and times every candidate with the engine's
-:func:`~..engine.replay` (tests cross-check it against ``analysis.simulate``).
+:func:`~..order_timing.replay` (tests cross-check it against ``analysis.simulate``).
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ from __future__ import annotations
 import math
 
 from ..capabilities import MemoryLimit, check_request
-from ..engine import Engine, Timing, replay
+from ..engine import Engine
 from ..ir import Op
+from ..order_timing import Timing, replay
 from ..placement import v_placement
 from ..registry import ScheduleInfo, register
 from ..schedule import Schedule, build_schedule

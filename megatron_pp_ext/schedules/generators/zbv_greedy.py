@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..engine import Engine, Timing, backward, forward
+from ..engine import Engine, backward, forward
+from ..order_timing import Timing
 from ..placement import v_placement
 from .common import ScheduleParameterError, StageCosts
 

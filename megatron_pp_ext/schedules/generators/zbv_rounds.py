@@ -8,8 +8,8 @@ its allowance while that helps. Every pass runs on the engine's clock (:meth:`~.
 
 from __future__ import annotations
 
-from ..engine import Timing
 from ..ir import Op
+from ..order_timing import Timing
 from .common import StageCosts
 from .zbv_greedy import PB, PF, Greedy, Pb, Pf, Policy
 

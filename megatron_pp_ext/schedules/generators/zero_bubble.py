@@ -38,9 +38,9 @@ import math
 from collections.abc import Callable, Sequence
 
 from ..capabilities import Capabilities, Chunks, MemoryLimit
-from ..engine import SPAN_ITERATIONS, Timing, replay, span_key
-from ..engine import post_validated_time as _post_validated_time
 from ..ir import Op, OpKind, op_grid
+from ..order_timing import SPAN_ITERATIONS, Timing, replay, span_key
+from ..order_timing import post_validated_time as _post_validated_time
 from ..placement import loop_placement
 from ..registry import ScheduleInfo, register
 from ..schedule import Schedule, build_schedule
@@ -105,7 +105,7 @@ def _memory_limit(limit: float | None, p: int, m: int) -> int:
 
 # ---- timing of a fixed order (the engine's clock: the simulator's async model) ------------------------
 def time_order(rows: Sequence[Row], m: int, sc: StageCosts, w_memory: float = 1.0) -> Timing:
-    """Time per-rank rows (loop placement, v=1) on the engine's clock (:func:`..engine.replay`)."""
+    """Time per-rank rows (loop placement, v=1) on the engine's clock (:func:`..order_timing.replay`)."""
     return replay(loop_placement(len(rows)), m, sc, rows, w_memory=w_memory)
 
 
@@ -127,7 +127,7 @@ def peak_activations(rows: Sequence[Row], w_memory: float = 1.0) -> float:
 
 def post_validated_time(rows: Sequence[Row], m: int, sc: StageCosts, iterations: int = SPAN_ITERATIONS) -> float:
     """Time per iteration of one-chunk ``rows`` run back to back with optimizer post-validation
-    (:func:`..engine.post_validated_time` on the loop placement)."""
+    (:func:`..order_timing.post_validated_time` on the loop placement)."""
     return _post_validated_time(loop_placement(len(rows)), m, sc, rows, iterations)
 
 
