@@ -591,8 +591,10 @@ def _worker(index: int, inbox: Any, outbox: Any, driver_pid: int | None = None) 
             if os.getppid() != parent:  # the driver died (killed): do not linger as an orphan
                 return
             continue
-        if job is None:
-            return
+        if job is None:  # the pool closes: flush the results, then skip torch's interpreter teardown
+            outbox.close()
+            outbox.join_thread()
+            os._exit(0)
         fn, payload, rank, init_method = job
         try:
             outbox.put((index, fn(payload, rank, init_method)))
