@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .costs import StageCosts
 from .ir import Op, OpKind
@@ -108,6 +109,22 @@ def span_key(
     return (round(post_validated_time(placement, m, costs, rows), 9), round(max(timing.spans), 9), *timing.key)
 
 
+@lru_cache(maxsize=32)
+def _messages(placement: Placement, m: int, hop: float) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """Per message id ``2 (stage m + micro-batch) + is-backward``: the rank receiving it and its latency
+    (``hop`` across ranks, 0 for a hand-off on the rank); shared by every order timed on one layout."""
+    stages = placement.num_stages
+    rank_of = [rank for rank, _ in placement.locations]
+    last = stages - 1
+    dst = [0] * (2 * stages * m)
+    for s in range(stages):
+        to_f, to_b = rank_of[s + 1] if s < last else rank_of[s], rank_of[s - 1] if s > 0 else rank_of[s]
+        dst[2 * s * m : 2 * (s + 1) * m : 2] = [to_f] * m
+        dst[2 * s * m + 1 : 2 * (s + 1) * m : 2] = [to_b] * m
+    latency = tuple(0.0 if dst[mid] == rank_of[mid // (2 * m)] else hop for mid in range(len(dst)))
+    return tuple(dst), latency
+
+
 def _time_order(
     placement: Placement,
     m: int,
@@ -119,16 +136,8 @@ def _time_order(
 ) -> tuple[OpTimes, list[float], list[float]]:
     """:func:`order_times`, plus per rank its busy time and peak live activations."""
     stages = placement.num_stages
-    rank_of = [rank for rank, _ in placement.locations]
     last = stages - 1
-    # message (stage, micro-batch, is-backward) -> id (2 (stage m + mb) + is-backward); its receiver
-    dst = [0] * (2 * stages * m)
-    for s in range(stages):
-        to_f, to_b = rank_of[s + 1] if s < last else rank_of[s], rank_of[s - 1] if s > 0 else rank_of[s]
-        dst[2 * s * m : 2 * (s + 1) * m : 2] = [to_f] * m
-        dst[2 * s * m + 1 : 2 * (s + 1) * m : 2] = [to_b] * m
-    hop = costs.comm
-    latency = [0.0 if dst[mid] == rank_of[mid // (2 * m)] else hop for mid in range(len(dst))]
+    dst, latency = _messages(placement, m, costs.comm)
     # per op kind and stage: (duration, id of its input message for micro-batch 0 or -1, the same for
     # its output, live activations it adds); w_memory as in :class:`Engine` (1: integral counts)
     w_frees: float = 1 if w_memory == 1 else float(w_memory)
