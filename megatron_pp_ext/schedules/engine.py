@@ -95,7 +95,7 @@ class Engine:
     """
 
     __slots__ = (
-        "_b_frees", "_inputs", "_table", "_w_frees", "b_end", "clock", "count", "f_end", "first", "idle", "last_stage",
+        "_b_frees", "_inputs", "_table", "_w_frees", "b_end", "clock", "count", "f_end", "first", "last_stage",
         "live", "m", "next", "p", "peak", "pending_w", "rank_of", "rows", "sc", "stage_of", "total", "v",
     )  # fmt: skip
 
@@ -126,7 +126,6 @@ class Engine:
         self.peak: list[float] = [0] * p
         self.clock = [0.0] * p if start is None else [float(x) for x in start]
         self.first = [-1.0] * p
-        self.idle = [0.0] * p  # per rank, waits after its first op
         self.rows: list[list[Op]] = [[] for _ in range(p)]
         self.count = [0] * p  # ops run per rank
         self.total = 3 * v * m  # ops of a rank
@@ -199,8 +198,6 @@ class Engine:
         clock = self.clock
         if self.first[r] < 0:
             self.first[r] = start
-        else:
-            self.idle[r] += start - clock[r]
         ends[k] = clock[r] = start + duration
         self.count[r] += 1
         self.rows[r].append(ops[k])

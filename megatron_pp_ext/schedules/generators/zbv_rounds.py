@@ -47,6 +47,12 @@ class Rounds(Greedy):
         super().__init__(p, m, sc, limit, policy)
         self.fill_f, self.fill_b = "F" in policy.rounds, "B" in policy.rounds
         self.slack = [0.0] * p if approved is None else [max(approved) - a for a in approved]
+        self.idle = [0.0] * p  # per rank, waits after its first op
+
+    def run(self, r: int, which: int, start: float) -> None:
+        if self.first[r] >= 0:
+            self.idle[r] += start - self.clock[r]
+        super().run(r, which, start)
 
     def _put(self, r: int, which: int) -> bool:
         """Run rank r's next ``which`` pass as early as possible; False if it cannot run yet."""
