@@ -95,7 +95,7 @@ def BW(stage: int, microbatch: int) -> Op:
     return Op(OpKind.BW, stage, microbatch)
 
 
-@lru_cache(maxsize=4)
+@lru_cache(maxsize=6)  # F, B and W of two layouts
 def op_grid(kind: OpKind, num_stages: int, num_microbatches: int) -> tuple[tuple[Op, ...], ...]:
     """``grid[stage][microbatch]``: every op of one kind, built once and shared (ops are immutable).
     List schedulers that try several orders of the same ``(stages, micro-batches)`` take their ops from

@@ -41,3 +41,12 @@ def test_backward_flag() -> None:
 def test_errors_are_value_errors() -> None:
     assert issubclass(ScheduleSyntaxError, ScheduleError)
     assert issubclass(ScheduleError, ValueError)
+
+
+def test_op_grid_holds_every_op_of_a_kind_once_and_shares_it():
+    from megatron_pp_ext.schedules.ir import op_grid
+
+    grid = op_grid(OpKind.W, 3, 4)
+    assert [[str(op) for op in row] for row in grid] == [[f"W{s}.{k}" for k in range(4)] for s in range(3)]
+    assert all(type(op) is Op and op == Op(OpKind.W, s, k) for s, row in enumerate(grid) for k, op in enumerate(row))
+    assert op_grid(OpKind.W, 3, 4)[2][3] is grid[2][3]  # built once: list schedulers take ops from here
