@@ -146,4 +146,5 @@ def test_finished_runs_release_their_chunks_and_process_groups(pool):
         assert r["chunks"] == 0, after
     _run(pool, FsdpCase(microbatches=2))
     again = pool.run_fn(live_chunks_and_gloo_threads, None, 2, 60)
-    assert [r["gloo_threads"] for r in again] == [r["gloo_threads"] for r in after], (after, again)
+    for before_run, after_run in zip(after, again, strict=True):  # a finished run leaves no gloo threads behind
+        assert after_run["gloo_threads"] <= before_run["gloo_threads"], (after, again)
