@@ -40,7 +40,7 @@ from .memory import GIB, ActivationProfile, StageInfo, TrainingSetup, activation
 from .models import ModelSpec
 from .result import PlanResult, PlanRow
 from .schedule_cache import DISK_CACHE_MIN_SECONDS, ScheduleCache
-from .space import SearchSpace, default_schedules, divisors
+from .space import NO_PIPELINE_SCHEDULE, SearchSpace, default_schedules, divisors
 from .variants import first_line, resolve_limit, schedule_variants
 
 
@@ -127,7 +127,19 @@ class Planner:
 
     def count_steps(self) -> int:
         """(shape, schedule, memory limit) triples :meth:`run` visits (the progress bar's total)."""
-        return sum(1 for _ in self.shapes()) * len(self.schedule_names) * (1 + len(self.space.memory_limits))
+        return sum(
+            len(self.schedules_at(p)) * (1 + len(self.space.memory_limits) if p > 1 else 1)
+            for _, p, *_ in self.shapes()
+        )
+
+    def schedules_at(self, p: int) -> tuple[str, ...]:
+        """The schedules searched at pipeline size ``p``. Without a pipeline (``p = 1``) every schedule is
+        the same forward-backward loop, megatron's ``forward_backward_no_pipelining``, and chunks per rank
+        only mean megatron refusing the run (its interleaved schedule needs ``pp > 1``): that configuration
+        is evaluated once, as ``1f1b`` with one chunk (listed as ``none (pp=1)``)."""
+        if p > 1 or not self.schedule_names:
+            return self.schedule_names
+        return (NO_PIPELINE_SCHEDULE,)
 
     # ---- schedules ------------------------------------------------------------------------------
     def _build(
@@ -237,8 +249,8 @@ class Planner:
         over_best: dict[str, float] = {}
         evaluated = over = 0
         for t, p, d, b, m in self.shapes():
-            for name in self.schedule_names:
-                for limit in (None, *self.space.memory_limits):
+            for name in self.schedules_at(p):
+                for limit in (None, *self.space.memory_limits) if p > 1 else (None,):
                     variants = schedule_variants(self, name, p, m, limit, t, d, b)
                     bar.update(1, f"{evaluated} configurations, {len(rows)} fit")
                     for item in variants:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from ..schedules import registry
 
 NO_PIPELINE = "none (pp=1)"  # how a configuration without pipeline parallelism is listed
+NO_PIPELINE_SCHEDULE = "1f1b"  # the schedule that runs it (one chunk: megatron's no-pipelining loop)
 
 
 def default_schedules() -> tuple[str, ...]:

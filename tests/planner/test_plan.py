@@ -13,6 +13,7 @@ import pytest
 from megatron_pp_ext.cli import main
 from megatron_pp_ext.planner import extrapolate
 from megatron_pp_ext.planner.costs import DEVICES, CostModel, get_device, model_flops_per_iteration
+from megatron_pp_ext.planner.megatron_args import config_args
 from megatron_pp_ext.planner.memory import GIB, TrainingSetup
 from megatron_pp_ext.planner.models import get_model
 from megatron_pp_ext.planner.plan import Planner, SearchSpace, row_label
@@ -157,3 +158,22 @@ def test_cli_plan_explicit_shapes_and_errors(capsys: pytest.CaptureFixture[str])
     assert "custom" in capsys.readouterr().out
     assert main(["plan", "--num-layers", "8", "--gpus", "4", "--global-batch", "16", "--no-cache"]) == 2
     assert "--hidden-size" in capsys.readouterr().err
+
+
+def test_without_a_pipeline_one_configuration_runs_megatrons_loop() -> None:
+    """pp=1: every schedule is the same forward-backward loop, and chunks per rank only make megatron refuse
+    the run ("When interleaved schedule is used, pipeline-model-parallel size should be greater than 1"):
+    each (tp, dp, micro-batch, recompute) is listed once, as 1f1b with one chunk and no virtual-stage flag."""
+    planner = _planner("zb-1.5b", 8, 144, tp=(1,), pp=(1, 2), micro_batch=(6,), recompute=("none",))
+    result = planner.run(progress=False)
+    flat = [r for r in result.rows if r.config.pp == 1]
+    assert len(flat) == 1, [r.config.id for r in flat]
+    (row,) = flat
+    assert (row.config.schedule, row.config.chunks, row.config.memory_limit) == ("1f1b", 1, None)
+    args = config_args(row.config, planner.setup, planner.global_batch)
+    assert (
+        "--num-virtual-stages-per-pipeline-rank" not in args and args[args.index("--pipeline-schedule") + 1] == "1f1b"
+    )
+    assert row_label(row.config) == "none (pp=1)"
+    assert any(r.config.pp == 2 and r.config.chunks > 1 for r in result.rows)  # chunks still searched at pp > 1
+    assert not any("p=1" in reason for reasons in result.inapplicable.values() for reason in reasons)
