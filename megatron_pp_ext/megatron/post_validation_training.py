@@ -28,6 +28,7 @@ import atexit
 import functools
 import json
 import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -60,12 +61,13 @@ def _summary() -> None:
 
     for optimizer in _ACTIVE:
         stats = optimizer.stats
-        print(
+        line = (
             f"> megatron_pp_ext: post-validation, pipeline stage {optimizer.stage}: {stats.steps} steps, eager "
             f"{stats.eager}, {stats.rollbacks} rollbacks, {stats.redos} redone, {stats.reruns} forward-backward "
-            f"re-runs, snapshot {stats.snapshot_bytes} bytes",
-            flush=True,
+            f"re-runs, snapshot {stats.snapshot_bytes} bytes\n"
         )
+        sys.stdout.write(line)  # one write with its newline: ranks share the pipe, unbuffered under torchrun
+        sys.stdout.flush()
     path = os.environ.get(LOG_ENV)
     if path and _ACTIVE:
         record = {
