@@ -127,10 +127,7 @@ class Planner:
 
     def count_steps(self) -> int:
         """(shape, schedule, memory limit) triples :meth:`run` visits (the progress bar's total)."""
-        return sum(
-            len(self.schedules_at(p)) * (1 + len(self.space.memory_limits) if p > 1 else 1)
-            for _, p, *_ in self.shapes()
-        )
+        return sum(len(self.schedules_at(p)) * len(self.limits_at(p)) for _, p, *_ in self.shapes())
 
     def schedules_at(self, p: int) -> tuple[str, ...]:
         """The schedules searched at pipeline size ``p``. Without a pipeline (``p = 1``) every schedule is
@@ -140,6 +137,10 @@ class Planner:
         if p > 1 or not self.schedule_names:
             return self.schedule_names
         return (NO_PIPELINE_SCHEDULE,)
+
+    def limits_at(self, p: int) -> tuple[str | None, ...]:
+        """The memory limits tried at pipeline size ``p`` (None: the schedule's own); none without a pipeline."""
+        return (None, *self.space.memory_limits) if p > 1 else (None,)
 
     # ---- schedules ------------------------------------------------------------------------------
     def _build(
@@ -250,7 +251,7 @@ class Planner:
         evaluated = over = 0
         for t, p, d, b, m in self.shapes():
             for name in self.schedules_at(p):
-                for limit in (None, *self.space.memory_limits) if p > 1 else (None,):
+                for limit in self.limits_at(p):
                     variants = schedule_variants(self, name, p, m, limit, t, d, b)
                     bar.update(1, f"{evaluated} configurations, {len(rows)} fit")
                     for item in variants:

@@ -90,8 +90,8 @@ class Engine:
 
     ``stage_of[r][c]`` is the stage of chunk ``c`` on rank ``r``; ``next[r][x]`` the next
     micro-batch of pass ``x``; ``f_end`` / ``b_end`` the end time of each stage's forward /
-    backward per micro-batch (``-1``: not run yet); ``pending_w[r]`` the ``W`` ops
-    whose ``W`` is still to run; ``live`` / ``peak`` activations held.
+    backward per micro-batch (``-1``: not run yet); ``pending_w[r]`` the deferred ``W`` ops still to
+    run, oldest first; ``live`` / ``peak`` activations held.
     """
 
     __slots__ = (

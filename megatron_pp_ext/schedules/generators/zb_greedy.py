@@ -46,6 +46,11 @@ class GreedyVariant:
     f_slack: float = _INF
     warmup: tuple[int, int] | None = None
 
+    @property
+    def flags(self) -> tuple[float, float, tuple[int, int] | None]:
+        """What a pass depends on (everything but the name)."""
+        return (self.w_slack, self.f_slack, self.warmup)
+
 
 DEFAULT_VARIANTS: tuple[GreedyVariant, ...] = (
     GreedyVariant("fit"),
@@ -71,7 +76,7 @@ def greedy_pass(
     eng = Engine(loop_placement(p), m, sc, w_memory=w_memory)
     room = limit - 1 + 1e-9  # an F fits while the live activations are at most this
     tf, tb, tw, c = sc.f, sc.b, sc.w, sc.comm
-    clock, nxt, count, total = eng.clock, eng.next, eng.count, eng.total
+    clock, nxt, pending, count, total = eng.clock, eng.next, eng.pending_w, eng.count, eng.total
     run, run_w, live = eng.run, eng.run_w, eng.live
     w_slack = [variant.w_slack * x for x in tw]
     f_slack = [variant.f_slack * x for x in tf]
@@ -118,7 +123,7 @@ def greedy_pass(
                     rf = end + hop
                 else:
                     lb_f = clock[r - 1] + tf[r - 1] + c
-        has_w = 2 * i_b + i_f > count[r]  # W passes pending: backwards run minus W passes run
+        has_w = bool(pending[r])
         if rf <= t:
             if mem_ok:
                 if t + tf[r] <= min(rb, lb_b) + f_slack[r] or force:

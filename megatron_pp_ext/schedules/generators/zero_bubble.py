@@ -236,8 +236,8 @@ def zb_auto(
     def greedy(
         p: int, m: int, costs: StageCosts, lim: float, policy: GreedyVariant, w_mem: float = 1.0
     ) -> tuple[list[Row], Timing]:
-        """:func:`_greedy`, each pass once: at unit costs ZB-H2's pass is the "fit" variant's."""
-        key = (costs, lim, policy.w_slack, policy.f_slack, policy.warmup, w_mem)
+        """:func:`.zb_greedy.greedy_pass`, each pass once: at unit costs ZB-H2's pass is the "fit" variant's."""
+        key = (costs, lim, policy.flags, w_mem)
         if key not in done:
             done[key] = greedy_pass(p, m, costs, lim, policy, w_mem)
         return done[key]
@@ -269,9 +269,7 @@ def zb_auto(
     if w != 1.0:
         extra["w_memory"] = w
     makespan = key[2] if span else key[0]
-    return build_schedule(
-        "zb-auto", loop_placement(p), m, rows, memory_limit=limit, candidate=name, makespan=makespan, **extra
-    )
+    return build_schedule("zb-auto", placement, m, rows, memory_limit=limit, candidate=name, makespan=makespan, **extra)
 
 
 def check_w_memory(value: object) -> float:
