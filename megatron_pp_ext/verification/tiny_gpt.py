@@ -10,7 +10,9 @@ reference whatever the placement.
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,9 +157,36 @@ def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
     loss_mask = batch["loss_mask"] if gpt.post_process else None
 
     def loss_func(output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        losses = output_tensor.float().view(-1)
-        mask = loss_mask.view(-1).float()
+        # fp32 and fp64 (the exact reference) keep their precision; half precision is summed in fp32
+        dtype = output_tensor.dtype if output_tensor.dtype in (torch.float32, torch.float64) else torch.float32
+        losses = output_tensor.to(dtype).view(-1)
+        mask = loss_mask.view(-1).to(dtype)
         loss = torch.sum(losses * mask) / mask.sum()
         return loss, {"lm loss": loss.detach().clone()}
 
     return output, loss_func
+
+
+def widen_to_float64(chunks: list[Any], config: Any) -> list[Any]:
+    """The exact reference's model (:mod:`.criterion`): the same weights, widened exactly to float64."""
+    config.params_dtype = config.pipeline_dtype = torch.float64
+    return [c.double() for c in chunks]
+
+
+@contextlib.contextmanager
+def float64_cross_entropy() -> Iterator[None]:
+    """Megatron's vocab-parallel cross-entropy in the logits' own dtype (it casts them to fp32, which
+    would put fp32 rounding into the exact reference). Restored on exit: rank-pool workers run other
+    specs afterwards."""
+    from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
+
+    original = VocabParallelCrossEntropy.__dict__["calculate_logits_max"]
+
+    def logits_max_in_input_dtype(vocab_parallel_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return vocab_parallel_logits, torch.max(vocab_parallel_logits, dim=-1)[0]
+
+    VocabParallelCrossEntropy.calculate_logits_max = staticmethod(logits_max_in_input_dtype)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        VocabParallelCrossEntropy.calculate_logits_max = original  # type: ignore[method-assign]

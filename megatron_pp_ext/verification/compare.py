@@ -1,0 +1,288 @@
+"""Comparison of a verification run with its references: the report ``megatron-pp verify`` prints.
+
+The runs themselves happen in :mod:`.verify`; the verdict's criterion is :mod:`.criterion`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import criterion
+
+
+class VerifyRunError(RuntimeError):
+    """A rank failed while running the schedule."""
+
+
+@dataclass
+class VerifyReport:
+    schedule: str
+    p: int
+    m: int
+    v: int
+    ok: bool
+    max_rel_grad_diff: float  # to megatron's fp32 reference, largest over tensors of max|diff| / max|reference|
+    max_abs_loss_diff: float
+    bitwise_equal: bool  # every loss and gradient bitwise equal to megatron's fp32 reference
+    iterations: int
+    losses: list[float]
+    peak_activation_bytes: list[int] = field(default_factory=list)
+    # per pipeline rank: the measured bytes of one activation of each of its stages ({stage: bytes})
+    stage_activation_bytes: list[dict[int, int]] = field(default_factory=list)
+    measured_bubble_rate: list[float] = field(default_factory=list)
+    # per pipeline rank (data-parallel replica 0): the derived collectives launched in the last
+    # iteration, in order, each with whether it started before the rank's last backward ended
+    collectives: list[list[str]] = field(default_factory=list)
+    # FSDP runs, per pipeline rank: gathers derived vs measured per iteration, peak bytes held
+    fsdp: list[dict[str, Any]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    # None: the derived criterion (criterion.py) decided; a number: the explicit fixed bound on max_rel_grad_diff
+    tolerance: float | None = None
+    # the derived criterion's outcome: worst ratio of our error to megatron fp32's (allowed: criterion.GROWTH)
+    worst_ratio: float | None = None
+    margin: float | None = None  # criterion.GROWTH / worst_ratio: > 1 inside the allowance
+    verdict: str = ""  # one line: where the worst tensor is and by how much
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        """The criterion and its outcome, one line."""
+        if self.tolerance is not None:
+            return f"max rel grad diff {self.max_rel_grad_diff:.2g} (fixed tolerance {self.tolerance:g})"
+        bitwise = "; bitwise equal to megatron's fp32" if self.bitwise_equal else ""
+        return f"derived criterion: {self.verdict}{bitwise}"
+
+
+def _check_errors(results: list[dict[str, Any]]) -> None:
+    errors = [r for r in results if "error" in r]
+    if errors:
+        first = next((r for r in errors if "killed after" not in r["error"]), errors[0])
+        raise VerifyRunError(first["error"] + "\n" + first.get("tb", ""))
+
+
+def _losses(results: list[dict[str, Any]]) -> list[list[float]]:
+    """Per iteration, the micro-batch losses of the whole global batch: data-parallel replica by
+    replica (tensor-parallel rank 0), and within one the losses of every rank that computed some
+    (a bidirectional schedule computes them on two ranks) in micro-batch order (a schedule may run
+    the last stage's forwards out of micro-batch order)."""
+    holders = [r for r in results if r["losses"] and r["losses"][0] and r.get("tp_rank", 0) == 0]
+    if not holders:
+        raise VerifyRunError("no rank reported a loss")
+    by_dp: dict[int, list[dict[str, Any]]] = {}
+    for r in holders:
+        by_dp.setdefault(r.get("dp_rank", 0), []).append(r)
+    merged: list[list[float]] = []
+    for it in range(len(holders[0]["losses"])):
+        row: list[float] = []
+        for d in sorted(by_dp):
+            ranks = by_dp[d]
+            if any(r.get("loss_microbatches") is None for r in ranks):  # megatron's own order: by micro-batch
+                row += ranks[0]["losses"][it]
+                continue
+            by_mb: dict[int, float] = {}
+            for r in ranks:
+                by_mb.update(zip(r["loss_microbatches"], r["losses"][it], strict=True))
+            row += [by_mb[mb] for mb in sorted(by_mb)]
+        merged.append(row)
+    return merged
+
+
+def _replica_copies_differ(results: list[dict[str, Any]]) -> list[str]:
+    """Bidirectional runs: the two copies of every parameter (two stages) must be bitwise equal."""
+    import torch
+
+    copies: dict[str, list[tuple[str, Any]]] = {}
+    for r in results:
+        for key, w in r.get("weights", {}).items():
+            name, tp, stage = key.split("#")
+            copies.setdefault(f"{name}#{tp}", []).append((stage, w))
+    problems = []
+    for key, found in sorted(copies.items()):  # 2 copies; a tied embedding 4 (each replica's two ends)
+        if len(found) < 2:
+            problems.append(f"{key}: {len(found)} copy only, expected one per replica")
+        for stage, w in found[1:]:
+            if not torch.equal(found[0][1], w):
+                diff = float((found[0][1] - w).abs().max())
+                problems.append(f"{key}: copies {found[0][0]} and {stage} differ after training (max {diff:g})")
+    return problems
+
+
+def assemble(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per iteration, ``name#tp`` -> the whole gradient, put together from what the ranks report
+    (data-parallel copies and the tied embedding's copies overwrite each other; distributed-optimizer
+    shards fill their ranges)."""
+    import torch
+
+    out: list[dict[str, Any]] = []
+    for it in range(len(results[0]["grads"])):
+        full: dict[str, Any] = {}
+        for r in results:
+            for key, g in r["grads"][it].items():
+                parts = key.split("#")
+                name = "#".join(parts[:2])
+                if len(parts) <= 4:
+                    full[name] = g
+                    continue
+                lo, hi = (int(x) for x in parts[4].split(":"))
+                flat = full.setdefault(name, {})
+                flat[(lo, hi)] = g.reshape(-1)
+        for name, value in full.items():
+            if isinstance(value, dict):  # shards: concatenated in range order
+                full[name] = torch.cat([value[k] for k in sorted(value)])
+        out.append(full)
+    return out
+
+
+def compare(
+    name: str,
+    p: int,
+    m: int,
+    v: int,
+    ref: list[dict[str, Any]],
+    run: list[dict[str, Any]],
+    tol: float | None = None,
+    exact: list[dict[str, Any]] | None = None,
+) -> VerifyReport:
+    """Compare a pipeline run with megatron's fp32 reference ``ref`` and, for the derived verdict
+    (:mod:`.criterion`), the float64 run ``exact`` (all already checked for errors). With ``tol`` the
+    verdict is instead ``max_rel_grad_diff <= tol`` (and the losses within ``tol`` relative)."""
+    import torch
+
+    if tol is None and exact is None:
+        raise ValueError("compare() needs the exact (float64) run for the derived verdict, or an explicit tol")
+    ref_losses = _losses(ref)
+    run_losses = _losses(run)
+    problems: list[str] = []
+    problems += _replica_copies_differ(run)
+    loss_diff = 0.0
+    bitwise = True
+    for it, (a, b) in enumerate(zip(run_losses, ref_losses, strict=True)):
+        if len(a) != len(b):
+            problems.append(f"iteration {it}: {len(a)} losses reported, reference has {len(b)}")
+            continue
+        for x, y in zip(a, b, strict=True):
+            loss_diff = max(loss_diff, abs(x - y))
+            bitwise &= x == y
+    grad_diff = 0.0
+    ref_grads = assemble(ref)
+    for r in run:
+        for it, step in enumerate(r["grads"]):
+            for key, g in step.items():
+                parts = key.split("#")
+                want = ref_grads[it].get("#".join(parts[:2]))
+                if want is None:
+                    continue  # reported by the criterion (or below, for a fixed tolerance)
+                if len(parts) > 4:  # a shard of the flattened gradient (distributed optimizer)
+                    lo, hi = (int(x) for x in parts[4].split(":"))
+                    want = want.reshape(-1)[lo:hi]
+                if g.shape != want.shape:
+                    continue
+                scale = max(float(want.abs().max()), 1e-30)
+                grad_diff = max(grad_diff, float((g - want).abs().max()) / scale)
+                bitwise &= bool(torch.equal(g, want))
+    verdict = None
+    if exact is not None:
+        exact_full = assemble(exact)
+        exact_losses = _losses(exact)
+        ours, missing = criterion.gradient_errors(exact_full, run)
+        theirs, _ = criterion.gradient_errors(exact_full, ref)
+        ours.update(criterion.loss_errors(exact_losses, run_losses))
+        theirs.update(criterion.loss_errors(exact_losses, ref_losses))
+        problems += missing
+        verdict = criterion.judge(ours, theirs)
+        problems += verdict.problems
+    if tol is not None:
+        covered = {"#".join(k.split("#")[:2]) for r in run for k in (r["grads"][0] if r["grads"] else {})}
+        missing_names = sorted(set(ref_grads[0]) - covered) if ref_grads else []
+        if missing_names:
+            problems.append(f"parameters never produced a gradient on any rank: {missing_names[:5]}")
+        ok = (
+            not problems
+            and grad_diff <= tol
+            and loss_diff <= tol * max(1.0, abs(ref_losses[0][0]) if ref_losses[0] else 1.0)
+        )
+    else:
+        assert verdict is not None
+        ok = not problems and verdict.ok
+    traces = [
+        r.get("trace")
+        for r in sorted(run, key=lambda r: (r["pp_rank"], r["tp_rank"]))
+        if r["tp_rank"] == 0 and r.get("dp_rank", 0) == 0
+    ]
+    return VerifyReport(
+        schedule=name,
+        p=p,
+        m=m,
+        v=v,
+        ok=ok,
+        max_rel_grad_diff=grad_diff,
+        max_abs_loss_diff=loss_diff,
+        bitwise_equal=bitwise and not problems,
+        iterations=len(run_losses),
+        losses=[sum(x) / len(x) if x else float("nan") for x in run_losses],
+        peak_activation_bytes=[t["peak_activation_bytes"] for t in traces if t],
+        stage_activation_bytes=[{int(k): int(b) for k, b in t["stage_activation_bytes"].items()} for t in traces if t],
+        measured_bubble_rate=[t["measured_bubble_rate"] for t in traces if t],
+        collectives=[_launches(t) for t in traces if t],
+        problems=problems,
+        tolerance=tol,
+        worst_ratio=None if verdict is None else verdict.worst_ratio,
+        margin=None if verdict is None else verdict.margin,
+        verdict="" if verdict is None else verdict.describe(),
+    )
+
+
+def _launches(trace: dict[str, Any]) -> list[str]:
+    last = trace["per_iteration"][-1] if trace.get("per_iteration") else {}
+    return [
+        f"{c['kind']}[s{c['stage']}]{' (overlaps backward)' if c['before_last_backward_end'] else ''}"
+        for c in last.get("collectives", [])
+    ]
+
+
+def _check_fsdp_collectives(
+    report: VerifyReport, schedule: Any, run: list[dict[str, Any]], limit: int, unit: int | None
+) -> None:
+    """FSDP: every rank gathered its chunks and reduce-scattered their gradients exactly as often per
+    iteration as the lowering derived, counted twice: by the chunks (``ShardedChunk`` counters) and by the
+    trace (the executor's launches of derived ``reduce-grads``)."""
+    from ..schedules.collectives import CollectiveKind, derive_collectives, fsdp_policy
+
+    plan = derive_collectives(schedule, fsdp_policy(schedule, limit, unit))
+    for r in sorted(run, key=lambda r: (r["pp_rank"], r["dp_rank"], r["tp_rank"])):
+        where = f"pipeline rank {r['pp_rank']} dp rank {r['dp_rank']}"
+        derived = plan.count(CollectiveKind.UNSHARD, r["pp_rank"])
+        derived_reduces = plan.count(CollectiveKind.REDUCE_GRADS, r["pp_rank"])
+        measured = r["fsdp"]["all_gathers_per_iteration"]
+        reduces = r["fsdp"]["reduce_scatters_per_iteration"]
+        trace = r.get("trace")
+        traced = (
+            [it["collective_counts"].get(str(CollectiveKind.REDUCE_GRADS), 0) for it in trace["per_iteration"]]
+            if trace
+            else None
+        )
+        if r["dp_rank"] == 0 and r["tp_rank"] == 0:
+            report.fsdp.append(
+                {
+                    "derived_unshards": derived,
+                    "derived_reduce_scatters": derived_reduces,
+                    "traced_reduce_scatters_per_iteration": traced,
+                    **r["fsdp"],
+                }
+            )
+        if any(n != derived for n in measured):
+            report.problems.append(
+                f"{where}: {measured} parameter all-gathers per iteration, the lowering derived {derived}"
+            )
+        if any(n != derived_reduces for n in reduces) or (
+            traced is not None and traced != [derived_reduces] * len(traced)
+        ):
+            report.problems.append(
+                f"{where}: {reduces} gradient reduce-scatters per iteration (traced launches {traced}), the lowering "
+                f"derived {derived_reduces}"
+            )
+    if report.problems:
+        report.ok = False
