@@ -758,9 +758,11 @@ def reference_specs(spec: RunSpec) -> tuple[RunSpec, RunSpec]:
 def reference_runs(
     pool: RankPool, spec: RunSpec, phase: Any = None
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Run :func:`reference_specs` of ``spec`` on ``pool``: ``(exact, reference)`` results, checked."""
+    """Run :func:`reference_specs` of ``spec`` on ``pool``: ``(exact, reference)`` results, checked.
+    ``phase`` (callable(text)) is told which reference is running."""
     results = []
-    for name, ref_spec in zip(("exact reference (float64)", "megatron's fp32 reference"), reference_specs(spec)):
+    names = ("exact reference (float64)", "megatron's fp32 reference")
+    for name, ref_spec in zip(names, reference_specs(spec), strict=True):
         if phase is not None:
             phase(name)
         results.append(pool.run(ref_spec))
