@@ -2,36 +2,37 @@
 
 from __future__ import annotations
 
+from megatron_pp_ext.verification import criterion
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
-from megatron_pp_ext.verification.verify import NATIVE, OURS, RunSpec, _check_errors, compare
+from megatron_pp_ext.verification.verify import OURS, RunSpec, _check_errors, compare, reference_runs
 
 
 def test_zb_auto_replans_mid_training_with_identical_math(pool):
     p, m, iterations = 4, 6, 4
     model = TinyGPTSpec(num_layers=p)
-    ref = pool.run(RunSpec(pp=1, mode=NATIVE, num_microbatches=m, model=model, iterations=iterations))
-    _check_errors(ref)
-    run = pool.run(
-        RunSpec(
-            pp=p,
-            mode=OURS,
-            num_microbatches=m,
-            model=model,
-            iterations=iterations,
-            split_backward=True,
-            replan_schedule="zb-auto",
-            # A tight limit and a deliberately wrong guess (W six times F): with any cost profile measured
-            # on CPU (F > B > W) zb-auto then picks another order, so the run really switches schedules.
-            replan_memory_limit=5,
-            replan_initial_costs="1,1,6,0",
-            profile_iterations=2,
-        )
+    spec = RunSpec(
+        pp=p,
+        mode=OURS,
+        num_microbatches=m,
+        model=model,
+        iterations=iterations,
+        split_backward=True,
+        replan_schedule="zb-auto",
+        # A tight limit and a deliberately wrong guess (W six times F): with any cost profile measured
+        # on CPU (F > B > W) zb-auto then picks another order, so the run really switches schedules.
+        replan_memory_limit=5,
+        replan_initial_costs="1,1,6,0",
+        profile_iterations=2,
+        optimizer=criterion.OPTIMIZER,
+        lr=criterion.LR,
     )
+    exact, ref = reference_runs(pool, spec)
+    run = pool.run(spec)
     _check_errors(run)
     used = run[0]["schedules_used"]
     assert used[0] != used[-1], "the re-planned schedule should differ from the initial one"
     assert all(r["measured_costs"] is not None for r in run)
-    report = compare("zb-auto", p, m, 1, ref, run)
+    report = compare("zb-auto", p, m, 1, ref, run, exact=exact)
     assert report.problems == []
     assert report.ok, report  # loss and every gradient at every iteration, before and after the switch
 
