@@ -29,22 +29,27 @@ error between two summation orders (normwise errors average over a tensor's elem
 ratios stay within 0.5-2, across AVX2/AVX-512/baseline kernels and one or two threads, see
 ``benchmarks/RESULTS.md``). ``FP32_RESOLUTION = 2^-23`` (one unit in the last place of fp32 at 1)
 keeps a reference that happens to be nearly exact on a small tensor from demanding more than fp32
-can express. The optimizer is plain SGD (no momentum): its update is linear in the gradient, so a
-rounding difference stays a rounding difference over the iterations. Adam's update is ``±lr`` for any
-gradient element above its epsilon, whatever its size, so it turns a sign flip of a near-zero element
-(pure rounding) into an ``O(lr)`` weight difference: under Adam a multi-step comparison measures the
-kernels' luck, not the schedule.
+can express.
+
+The optimizer of every run is Adam (torch's, or megatron's for the distributed optimizer) with
+``eps = ADAM_EPS = 1``, far above every gradient element of the tiny model (~1e-2 and below). Its
+update ``lr * m / (sqrt(v) + eps)`` is then a smooth function of the gradients, of slope at most
+``lr / eps`` (SGD with momentum, in effect), so a rounding difference in a gradient stays a rounding
+difference in the weights and in the next iterations. With Adam's default ``eps = 1e-8`` the update
+of an element is ``±lr`` whatever its size once it exceeds ``1e-8``: a sign flip of a near-zero
+element (pure rounding, different on AVX2 and AVX-512) becomes an ``O(lr)`` weight difference, and a
+multi-step comparison measures the kernels' luck, not the schedule.
 
 Why it cannot pass a wrong one: a schedule error changes some gradient by a whole contribution — a
 micro-batch skipped, doubled or swapped (``~1/m`` of the tensor's norm), a weight gradient not or twice
 applied, a data-parallel reduction missing or early (a replica's share), weights used before the
-optimizer updated them (SGD at ``lr = 0.1`` moves the weights by 1-10% per step). These are
+optimizer updated them (a step at ``LR = 0.1`` moves the tiny model's weights by 1-10%). These are
 ``>= 1e-3`` relative, while the allowance is ``GROWTH`` times fp32 rounding, ``~1e-6``: a margin of three
 orders of magnitude, which :attr:`Verdict.margin` reports and the deliberate breaks of
 ``tests/runtime/test_verify_breaks.py`` show.
 
 An explicit tolerance (``--tolerance``) replaces the derived criterion by a fixed bound on the largest
-relative gradient difference to the fp32 reference (the former verdict), for users who want one.
+relative gradient difference to megatron's fp32 reference, for users who want one.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ from typing import Any
 
 GROWTH = 4.0
 FP32_RESOLUTION = 2.0**-23
-OPTIMIZER = "sgd"  # every run of a verification: update linear in the gradient (see above)
+ADAM_EPS = 1.0  # every run of a verification: Adam's update smooth in the gradient (see above)
 LR = 0.1  # one step moves the tiny model's weights by 1-10%: weights used before their update show
 LOSSES = "losses"  # the name under which an iteration's losses are judged
 

@@ -103,7 +103,7 @@ class RunSpec:
     float64: bool = False
     # Testing aid: deliberate faults injected into OURS runs (verification/breaks.py).
     breaks: tuple[str, ...] = ()
-    optimizer: str = "adam"  # "adam" or "sgd" (torch's, or megatron's with the megatron optimizer)
+    adam_eps: float = 1e-8  # Adam's epsilon (torch's and megatron's optimizer); verification raises it
 
     @property
     def world_size(self) -> int:
@@ -378,6 +378,9 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
     if validator is not None:
         validator.finish()
     result: dict[str, Any] = {
+        # what decides fp32 rounding here: the kernels' instruction set and the thread count
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
         "pp_rank": pp_rank,
         "tp_rank": tp_rank,
         "dp_rank": dp_rank,
@@ -429,9 +432,7 @@ def _inject_inf(chunk: Any, use_ddp: bool) -> None:
 def _torch_optimizer(spec: RunSpec, params: list[Any]) -> Any:
     import torch
 
-    if spec.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=spec.lr)
-    return torch.optim.Adam(params, lr=spec.lr)
+    return torch.optim.Adam(params, lr=spec.lr, eps=spec.adam_eps)
 
 
 def _megatron_optimizer(spec: RunSpec, chunks: list[Any]) -> Any:
@@ -445,14 +446,14 @@ def _megatron_optimizer(spec: RunSpec, chunks: list[Any]) -> Any:
     enable_megatron_optimizer_on_cpu()
 
     config = OptimizerConfig(
-        optimizer=spec.optimizer,
+        optimizer="adam",
         lr=spec.lr,
+        adam_eps=spec.adam_eps,
         weight_decay=0.0,
         clip_grad=spec.clip_grad,
         use_distributed_optimizer=spec.distributed_optimizer,
         bf16=spec.loss_scale is not None,  # selects the mixed-precision wrapper; parameters stay fp32
         loss_scale=spec.loss_scale,
-        sgd_momentum=0.0,  # plain SGD: an update linear in the gradient (verification/criterion.py)
     )
     return get_megatron_optimizer(config, chunks)
 
@@ -742,7 +743,7 @@ def reference_specs(spec: RunSpec) -> tuple[RunSpec, RunSpec]:
         "use_ddp": spec.use_ddp,
         "sequence_parallel": spec.sequence_parallel,
         "timeout_s": spec.timeout_s,
-        "optimizer": spec.optimizer,
+        "adam_eps": spec.adam_eps,
         "lr": spec.lr,
     }
     exact = RunSpec(num_microbatches=spec.num_microbatches * spec.dp, float64=True, **common)  # type: ignore[arg-type]
@@ -831,7 +832,7 @@ def verify_schedule(
         "sequence_parallel": sequence_parallel,
         "timeout_s": timeout_s,
     }
-    common["optimizer"] = criterion.OPTIMIZER
+    common["adam_eps"] = criterion.ADAM_EPS
     common["lr"] = criterion.LR if lr is None else lr
     own_pool = pool is None
     say = progress or (lambda text: None)

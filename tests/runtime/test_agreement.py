@@ -53,7 +53,7 @@ def _spec(csv0: str, csv1: str, **kw) -> RunSpec:
         iterations=2,
         timeout_s=10.0,
         split_backward=True,
-        optimizer=criterion.OPTIMIZER,
+        adam_eps=criterion.ADAM_EPS,
         lr=criterion.LR,
         **kw,
     )

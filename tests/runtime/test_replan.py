@@ -23,7 +23,7 @@ def test_zb_auto_replans_mid_training_with_identical_math(pool):
         replan_memory_limit=5,
         replan_initial_costs="1,1,6,0",
         profile_iterations=2,
-        optimizer=criterion.OPTIMIZER,
+        adam_eps=criterion.ADAM_EPS,
         lr=criterion.LR,
     )
     exact, ref = reference_runs(pool, spec)

@@ -25,7 +25,7 @@ def test_overlap_hook_runs_every_pair_and_matches_reference(pool, p: int, m: int
     exactly the schedule's pairs (forward's chunk owns the hook), and losses and gradients still match."""
     schedule = generate("dualpipev", p, m)
     model = TinyGPTSpec(num_layers=2 * p)
-    common = {"model": model, "iterations": 2, "optimizer": criterion.OPTIMIZER, "lr": criterion.LR}
+    common = {"model": model, "iterations": 2, "adam_eps": criterion.ADAM_EPS, "lr": criterion.LR}
     spec = RunSpec(pp=p, num_microbatches=m, mode=OURS, schedule_csv=schedule.to_csv(), split_backward=True, **common)
     exact, ref = reference_runs(pool, spec)
     run = pool.run_fn(run_with_recording_hook, spec, p, 300)
