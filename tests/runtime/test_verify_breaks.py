@@ -34,15 +34,16 @@ def test_every_break_has_a_case():
 @pytest.mark.parametrize("fault", sorted(CASES))
 def test_break_is_caught_far_outside_the_bound(pool, fault):
     name, p, m, dp, options = CASES[fault]
-    report = verify_schedule(generate(name, p, m), pool, dp=dp, iterations=2, breaks=(fault,), **options)
+    iterations = 2 if fault == "fsdp-stale-shards" else 1  # stale weights show from the second iteration on
+    report = verify_schedule(generate(name, p, m), pool, dp=dp, iterations=iterations, breaks=(fault,), **options)
     print(f"{fault}: {report.describe()}")
     assert not report.ok
     assert report.worst_ratio is not None and report.worst_ratio >= 100 * criterion.GROWTH, report.describe()
 
 
-@pytest.mark.parametrize("fault", ["w-skipped", "dp-reduction-missing"])
-def test_break_is_caught_by_a_fixed_tolerance_too(pool, fault):
+def test_break_is_caught_by_a_fixed_tolerance_too(pool):
     """``--tolerance`` keeps its meaning (a bound on the max relative gradient difference)."""
+    fault = "dp-reduction-missing"
     name, p, m, dp, options = CASES[fault]
     report = verify_schedule(generate(name, p, m), pool, dp=dp, iterations=1, breaks=(fault,), tol=1e-3, **options)
     assert not report.ok and report.max_rel_grad_diff > 1e-3
