@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import gc
 import math
 import os
 import queue
@@ -148,6 +149,11 @@ def run_on_rank(spec: RunSpec, rank: int, init_method: str) -> dict[str, Any]:
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
+        # A run's megatron modules form reference cycles (the config holds DDP's bound sync functions, the
+        # modules hold the config) that keep its process groups alive until the cycle collector runs, and
+        # an idle pool worker allocates too little to trigger it: collect now, or each run's gloo groups
+        # (~19 threads per run, spinning once their peers are gone) pile up in the reused worker.
+        gc.collect()
 
 
 def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:

@@ -143,3 +143,31 @@ def test_trace_keeps_the_last_iterations_ops_on_one_clock(pool):
         assert [op for op, _, _ in row] == [str(op) for op in schedule.ops[rank]]
         assert all(a <= b for _, a, b in row) and all(row[i][2] <= row[i + 1][1] for i in range(len(row) - 1))
     assert ops[1][0][1] >= ops[0][0][2]  # F1.0 starts after F0.0 ended (it needs its activation)
+
+
+def _gloo_threads(_payload: object, _rank: int, _init_method: str) -> int:
+    """In a pool worker: gloo's network threads still alive (one pair per live process group context)."""
+    import os
+
+    tasks = f"/proc/{os.getpid()}/task"
+    names = []
+    for tid in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return sum(name == "gloo_tcp_loop" for name in names)
+
+
+def test_finished_megatron_ddp_runs_release_their_process_groups(pool):
+    """A run's megatron modules and DDP form reference cycles that hold its process groups; a reused pool
+    worker that never collected them kept ~19 more gloo threads per run (spinning once the peers were gone:
+    hundreds by the end of a suite). Two further DDP runs leave the worker's gloo threads where they were."""
+    spec = RunSpec(pp=1, mode=NATIVE, num_microbatches=2, dp=2, model=TinyGPTSpec(num_layers=2), iterations=1)
+    _check_errors(pool.run(spec))
+    before = pool.run_fn(_gloo_threads, None, 2, 60)
+    for _ in range(2):
+        _check_errors(pool.run(spec))
+    after = pool.run_fn(_gloo_threads, None, 2, 60)
+    assert after == before, (before, after)
