@@ -44,6 +44,9 @@ class VerifyReport:
     worst_ratio: float | None = None
     margin: float | None = None  # criterion.GROWTH / worst_ratio: > 1 inside the allowance
     verdict: str = ""  # one line: where the worst tensor is and by how much
+    # schedules running megatron's own 1F1B order: every loss and gradient bitwise equal to megatron's 1F1B on
+    # the same ranks (None: not that order, or not compared)
+    bitwise_megatron_1f1b: bool | None = None
 
     def to_json_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -53,6 +56,9 @@ class VerifyReport:
         if self.tolerance is not None:
             return f"max rel grad diff {self.max_rel_grad_diff:.2g} (fixed tolerance {self.tolerance:g})"
         bitwise = "; bitwise equal to megatron's fp32" if self.bitwise_equal else ""
+        if self.bitwise_megatron_1f1b is not None:
+            same = "bitwise equal to" if self.bitwise_megatron_1f1b else "NOT bitwise equal to"
+            bitwise += f"; {same} megatron's own 1F1B on the same ranks (same arithmetic, demanded)"
         return f"derived criterion: {self.verdict}{bitwise}"
 
 
@@ -233,6 +239,29 @@ def compare(
         margin=None if verdict is None else verdict.margin,
         verdict="" if verdict is None else verdict.describe(),
     )
+
+
+def check_bitwise(report: VerifyReport, native: list[dict[str, Any]], run: list[dict[str, Any]]) -> None:
+    """A run of megatron's own 1F1B order against megatron's 1F1B on the same ranks: the arithmetic is the
+    same operation for operation, so every loss and gradient must be equal bit for bit."""
+    import torch
+
+    def by_rank(results: list[dict[str, Any]]) -> dict[tuple[int, int, int], dict[str, Any]]:
+        return {(r["pp_rank"], r["tp_rank"], r.get("dp_rank", 0)): r for r in results}
+
+    theirs, ours = by_rank(native), by_rank(run)
+    differ = [
+        f"rank {where}: {name}"
+        for where, r in sorted(ours.items())
+        for it, step in enumerate(r["grads"])
+        for name, g in step.items()
+        if where not in theirs or not torch.equal(g, theirs[where]["grads"][it].get(name, torch.empty(0)))
+    ]
+    differ += [f"rank {w}: losses" for w, r in sorted(ours.items()) if r["losses"] != theirs.get(w, {}).get("losses")]
+    report.bitwise_megatron_1f1b = not differ
+    if differ:
+        report.problems.append(f"not bitwise equal to megatron's own 1F1B on the same ranks: {differ[:4]}")
+        report.ok = False
 
 
 def _launches(trace: dict[str, Any]) -> list[str]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import criterion
-from .compare import VerifyReport, VerifyRunError, _check_errors, _check_fsdp_collectives, compare
+from .compare import VerifyReport, VerifyRunError, _check_errors, _check_fsdp_collectives, check_bitwise, compare
 from .tiny_gpt import TinyGPTSpec
 
 __all__ = ["RankPool", "RunSpec", "VerifyReport", "VerifyRunError", "compare", "run_on_rank", "verify_schedule"]
@@ -207,10 +207,14 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
             for i, c in enumerate(chunks)
         ]
         config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
-        if overlap:  # as megatron's training loop does with overlap_grad_reduce and align_grad_reduce
-            config.grad_sync_func = [c.start_grad_sync for c in chunks]
-        if spec.distributed_optimizer:  # likewise with overlap_param_gather and align_param_gather
-            config.param_sync_func = [c.start_param_sync for c in chunks]
+        # as megatron's training loop does with overlap_grad_reduce / overlap_param_gather and align_*: a list
+        # with virtual stages, a function without (what megatron's own schedules expect)
+        if overlap:
+            grad_sync = [c.start_grad_sync for c in chunks]
+            config.grad_sync_func = grad_sync if len(chunks) > 1 else grad_sync[0]
+        if spec.distributed_optimizer:
+            param_sync = [c.start_param_sync for c in chunks]
+            config.param_sync_func = param_sync if len(chunks) > 1 else param_sync[0]
         config.finalize_model_grads_func = finalize_model_grads
     params = [p for c in chunks for p in c.parameters()]
     validator: Any = None
@@ -736,6 +740,19 @@ class RankPool:
         self.close(kill=exc[0] is not None)
 
 
+def _is_megatron_1f1b(schedule: Any) -> bool:
+    """Whether ``schedule`` runs megatron-core's own 1F1B order (same placement, same ops on every rank)."""
+    from ..schedules import generate
+
+    try:
+        megatron = generate("1f1b", schedule.num_ranks, schedule.num_microbatches)
+    except ValueError:
+        return False
+    return schedule.placement == megatron.placement and [list(r) for r in schedule.ops] == [
+        list(r) for r in megatron.ops
+    ]
+
+
 def reference_specs(spec: RunSpec) -> tuple[RunSpec, RunSpec]:
     """The two references of ``spec``'s run (:mod:`.criterion`): megatron's no-pipelining schedule on the
     same model, data and training, in float64 on one replica (the exact result) and in fp32 with the
@@ -869,12 +886,19 @@ def verify_schedule(
         phase[0] = f"{schedule.name} on {p * tp * dp} ranks"
         run = pool.run(ours)
         _check_errors(run)
+        native = None
+        if not fsdp and _is_megatron_1f1b(schedule):  # the same arithmetic as megatron's 1F1B: bit for bit
+            phase[0] = f"megatron's own 1F1B on {p * tp * dp} ranks"
+            native = pool.run(dataclasses.replace(ours, mode=NATIVE, trace=False, split_backward=False, breaks=()))
+            _check_errors(native)
     finally:
         pool.on_progress = saved
         if own_pool:
             pool.close()
     say("comparing losses and every gradient with the references")
     report = compare(schedule.name, p, m, schedule.chunks_per_rank, ref, run, tol, exact)
+    if native is not None:
+        check_bitwise(report, native, run)
     if fsdp:
         _check_fsdp_collectives(report, schedule, run, fsdp_max_unsharded, fsdp_grad_reduce_unit)
     return report

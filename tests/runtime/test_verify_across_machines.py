@@ -34,6 +34,7 @@ def test_verdict_holds_under_other_kernels_and_thread_counts(monkeypatch, capabi
     with RankPool(4) as pool:
         report = verify_schedule(generate(name, 2, 4), pool, dp=2, distributed_optimizer=dist_opt, iterations=2)
         assert report.ok, report.describe()
+        assert report.bitwise_megatron_1f1b is (True if name == "1f1b" else None), report.describe()
         print(f"{capability} x {threads} threads, {name}: {report.describe()}")
         ran = pool.run_fn(_capability, None, 4, 120)
     assert {c for c, _ in ran} == {capability.upper()}, ran
