@@ -406,9 +406,15 @@ def _int_list(text: str) -> list[int]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Peer tables: torch.distributed.pipelining's schedules next to ours (imports torch)."""
+    """Peer tables: torch.distributed.pipelining's schedules next to ours (imports torch); with --emulate,
+    every schedule on real ranks with emulated compute (verification/emulate_bench.py)."""
     from .analysis import peers
+    from .verification import emulate_bench
 
+    if args.emulate:
+        return emulate_bench.run(args)
+    emulate_bench.settings_from(args)  # refuses the --emulate flags without --emulate
+    args.p_list = args.p_list or "4,8,16,32"
     command = "megatron-pp bench" + (f" -p {args.p_list}" if args.p_list != "4,8,16,32" else "")
     command += f" --m-factors {args.m_factors}" if args.m_factors != "1,2,3,4" else ""
     command += f" --write {args.write}" if args.write else ""
@@ -473,6 +479,12 @@ def _add_planner_parsers(subparsers: Any) -> None:
 
 
 # <<< planner subcommands <<<
+
+
+def _add_emulate_arguments(bench: argparse.ArgumentParser) -> None:
+    from .verification.emulate_bench import add_arguments  # argument parsing only: no torch
+
+    add_arguments(bench)
 
 
 def build_parser(load_verify: bool = False) -> argparse.ArgumentParser:
@@ -576,10 +588,11 @@ def build_parser(load_verify: bool = False) -> argparse.ArgumentParser:
     drw.set_defaults(func=cmd_draw)
 
     bench = sub.add_parser("bench", help="torch.distributed.pipelining's schedules vs ours in the simulator")
-    bench.add_argument("-p", dest="p_list", default="4,8,16,32", help="pipeline sizes, comma-separated")
+    bench.add_argument("-p", dest="p_list", default=None, help="pipeline sizes, comma-separated (default 4,8,16,32)")
     bench.add_argument("--m-factors", default="1,2,3,4", help="m = factor * p for each factor")
     bench.add_argument("--write", metavar="RESULTS.md", help="replace the peers section of this markdown file")
     bench.add_argument("--plots", metavar="DIR", help="also draw bubble-vs-m and peak-memory plots (matplotlib)")
+    _add_emulate_arguments(bench)
     bench.set_defaults(func=cmd_bench)
 
     _add_verify_parser(sub, load_verify)

@@ -1,4 +1,5 @@
-"""Gantt charts of simulated schedules (matplotlib, imported lazily; no pyplot, no global backend).
+"""Gantt charts of simulated schedules, and a bar chart of simulated vs measured gains (matplotlib,
+imported lazily; no pyplot, no global backend).
 
 One lane per rank (rank 0 on top); each op is a box coloured by kind (F, B, W, BW), a lighter
 shade per later chunk when a rank holds several chunks, labelled with its micro-batch. Idle
@@ -162,6 +163,35 @@ def draw_plan_vs_measured(
         ax.set_xlim(0, max((end for *_, end in timeline), default=1.0))
         ax.set_xlabel(f"time ({axis_unit})")
         ax.set_title(f"{schedule.name} p={p} m={schedule.num_microbatches}: {label}", fontsize=10)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format=out.suffix.lower().lstrip("."))
+    return out
+
+
+def draw_gain_comparison(
+    names: Sequence[str], simulated: Sequence[float], measured: Sequence[float], path: str | Path, title: str
+) -> Path:
+    """Grouped bars per schedule: its simulated and its measured gain over a baseline (1.0 = as fast as
+    the baseline, drawn as a line), so a schedule whose real run loses what the simulator promises stands out."""
+    out = _output_path(path)
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise ValueError("drawing needs matplotlib: pip install 'megatron_pp_ext[plot]'") from None
+    fig = Figure(figsize=(max(6.0, 0.7 * len(names) + 2), 4.2), dpi=100, layout="constrained")
+    ax = fig.add_subplot(1, 1, 1)
+    xs = range(len(names))
+    width = 0.38
+    ax.bar([x - width / 2 for x in xs], simulated, width, label="simulated", color="#9ecae1")
+    ax.bar([x + width / 2 for x in xs], measured, width, label="measured", color="#3182bd")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    values = [*simulated, *measured, 1.0]
+    ax.set_ylim(min(values) - 0.05, max(values) + 0.05)
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
+    ax.set_ylabel("gain over 1f1b (time of 1f1b / time)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, frameon=False)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format=out.suffix.lower().lstrip("."))
     return out

@@ -1,0 +1,395 @@
+"""``megatron-pp bench --emulate``: every applicable schedule on real gloo ranks with emulated compute.
+
+For one pipeline size ``p`` and ``m`` micro-batches, each schedule runs on ``p`` spawned ranks (real
+megatron-core GPTModel chunks, megatron DDP, real tensors through our executor) with every F, B, W and
+BW op padded to the ``--costs`` wall time (:mod:`.emulate`); the simulator gets the same costs and the
+measured one-way p2p time. Reported per schedule: simulated and measured (median) iteration time, their
+ratio, the gains over 1f1b both ways, and where each rank's time went; our 1f1b and interleaved-1f1b are
+also timed against megatron-core's own schedules on the same ranks (alternating iterations).
+
+Only argument parsing lives at module level (no torch): the ``bench`` parser of the CLI adds these flags
+without importing the runtime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import argtypes
+
+DEFAULT_ITERATIONS, DEFAULT_WARMUP = 5, 2
+KINDS = ("F", "B", "W", "BW")
+DEFAULT_COSTS = "20,20,15"  # ms per 1F1B stage: T_F, T_B, T_W (BW = B + W)
+MAX_PAD_MS = 1000.0
+P_RANGE = (2, 8)  # ranks spawned on this machine
+M_MAX = 64
+P2P_ROUNDS = 50
+SECTION = "Emulated compute on real ranks"
+BEGIN, END = "<!-- emulated:begin -->", "<!-- emulated:end -->"
+
+
+class EmulateError(ValueError):
+    """Bad input for ``bench --emulate`` (one line naming the flag and its valid range)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--emulate`` flags of ``megatron-pp bench`` (``-p``, ``--write`` and ``--plots`` are the
+    command's own and take their emulated meaning with ``--emulate``)."""
+    group = parser.add_argument_group(
+        "emulated compute on real ranks (--emulate; -p is then one pipeline size, default 2)"
+    )
+    group.add_argument(
+        "--emulate",
+        action="store_true",
+        help="run every applicable schedule on real gloo ranks with each op padded to --costs, next to the "
+        "simulator and megatron-core's own 1F1B / interleaved 1F1B",
+    )
+    group.add_argument("-m", type=argtypes.positive_int, default=None, help="micro-batches per iteration (default 2p)")
+    group.add_argument(
+        "--schedules", default=None, metavar="NAME[,NAME...]", help="schedules to run (default: every registered one)"
+    )
+    group.add_argument(
+        "--iterations",
+        type=argtypes.positive_int,
+        default=None,
+        metavar="N",
+        help=f"timed iterations (median, default {DEFAULT_ITERATIONS})",
+    )
+    group.add_argument(
+        "--warmup",
+        type=argtypes.nonnegative_int,
+        default=None,
+        metavar="N",
+        help=f"untimed iterations first (default {DEFAULT_WARMUP})",
+    )
+    group.add_argument(
+        "--costs",
+        default=None,
+        metavar="F,B,W[,COMM]",
+        help=f"wall time in ms of one 1F1B stage's F, B and W (default {DEFAULT_COSTS}; a rank holding k stages "
+        "per replica pads each of its ops to 1/k); COMM: the simulator's hop time (default: measured)",
+    )
+
+
+EMULATE_ONLY = ("m", "schedules", "costs", "iterations", "warmup")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Checked ``--emulate`` input."""
+
+    p: int
+    m: int
+    schedules: tuple[str, ...]
+    iterations: int
+    warmup: int
+    t_f: float
+    t_b: float
+    t_w: float
+    comm_ms: float | None  # None: measured
+    write: str | None = None
+    plots: str | None = None
+    command: str = ""
+
+
+def settings_from(args: argparse.Namespace) -> Settings | None:
+    """Check every ``--emulate`` flag before anything is spawned; EmulateError names the flag and range.
+    Without ``--emulate``: None, or EmulateError if one of its own flags was given."""
+    from ..schedules import registry
+
+    if not args.emulate:
+        given = [("--" if len(name) > 1 else "-") + name for name in EMULATE_ONLY if getattr(args, name) is not None]
+        if given:
+            raise EmulateError(f"{', '.join(given)}: only with --emulate")
+        return None
+    text = args.p_list if args.p_list is not None else str(P_RANGE[0])
+    try:
+        p = int(text)
+    except ValueError:
+        raise EmulateError(f"-p with --emulate must be one size in {P_RANGE[0]}..{P_RANGE[1]}, got {text!r}") from None
+    if not P_RANGE[0] <= p <= P_RANGE[1]:
+        raise EmulateError(f"-p with --emulate must be in {P_RANGE[0]}..{P_RANGE[1]}, got {p}")
+    m = args.m if args.m is not None else 2 * p
+    if m > M_MAX:
+        raise EmulateError(f"-m must be in 1..{M_MAX}, got {m}")
+    iterations = DEFAULT_ITERATIONS if args.iterations is None else args.iterations
+    warmup = DEFAULT_WARMUP if args.warmup is None else args.warmup
+    if iterations > 1000:
+        raise EmulateError(f"--iterations must be in 1..1000, got {iterations}")
+    if warmup > 100:
+        raise EmulateError(f"--warmup must be in 0..100, got {warmup}")
+    names = registry.names()
+    wanted = tuple(x.strip() for x in args.schedules.split(",") if x.strip()) if args.schedules else tuple(names)
+    unknown = [x for x in wanted if x not in names]
+    if unknown or not wanted:
+        raise EmulateError(f"--schedules: unknown {unknown or '(empty list)'}; registered: {', '.join(names)}")
+    costs_text = args.costs or DEFAULT_COSTS
+    parts = costs_text.split(",")
+    try:
+        numbers = [float(x) for x in parts]
+    except ValueError:
+        numbers = []
+    if len(parts) not in (3, 4) or len(numbers) != len(parts) or any(not 0 <= x <= MAX_PAD_MS for x in numbers):
+        raise EmulateError(f"--costs must be F,B,W[,COMM] in ms, each in [0, {MAX_PAD_MS:g}], got {costs_text!r}")
+    if args.plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise EmulateError("--plots needs matplotlib: pip install 'megatron_pp_ext[plot]'") from None
+    command = f"megatron-pp bench --emulate -p {p} -m {m}"
+    command += f" --schedules {','.join(wanted)}" if args.schedules else ""
+    command += f" --iterations {iterations} --warmup {warmup} --costs {costs_text}"
+    command += (f" --write {args.write}" if args.write else "") + (f" --plots {args.plots}" if args.plots else "")
+    return Settings(
+        p=p,
+        m=m,
+        schedules=wanted,
+        iterations=iterations,
+        warmup=warmup,
+        t_f=numbers[0],
+        t_b=numbers[1],
+        t_w=numbers[2],
+        comm_ms=numbers[3] if len(numbers) == 4 else None,
+        write=args.write,
+        plots=args.plots,
+        command=command,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# One schedule: its simulation and its measured run
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    """One schedule's figures (times in ms)."""
+
+    name: str
+    v: int
+    simulated: float
+    measured: float = float("nan")
+    sim_gain: float = float("nan")
+    measured_gain: float = float("nan")
+    native: str | None = None
+    native_measured: float = float("nan")
+    ours_vs_native: float = float("nan")  # median over iterations of ours / megatron's
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # per rank: median breakdown (ms)
+    ops: int = 0  # padded ops traced (all ranks, timed iterations)
+    short_ops: int = 0  # ops that ended before their pad (must be 0)
+    over_pad: int = 0  # ops whose real compute exceeded their pad
+    real_ms: dict[str, tuple[float, float]] = field(default_factory=dict)  # per kind: real compute, median and max
+    native_ops: int = 0
+    native_short_ops: int = 0
+    native_over_pad: int = 0
+    native_real_ms: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        return self.measured / self.simulated if self.simulated > 0 else float("nan")
+
+
+def stage_costs(settings: Settings, schedule: Any, comm_ms: float) -> Any:
+    """The schedule's per-stage costs (ms): a rank holding ``k`` stages per replica gets 1/k of a
+    1F1B stage's time per op, as it holds 1/k of the layers."""
+    from ..analysis.simulate import Costs
+
+    k = schedule.placement.stages_per_rank_per_replica
+    return Costs(settings.t_f / k, settings.t_b / k, settings.t_w / k, None, comm_ms)
+
+
+def _job(settings: Settings, schedule: Any, costs: Any) -> Any:
+    from .emulate import NATIVE_PEERS, EmulateJob
+    from .tiny_gpt import TinyGPTSpec
+
+    t_f, t_b, t_w, t_bw = costs.per_stage(schedule.num_stages)
+    pads = {kind: tuple(x / 1000 for x in values) for kind, values in zip(KINDS, (t_f, t_b, t_w, t_bw), strict=True)}
+    native = schedule.name if schedule.name in NATIVE_PEERS else None
+    return EmulateJob(
+        name=schedule.name,
+        pp=settings.p,
+        num_microbatches=settings.m,
+        schedule_csv=schedule.to_csv(),
+        pads_s=pads,
+        model=TinyGPTSpec(num_layers=schedule.placement.stages_per_replica),
+        warmup=settings.warmup,
+        iterations=settings.iterations,
+        native=native,
+        native_pads_s=(t_f[0] / 1000, t_bw[0] / 1000),
+    )
+
+
+def _median_per_iteration(results: list[dict[str, Any]], name: str, warmup: int) -> list[float]:
+    """Per timed iteration, the slowest rank's wall time of ``name``'s forward-backward (s)."""
+    per_rank = [r["times"][name][warmup:] for r in results]
+    return [max(values) for values in zip(*per_rank, strict=True)]
+
+
+def _rank_breakdown(result: dict[str, Any], warmup: int) -> dict[str, Any]:
+    """Median over timed iterations of each part of one rank's iteration, ms."""
+    timed = result["breakdowns"][warmup:]
+
+    def med(get: Any) -> float:
+        return statistics.median(get(b) for b in timed) * 1000
+
+    out: dict[str, Any] = {
+        "rank": result["pp_rank"],
+        "compute": med(lambda b: b["compute"]),
+        "real_compute": med(lambda b: b["real_compute"]),
+        "post": med(lambda b: b["post"]),
+        "between": med(lambda b: b["between"]),
+        "drain": med(lambda b: b["drain"]),
+        "outside": med(lambda b: b["outside"]),
+    }
+    for kind in ("F", "B", "BW", "W"):
+        out[f"wait_{kind}"] = med(lambda b, k=kind: b["wait"].get(k, 0.0))
+    out["idle"] = med(lambda b: b["span"] + b["outside"] - b["compute"])
+    gap, op = max((w for b in timed for w in b["longest_waits"]), default=(0.0, "-"))
+    out["longest_wait"] = f"{op} {gap * 1000:.1f}"
+    return out
+
+
+def fill_measured(row: Row, results: list[dict[str, Any]], warmup: int) -> None:
+    """Row figures from the ranks' results of its job."""
+    ours = _median_per_iteration(results, "ours", warmup)
+    row.measured = statistics.median(ours) * 1000
+    row.ranks = [_rank_breakdown(r, warmup) for r in sorted(results, key=lambda r: r["pp_rank"])]
+    ops = [op[1:] for r in results for op in r["ops"] if op[0] >= warmup]  # (name, kind, real, pad, lasted)
+    row.ops = len(ops)
+    row.short_ops = sum(1 for *_, pad, lasted in ops if lasted < pad)
+    row.over_pad = sum(1 for *_, real, pad, _ in ops if real > pad)
+    row.real_ms = _real_ms((kind, real) for _, kind, real, _, _ in ops)
+    native_ops = [op[1:] for r in results for op in r["native_ops"] if op[0] >= warmup]  # (kind, real, pad, lasted)
+    if row.native is not None:
+        native = _median_per_iteration(results, "megatron", warmup)
+        row.native_measured = statistics.median(native) * 1000
+        row.ours_vs_native = statistics.median(a / b for a, b in zip(ours, native, strict=True))
+        row.native_ops = len(native_ops)
+        row.native_short_ops = sum(1 for *_, pad, lasted in native_ops if lasted < pad)
+        row.native_over_pad = sum(1 for _, real, pad, _ in native_ops if real > pad)
+        row.native_real_ms = _real_ms((kind, real) for kind, real, _, _ in native_ops)
+
+
+def _real_ms(ops: Any) -> dict[str, tuple[float, float]]:
+    """Per op kind: the median and the largest real compute (before padding), ms."""
+    by_kind: dict[str, list[float]] = {}
+    for kind, real in ops:
+        by_kind.setdefault(kind, []).append(real * 1000)
+    return {kind: (statistics.median(values), max(values)) for kind, values in by_kind.items()}
+
+
+# ------------------------------------------------------------------------------------------------
+# The run
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    settings: Settings
+    comm_ms: float
+    comm_measured: bool
+    rows: list[Row]
+    skipped: dict[str, str]
+    load: tuple[float, float]  # 1-minute load average at start and end
+    seconds: float
+
+
+def build_schedules(settings: Settings, comm_ms: float) -> tuple[list[tuple[Any, Any]], dict[str, str]]:
+    """The requested schedules that build at ``(p, m)``, validated, each with its per-stage costs."""
+    from ..analysis.simulate import Costs
+    from ..analysis.validate import validate
+    from ..schedule_args import generate_schedule
+    from ..schedules.ir import ScheduleError
+
+    base = Costs(settings.t_f, settings.t_b, settings.t_w, None, comm_ms)
+    built: list[tuple[Any, Any]] = []
+    skipped: dict[str, str] = {}
+    for name in settings.schedules:
+        try:
+            schedule = generate_schedule(name, settings.p, settings.m, None, base)
+            validate(schedule)
+        except ScheduleError as exc:
+            skipped[name] = str(exc).splitlines()[0]
+            continue
+        built.append((schedule, stage_costs(settings, schedule, comm_ms)))
+    return built, skipped
+
+
+def run_emulation(settings: Settings, pool: Any = None, say: Any = print) -> Outcome:
+    """Measure the p2p time, then run and simulate every schedule; ``pool``: a RankPool of >= p ranks."""
+    from ..analysis.simulate import simulate
+    from ..analysis.validate import validate
+    from .emulate import measure_p2p_latency, run_job
+    from .tiny_gpt import TinyGPTSpec
+    from .verify import RankPool, VerifyRunError
+
+    started = time.monotonic()
+    load_start = os.getloadavg()[0]
+    own = pool is None
+    if own:
+        say(f"starting {settings.p} rank processes (imports take ~10 s per process)")
+        pool = RankPool(settings.p)
+    try:
+        model = TinyGPTSpec()
+        shape = (model.seq_length, model.micro_batch_size, model.hidden_size)
+        comm_ms, measured_comm = settings.comm_ms, settings.comm_ms is None
+        if comm_ms is None:
+            latency = pool.run_fn(measure_p2p_latency, (settings.p, shape, P2P_ROUNDS), settings.p)
+            _raise_errors(latency, VerifyRunError)
+            comm_ms, fastest_ms = latency[0][0] * 1000, latency[0][1] * 1000
+            say(
+                f"p2p: {comm_ms:.3f} ms one way (median of {P2P_ROUNDS} round trips of a {shape} fp32 tensor; "
+                f"fastest {fastest_ms:.3f} ms)"
+            )
+        built, skipped = build_schedules(settings, comm_ms)
+        if not built:
+            raise EmulateError(f"no requested schedule builds at p={settings.p}, m={settings.m}: {skipped}")
+        rows = []
+        for schedule, costs in built:
+            sim = simulate(schedule, costs, lowered=validate(schedule)).makespan
+            job = _job(settings, schedule, costs)
+            row = Row(schedule.name, schedule.chunks_per_rank, sim, native=job.native)
+            say(f"{schedule.name}: running {settings.warmup} + {settings.iterations} iterations")
+            results = pool.run_fn(run_job, job, settings.p, wall_timeout_s=job.timeout_s * 4 + 120)
+            _raise_errors(results, VerifyRunError)
+            fill_measured(row, results, settings.warmup)
+            rows.append(row)
+    finally:
+        if own:
+            pool.close()
+    base = next((r for r in rows if r.name == "1f1b"), None)
+    for row in rows:
+        if base is not None:
+            row.sim_gain = base.simulated / row.simulated
+            row.measured_gain = base.measured / row.measured
+    return Outcome(
+        settings, comm_ms, measured_comm, rows, skipped, (load_start, os.getloadavg()[0]), time.monotonic() - started
+    )
+
+
+def _raise_errors(results: list[Any], error: type[Exception]) -> None:
+    failed = [r for r in results if isinstance(r, dict) and "error" in r]
+    if failed:
+        raise error(failed[0]["error"] + "\n" + failed[0].get("tb", ""))
+
+
+def run(args: argparse.Namespace) -> int:
+    """``megatron-pp bench --emulate``: run, print the report, write and draw on request."""
+    from . import emulate_report
+
+    settings = settings_from(args)
+    assert settings is not None  # called with --emulate
+    outcome = run_emulation(settings, say=lambda text: print(text, flush=True))
+    link = None
+    if settings.plots:
+        path = emulate_report.draw(outcome, settings.plots)
+        base = os.path.dirname(os.path.abspath(settings.write)) if settings.write else os.getcwd()
+        link = os.path.relpath(path.resolve(), base)
+    text = emulate_report.report(outcome, link)
+    print()
+    print(text)
+    if settings.write:
+        emulate_report.write_block(settings.write, settings, text)
+        print(f"wrote p={settings.p} m={settings.m} into the {SECTION!r} section of {settings.write}")
+    return 0
