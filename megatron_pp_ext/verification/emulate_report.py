@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .emulate_bench import BEGIN, END, SECTION, Outcome, Row, Settings
+from .emulate_bench import BEGIN, END, P2P_ROUNDS, SECTION, Outcome, Row, Settings
 
 INTRO = (
     "Every registered schedule that builds at (p, m) on p spawned gloo ranks: real megatron-core GPTModel chunks "
@@ -33,8 +33,9 @@ def report(outcome: Outcome, figure_link: str | None = None) -> str:
     per-rank breakdown of where the time went."""
     s = outcome.settings
     comm = (
-        f"{outcome.comm_ms:.3f} ms one way (measured: median of 50 round trips)"
-        if outcome.comm_measured
+        f"{outcome.comm_ms:.3f} ms one way (measured: median of {P2P_ROUNDS} round trips; fastest "
+        f"{outcome.comm_fastest_ms:.3f} ms)"
+        if outcome.comm_fastest_ms is not None
         else f"{outcome.comm_ms:g} ms (given)"
     )
     lines = [

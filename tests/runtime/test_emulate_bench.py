@@ -1,0 +1,141 @@
+"""``megatron-pp bench --emulate``: its plumbing, checked deterministically (no timed threshold).
+
+The padding (every op of ours and of megatron-core's own schedules lasts at least its pad, every one of
+them is padded), the accounting of the time between ops, the table's rows, the results-file block and the
+refusal of bad input before any rank starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_pp_ext.cli import main
+from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.schedules.ir import Op, OpKind
+from megatron_pp_ext.verification import emulate_bench, emulate_report
+from megatron_pp_ext.verification.emulate import PaddedTracer
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--emulate", "-p", "9"], "-p with --emulate must be in 2..8, got 9"),
+        (["--emulate", "-p", "2,4"], "-p with --emulate must be one size in 2..8"),
+        (["--emulate", "-m", "65"], "-m must be in 1..64, got 65"),
+        (["--emulate", "--schedules", "1f1b,nope"], "--schedules: unknown ['nope']; registered: 1f1b,"),
+        (["--emulate", "--costs", "20,20"], "--costs must be F,B,W[,COMM] in ms, each in [0, 1000]"),
+        (["--emulate", "--costs", "20,20,2000"], "--costs must be F,B,W[,COMM] in ms, each in [0, 1000]"),
+        (["--emulate", "--iterations", "1001"], "--iterations must be in 1..1000"),
+        (["-m", "4", "--costs", "1,1,1"], "-m, --costs: only with --emulate"),
+    ],
+)
+def test_bad_input_is_one_line_before_any_rank(capsys, monkeypatch, flags, message) -> None:
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("a rank pool was started")
+
+    monkeypatch.setattr("megatron_pp_ext.verification.verify.RankPool", no_ranks)
+    assert main(["bench", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megatron-pp: error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_padded_tracer_pads_every_op_and_accounts_for_the_gaps() -> None:
+    pads = {"F": (0.004, 0.004), "B": (0.003, 0.003), "W": (0.002, 0.002), "BW": (0.005, 0.005)}
+    tracer = PaddedTracer(0, pads)
+    ops = [Op(OpKind.F, 0, 0), Op(OpKind.B, 0, 0), Op(OpKind.W, 0, 0), Op(OpKind.BW, 1, 0)]
+    tracer.begin_iteration()
+    for op in ops:
+        time.sleep(0.003)  # waiting for the op's input
+        tracer.begin_op(op)
+        tracer.end_op(op)  # no real compute: the op lasts its pad
+        tracer.begin_comm()
+        time.sleep(0.001)
+        tracer.end_comm()
+    tracer.end_iteration()
+    (breakdown,) = tracer.breakdowns
+    assert [name for _, name, *_ in tracer.ops] == [str(op) for op in ops]
+    for _, _, kind, real, pad, lasted in tracer.ops:
+        assert lasted >= pad == pads[kind][0] and real < pad
+    assert breakdown["compute"] >= sum(pad for *_, pad, _ in tracer.ops)
+    assert set(breakdown["wait"]) == {"F", "B", "W", "BW"} and all(w >= 0.003 for w in breakdown["wait"].values())
+    assert breakdown["post"] >= 4 * 0.001
+    parts = breakdown["compute"] + sum(breakdown["wait"].values()) + breakdown["post"] + breakdown["between"]
+    assert parts + breakdown["drain"] == pytest.approx(breakdown["span"], abs=2e-3)
+    assert len(tracer.iterations) == 1  # the base tracer's record too
+
+
+def _outcome(rows: list[emulate_bench.Row], settings: emulate_bench.Settings) -> emulate_bench.Outcome:
+    return emulate_bench.Outcome(settings, 0.2, 0.1, rows, {"gpipe": "refused"}, (0.5, 0.6), 1.0)
+
+
+def _settings(p: int = 2, m: int = 4) -> emulate_bench.Settings:
+    return emulate_bench.Settings(p, m, ("1f1b",), 2, 1, 2.0, 2.0, 1.0, None, command=f"cmd p={p} m={m}")
+
+
+def test_results_block_is_replaced_not_appended(tmp_path: Path) -> None:
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Results\n\nkept\n\n## Later section\n")
+    for p, m, text in ((2, 4, "first"), (2, 8, "other"), (2, 4, "second")):
+        emulate_report.write_block(str(results), _settings(p, m), text)
+    out = results.read_text()
+    assert out.startswith("# Results\n\nkept\n\n## Later section\n")
+    assert out.count(emulate_bench.BEGIN) == 1 and out.count(f"## {emulate_bench.SECTION}") == 1
+    assert "first" not in out and out.index("### p = 2, m = 4\n\nsecond") < out.index("### p = 2, m = 8\n\nother")
+    assert out.rstrip().endswith(emulate_bench.END)
+
+
+@pytest.mark.gloo
+def test_emulated_run_pads_every_op_and_reports_every_schedule(pool, tmp_path: Path) -> None:
+    """p=2, m=4, tiny pads: every op of ours and of megatron's lasted at least its pad, every op was padded
+    (counted against the schedule), one table row per schedule, one breakdown row per schedule and rank."""
+    settings = emulate_bench.Settings(
+        p=2,
+        m=4,
+        schedules=("1f1b", "zb-h1", "interleaved-1f1b"),
+        iterations=2,
+        warmup=1,
+        t_f=4.0,
+        t_b=4.0,
+        t_w=3.0,
+        comm_ms=None,
+        command="test",
+    )
+    outcome = emulate_bench.run_emulation(settings, pool, say=lambda text: None)
+    assert [r.name for r in outcome.rows] == ["1f1b", "zb-h1", "interleaved-1f1b"]
+    assert outcome.comm_ms > 0 and outcome.comm_fastest_ms is not None
+    for row in outcome.rows:
+        schedule = generate(row.name, 2, 4)
+        assert row.ops == settings.iterations * sum(len(ops) for ops in schedule.ops)  # every op traced and padded
+        assert row.short_ops == 0
+        assert row.simulated > 0 and row.measured > 0
+        assert [b["rank"] for b in row.ranks] == [0, 1]
+        for b in row.ranks:
+            assert b["compute"] >= b["real_compute"] >= 0 and b["idle"] >= 0
+        if row.name in ("1f1b", "interleaved-1f1b"):  # megatron's own: a forward and a backward per micro-batch
+            assert row.native == row.name and row.native_measured > 0 and row.ours_vs_native > 0
+            v = schedule.chunks_per_rank
+            assert row.native_ops == settings.iterations * 2 * (2 * 4 * v) and row.native_short_ops == 0
+        else:
+            assert row.native is None and row.native_ops == 0
+    assert outcome.rows[0].sim_gain == 1.0 and outcome.rows[0].measured_gain == 1.0
+    text = emulate_report.report(outcome)
+    names = [r.name for r in outcome.rows]
+    assert _first_cells(text, "| schedule | v | simulated ms") == names
+    assert _first_cells(text, "| ours | megatron ms") == ["1f1b", "interleaved-1f1b"]
+    assert _first_cells(text, "| schedule | rank |") == [name for name in names for _ in range(2)]
+    assert "WARNING" not in text or "exceeded their pad" in text  # a loaded machine may warn; never broken pads
+    assert "ended before their pad" not in text
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert emulate_report.draw(outcome, str(tmp_path)).stat().st_size > 0
+
+
+def _first_cells(text: str, header: str) -> list[str]:
+    """The first cell of each row of the markdown table whose header starts with ``header``."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header)) + 2
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return [line.split("|")[1].strip() for line in lines[start:end]]
