@@ -59,6 +59,7 @@ def report(outcome: Outcome, figure_link: str | None = None) -> str:
         "simulated gain vs 1f1b",
         "measured gain vs 1f1b",
         "measured gain / simulated gain",
+        "ops over pad",
     ]
     rows = [
         [
@@ -70,6 +71,7 @@ def report(outcome: Outcome, figure_link: str | None = None) -> str:
             _f(r.sim_gain),
             _f(r.measured_gain),
             _f(r.measured_gain / r.sim_gain),
+            f"{r.over_pad}/{r.ops}",
         ]
         for r in outcome.rows
     ]
@@ -77,7 +79,14 @@ def report(outcome: Outcome, figure_link: str | None = None) -> str:
     natives = [r for r in outcome.rows if r.native is not None]
     if natives:
         lines += ["", "Against megatron-core's own schedules (same ranks, model and pads; alternating iterations):", ""]
-        header = ["ours", "megatron ms", "ours ms", "ours / megatron (median per iteration)", "megatron / simulated"]
+        header = [
+            "ours",
+            "megatron ms",
+            "ours ms",
+            "ours / megatron (median per iteration)",
+            "megatron / simulated",
+            "megatron's ops over pad",
+        ]
         rows = [
             [
                 r.name,
@@ -85,11 +94,12 @@ def report(outcome: Outcome, figure_link: str | None = None) -> str:
                 _f(r.measured, 1),
                 _f(r.ours_vs_native),
                 _f(r.native_measured / r.simulated),
+                f"{r.native_over_pad}/{r.native_ops}",
             ]
             for r in natives
         ]
         lines += _table(header, rows)
-    lines += ["", *pad_lines(outcome.rows, s)]
+    lines += ["", *pad_lines(outcome.rows)]
     if figure_link:
         lines += ["", f"![measured vs simulated gain, p={s.p} m={s.m}]({figure_link})"]
     lines += ["", *breakdown_lines(outcome.rows)]
@@ -98,7 +108,7 @@ def report(outcome: Outcome, figure_link: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def pad_lines(rows: list[Row], s: Settings) -> list[str]:
+def pad_lines(rows: list[Row]) -> list[str]:
     """Every op lasted at least its pad (by construction; counted), and the real compute under it."""
     ops = sum(r.ops for r in rows)
     short = sum(r.short_ops for r in rows)
@@ -116,13 +126,15 @@ def pad_lines(rows: list[Row], s: Settings) -> list[str]:
         + ", ".join(f"{kind} {medians[kind]:.2f} / {max(values[1::2]):.2f}" for kind, values in sorted(real.items()))
         + "."
     ]
-    for r in rows:
-        if r.over_pad or r.native_over_pad:
-            lines.append(
-                f"**WARNING** {r.name}: the real compute of {r.over_pad} of our ops and {r.native_over_pad} of "
-                "megatron's exceeded their pad: its times are not the emulated costs (raise --costs or use a "
-                "quieter machine)."
-            )
+    over = [r for r in rows if r.over_pad or r.native_over_pad]
+    if over:
+        count = sum(r.over_pad + r.native_over_pad for r in over)
+        lines.append(
+            f"**WARNING** the real compute of {count} of {ops + native_ops} ops exceeded their pad ("
+            + ", ".join(r.name for r in over)
+            + "; column 'ops over pad'): those ops measured the CPU, not the emulated costs; rerun on a quieter "
+            "machine or with larger --costs."
+        )
     if short or native_short:
         lines.append(f"**WARNING** {short + native_short} ops ended before their pad: the padding is broken.")
     return lines
