@@ -73,8 +73,10 @@ class PaddedTracer(Tracer):
     Per iteration (``breakdowns``), in seconds: ``compute`` (ops, padded), ``real_compute`` (the same
     ops before padding), ``wait`` per op kind (from the end of whatever the rank did last to the start
     of the op: the executor waiting for the op's input receive, and for a backward for its output's
-    send), ``post`` (inside the p2p post hooks), ``between`` (other time between ops: bookkeeping and
-    collective launches), ``drain`` (after the last op until the executor's loop ends: pending sends,
+    send), ``post`` (inside the p2p post hooks), ``recv_wait`` / ``send_wait`` (up to a protocol event
+    that reports a receive or send wait that blocked, where the executor reports them: ``protocol``
+    hooks; otherwise those waits count in ``wait``), ``between`` (other time between ops: bookkeeping
+    and collective launches), ``drain`` (after the last op until the executor's loop ends: pending sends,
     collectives) and ``span`` (the executor's iteration, first hook to last). ``ops`` holds every op's
     ``(iteration, name, kind, real_s, pad_s, lasted_s)`` over the whole run.
     """
@@ -99,6 +101,8 @@ class PaddedTracer(Tracer):
             "real_compute": 0.0,
             "wait": {},
             "post": 0.0,
+            "recv_wait": 0.0,
+            "send_wait": 0.0,
             "between": 0.0,
             "waits": [],
         }
@@ -133,6 +137,18 @@ class PaddedTracer(Tracer):
         super().end_comm()
         self._cursor = time.perf_counter()
         self._current["post"] += self._cursor - self._comm_started
+
+    def protocol(self, event: str, what: str, **info: Any) -> None:
+        """A p2p protocol event (executors that report them): the time up to a blocked receive or send
+        wait is that wait."""
+        parent = getattr(super(), "protocol", None)
+        if parent is not None:
+            parent(event, what, **info)
+        now = time.perf_counter()
+        blocked = bool(info.get("blocked"))
+        part = {"recv-wait": "recv_wait", "send-done": "send_wait"}.get(event) if blocked else None
+        self._current[part or "between"] += now - self._cursor
+        self._cursor = now
 
     def end_iteration(self) -> None:
         now = time.perf_counter()

@@ -246,6 +246,8 @@ def _rank_breakdown(result: dict[str, Any], warmup: int) -> dict[str, Any]:
         "compute": med(lambda b: b["compute"]),
         "real_compute": med(lambda b: b["real_compute"]),
         "post": med(lambda b: b["post"]),
+        "recv_wait": med(lambda b: b["recv_wait"]),
+        "send_wait": med(lambda b: b["send_wait"]),
         "between": med(lambda b: b["between"]),
         "drain": med(lambda b: b["drain"]),
         "outside": med(lambda b: b["outside"]),

@@ -152,13 +152,16 @@ def breakdown_lines(rows: list[Row]) -> list[str]:
         "wait BW",
         "wait W",
         "p2p post",
+        "recv wait",
+        "send wait",
         "between ops",
         "drain",
         "outside loop",
         "idle",
         "longest wait (op ms)",
     ]
-    keys = ["compute", "real_compute", "wait_F", "wait_B", "wait_BW", "wait_W", "post", "between", "drain", "outside"]
+    keys = ["compute", "real_compute", "wait_F", "wait_B", "wait_BW", "wait_W", "post", "recv_wait", "send_wait"]
+    keys += ["between", "drain", "outside"]
     table = [
         [r.name, str(b["rank"]), *(_f(b[k], 1) for k in keys), _f(b["idle"], 1), b["longest_wait"]]
         for r in rows
@@ -169,7 +172,9 @@ def breakdown_lines(rows: list[Row]) -> list[str]:
         "",
         "compute: the ops, padded; wait X: before the rank's X ops, from the end of what it did last (the "
         "op's input receive, for a backward also its output's send); p2p post: inside the executor's posting "
-        "of exchanges; between ops: other time between ops (bookkeeping, collective launches); drain: after "
+        "of exchanges; recv / send wait: up to a receive or send wait that blocked, where the executor reports "
+        "its p2p protocol's events to the tracer (else those waits are in wait X); between ops: other time "
+        "between ops (bookkeeping, collective launches); drain: after "
         "the last op until the executor's loop ends (pending sends, collectives); outside loop: the rest of the "
         "forward-backward call (megatron's finalize_model_grads: the tied embedding's all-reduce); idle: all "
         "but compute.",

@@ -50,6 +50,8 @@ def test_padded_tracer_pads_every_op_and_accounts_for_the_gaps() -> None:
     tracer.begin_iteration()
     for op in ops:
         time.sleep(0.003)  # waiting for the op's input
+        if op.kind == OpKind.BW:  # an executor that reports its protocol's events: a blocked receive wait
+            tracer.protocol("recv-wait", "act", blocked=True)
         tracer.begin_op(op)
         tracer.end_op(op)  # no real compute: the op lasts its pad
         tracer.begin_comm()
@@ -61,9 +63,12 @@ def test_padded_tracer_pads_every_op_and_accounts_for_the_gaps() -> None:
     for _, _, kind, real, pad, lasted in tracer.ops:
         assert lasted >= pad == pads[kind][0] and real < pad
     assert breakdown["compute"] >= sum(pad for *_, pad, _ in tracer.ops)
-    assert set(breakdown["wait"]) == {"F", "B", "W", "BW"} and all(w >= 0.003 for w in breakdown["wait"].values())
+    waits = breakdown["wait"]
+    assert set(waits) == {"F", "B", "W", "BW"} and all(waits[k] >= 0.003 for k in "FBW") and waits["BW"] < 0.003
+    assert breakdown["recv_wait"] >= 0.003 and breakdown["send_wait"] == 0.0
     assert breakdown["post"] >= 4 * 0.001
-    parts = breakdown["compute"] + sum(breakdown["wait"].values()) + breakdown["post"] + breakdown["between"]
+    parts = breakdown["compute"] + sum(waits.values()) + breakdown["post"] + breakdown["between"]
+    parts += breakdown["recv_wait"] + breakdown["send_wait"]
     assert parts + breakdown["drain"] == pytest.approx(breakdown["span"], abs=2e-3)
     assert len(tracer.iterations) == 1  # the base tracer's record too
 
