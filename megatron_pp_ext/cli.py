@@ -415,6 +415,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return emulate_bench.run(args)
     emulate_bench.settings_from(args)  # refuses the --emulate flags without --emulate
     args.p_list = args.p_list or "4,8,16,32"
+    args.m_factors = args.m_factors or "1,2,3,4"
     command = "megatron-pp bench" + (f" -p {args.p_list}" if args.p_list != "4,8,16,32" else "")
     command += f" --m-factors {args.m_factors}" if args.m_factors != "1,2,3,4" else ""
     command += f" --write {args.write}" if args.write else ""
@@ -589,7 +590,7 @@ def build_parser(load_verify: bool = False) -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="torch.distributed.pipelining's schedules vs ours in the simulator")
     bench.add_argument("-p", dest="p_list", default=None, help="pipeline sizes, comma-separated (default 4,8,16,32)")
-    bench.add_argument("--m-factors", default="1,2,3,4", help="m = factor * p for each factor")
+    bench.add_argument("--m-factors", default=None, help="m = factor * p for each factor (default 1,2,3,4)")
     bench.add_argument("--write", metavar="RESULTS.md", help="replace the peers section of this markdown file")
     bench.add_argument("--plots", metavar="DIR", help="also draw bubble-vs-m and peak-memory plots (matplotlib)")
     _add_emulate_arguments(bench)

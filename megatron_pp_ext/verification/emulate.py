@@ -114,7 +114,7 @@ class PaddedTracer(Tracer):
         self._current["wait"][kind] = self._current["wait"].get(kind, 0.0) + gap
         self._current["waits"].append((gap, str(op)))
         super().begin_op(op)
-        self._op_started = time.perf_counter()
+        self._op_started = now  # the op's share starts where the wait ends: the parts add up to the span
 
     def end_op(self, op: Op) -> None:
         real = time.perf_counter() - self._op_started

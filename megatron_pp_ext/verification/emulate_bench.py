@@ -104,6 +104,7 @@ class Settings:
 def settings_from(args: argparse.Namespace) -> Settings | None:
     """Check every ``--emulate`` flag before anything is spawned; EmulateError names the flag and range.
     Without ``--emulate``: None, or EmulateError if one of its own flags was given."""
+    from ..schedule_args import parse_costs
     from ..schedules import registry
 
     if not args.emulate:
@@ -111,6 +112,8 @@ def settings_from(args: argparse.Namespace) -> Settings | None:
         if given:
             raise EmulateError(f"{', '.join(given)}: only with --emulate")
         return None
+    if args.m_factors is not None:
+        raise EmulateError("--m-factors: not with --emulate (give -m)")
     text = args.p_list if args.p_list is not None else str(P_RANGE[0])
     try:
         p = int(text)
@@ -135,13 +138,11 @@ def settings_from(args: argparse.Namespace) -> Settings | None:
     if BASELINE not in wanted:  # the gains are over 1f1b
         wanted = (BASELINE, *wanted)
     costs_text = args.costs or DEFAULT_COSTS
-    parts = costs_text.split(",")
-    try:
-        numbers = [float(x) for x in parts]
-    except ValueError:
-        numbers = []
-    if len(parts) not in (3, 4) or len(numbers) != len(parts) or any(not 0 <= x <= MAX_PAD_MS for x in numbers):
-        raise EmulateError(f"--costs must be F,B,W[,COMM] in ms, each in [0, {MAX_PAD_MS:g}], got {costs_text!r}")
+    costs = parse_costs(costs_text)
+    assert costs is not None
+    comm_given = len(costs_text.split(",")) == 4
+    if max(costs.t_f, costs.t_b, costs.t_w, costs.t_comm) > MAX_PAD_MS:  # type: ignore[type-var]
+        raise EmulateError(f"--costs F,B,W[,COMM] with --emulate are ms, each in [0, {MAX_PAD_MS:g}], got {costs_text}")
     if args.plots:
         try:
             import matplotlib  # noqa: F401
@@ -157,10 +158,10 @@ def settings_from(args: argparse.Namespace) -> Settings | None:
         schedules=wanted,
         iterations=iterations,
         warmup=warmup,
-        t_f=numbers[0],
-        t_b=numbers[1],
-        t_w=numbers[2],
-        comm_ms=numbers[3] if len(numbers) == 4 else None,
+        t_f=float(costs.t_f),  # type: ignore[arg-type]
+        t_b=float(costs.t_b),  # type: ignore[arg-type]
+        t_w=float(costs.t_w),  # type: ignore[arg-type]
+        comm_ms=costs.t_comm if comm_given else None,
         write=args.write,
         plots=args.plots,
         command=command,

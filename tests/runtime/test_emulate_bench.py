@@ -27,8 +27,10 @@ from megatron_pp_ext.verification.emulate import PaddedTracer
         (["--emulate", "-p", "2,4"], "-p with --emulate must be one size in 2..8"),
         (["--emulate", "-m", "65"], "-m must be in 1..64, got 65"),
         (["--emulate", "--schedules", "1f1b,nope"], "--schedules: unknown ['nope']; registered: 1f1b,"),
-        (["--emulate", "--costs", "20,20"], "--costs must be F,B,W[,COMM] in ms, each in [0, 1000]"),
-        (["--emulate", "--costs", "20,20,2000"], "--costs must be F,B,W[,COMM] in ms, each in [0, 1000]"),
+        (["--emulate", "--costs", "20,20"], "costs must be 3 or 4 comma-separated numbers F,B,W[,COMM]"),
+        (["--emulate", "--costs", "20,20,-1"], "costs F,B,W[,COMM] must be finite numbers in [0, "),
+        (["--emulate", "--costs", "20,20,2000"], "--costs F,B,W[,COMM] with --emulate are ms, each in [0, 1000]"),
+        (["--emulate", "--m-factors", "2"], "--m-factors: not with --emulate (give -m)"),
         (["--emulate", "--iterations", "1001"], "--iterations must be in 1..1000"),
         (["-m", "4", "--costs", "1,1,1"], "-m, --costs: only with --emulate"),
     ],
@@ -61,15 +63,15 @@ def test_padded_tracer_pads_every_op_and_accounts_for_the_gaps() -> None:
     (breakdown,) = tracer.breakdowns
     assert [name for _, name, *_ in tracer.ops] == [str(op) for op in ops]
     for _, _, kind, real, pad, lasted in tracer.ops:
-        assert lasted >= pad == pads[kind][0] and real < pad
+        assert lasted >= pad == pads[kind][0] and lasted >= real
     assert breakdown["compute"] >= sum(pad for *_, pad, _ in tracer.ops)
     waits = breakdown["wait"]
-    assert set(waits) == {"F", "B", "W", "BW"} and all(waits[k] >= 0.003 for k in "FBW") and waits["BW"] < 0.003
+    assert set(waits) == {"F", "B", "W", "BW"} and all(waits[k] >= 0.003 for k in "FBW")
     assert breakdown["recv_wait"] >= 0.003 and breakdown["send_wait"] == 0.0
     assert breakdown["post"] >= 4 * 0.001
     parts = breakdown["compute"] + sum(waits.values()) + breakdown["post"] + breakdown["between"]
     parts += breakdown["recv_wait"] + breakdown["send_wait"]
-    assert parts + breakdown["drain"] == pytest.approx(breakdown["span"], abs=2e-3)
+    assert parts + breakdown["drain"] == pytest.approx(breakdown["span"], abs=1e-9)  # every moment counted once
     assert len(tracer.iterations) == 1  # the base tracer's record too
 
 
