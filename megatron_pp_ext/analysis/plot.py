@@ -169,9 +169,14 @@ def draw_plan_vs_measured(
 
 
 def draw_gain_comparison(
-    names: Sequence[str], simulated: Sequence[float], measured: Sequence[float], path: str | Path, title: str
+    names: Sequence[str],
+    simulated: Sequence[float],
+    measured: Sequence[float],
+    path: str | Path,
+    title: str,
+    baseline: str = "1f1b",
 ) -> Path:
-    """Grouped bars per schedule: its simulated and its measured gain over a baseline (1.0 = as fast as
+    """Grouped bars per schedule: its simulated and its measured gain over ``baseline`` (1.0 = as fast as
     the baseline, drawn as a line), so a schedule whose real run loses what the simulator promises stands out."""
     out = _output_path(path)
     try:
@@ -189,7 +194,7 @@ def draw_gain_comparison(
     ax.set_ylim(min(values) - 0.05, max(values) + 0.05)
     ax.set_xticks(list(xs))
     ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
-    ax.set_ylabel("gain over 1f1b (time of 1f1b / time)")
+    ax.set_ylabel(f"gain over {baseline} (time of {baseline} / time)")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, frameon=False)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .emulate_bench import BEGIN, END, P2P_ROUNDS, SECTION, Outcome, Row, Settings
+from .emulate_bench import BASELINE, BEGIN, END, P2P_ROUNDS, SECTION, Outcome, Row, Settings
 
 INTRO = (
     "Every registered schedule that builds at (p, m) on p spawned gloo ranks: real megatron-core GPTModel chunks "
@@ -196,7 +196,8 @@ def draw(outcome: Outcome, directory: str) -> Path:
         [r.sim_gain for r in rows],
         [r.measured_gain for r in rows],
         Path(directory) / f"emulated_gain_p{s.p}_m{s.m}.png",
-        f"emulated compute on {s.p} gloo ranks, m={s.m}: gain over 1f1b",
+        f"emulated compute on {s.p} gloo ranks, m={s.m}: gain over {BASELINE}",
+        BASELINE,
     )
 
 
