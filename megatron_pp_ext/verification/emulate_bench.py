@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ MAX_PAD_MS = 1000.0
 P_RANGE = (2, 8)  # ranks spawned on this machine
 M_MAX = 64
 P2P_ROUNDS = 50
+STARTUP_TIMEOUT_S = 900.0  # the first job waits for the ranks' imports too (minutes on a loaded machine)
 SECTION = "Emulated compute on real ranks"
 BEGIN, END = "<!-- emulated:begin -->", "<!-- emulated:end -->"
 
@@ -344,7 +346,7 @@ def run_emulation(settings: Settings, pool: Any = None, say: Any = print) -> Out
         shape = (model.seq_length, model.micro_batch_size, model.hidden_size)
         comm_ms, fastest_ms = settings.comm_ms, None
         if comm_ms is None:
-            latency = pool.run_fn(measure_p2p_latency, (settings.p, shape, P2P_ROUNDS), settings.p)
+            latency = pool.run_fn(measure_p2p_latency, (settings.p, shape, P2P_ROUNDS), settings.p, STARTUP_TIMEOUT_S)
             _raise_errors(latency, VerifyRunError)
             comm_ms, fastest_ms = latency[0][0] * 1000, latency[0][1] * 1000
             say(
@@ -384,10 +386,15 @@ def _raise_errors(results: list[Any], error: type[Exception]) -> None:
 def run(args: argparse.Namespace) -> int:
     """``megatron-pp bench --emulate``: run, print the report, write and draw on request."""
     from . import emulate_report
+    from .verify import VerifyRunError
 
     settings = settings_from(args)
     assert settings is not None  # called with --emulate
-    outcome = run_emulation(settings, say=lambda text: print(text, flush=True))
+    try:
+        outcome = run_emulation(settings, say=lambda text: print(text, flush=True))
+    except (VerifyRunError, TimeoutError, RuntimeError) as exc:  # a rank failed or the ranks did not finish
+        print(f"megatron-pp: error: bench --emulate: {exc}", file=sys.stderr)
+        return 1
     link = None
     if settings.plots:
         path = emulate_report.draw(outcome, settings.plots)

@@ -45,6 +45,18 @@ def test_bad_input_is_one_line_before_any_rank(capsys, monkeypatch, flags, messa
     assert err.startswith("megatron-pp: error: ") and message in err and err.count("\n") == 1, err
 
 
+def test_a_failed_rank_is_one_error_and_exit_status_1(capsys, monkeypatch) -> None:
+    from megatron_pp_ext.verification.verify import VerifyRunError
+
+    def fails(settings, pool=None, say=print):
+        raise VerifyRunError("rank 1: PipelineCommError: recv timed out")
+
+    monkeypatch.setattr(emulate_bench, "run_emulation", fails)
+    assert main(["bench", "--emulate", "-p", "2", "-m", "4"]) == 1
+    err = capsys.readouterr().err
+    assert err == "megatron-pp: error: bench --emulate: rank 1: PipelineCommError: recv timed out\n"
+
+
 def test_padded_tracer_pads_every_op_and_accounts_for_the_gaps() -> None:
     pads = {"F": (0.004, 0.004), "B": (0.003, 0.003), "W": (0.002, 0.002), "BW": (0.005, 0.005)}
     tracer = PaddedTracer(0, pads)
