@@ -93,6 +93,10 @@ class RunSpec:
     # Testing aid: (iteration, pipeline rank) pairs whose first gradient element is made inf before the step.
     inject_inf: tuple[tuple[int, int], ...] = ()
     keep_weights: bool = False  # report every parameter after the last step
+    # "cpu": megatron's CPU shims (forced even where CUDA exists). "cuda": every rank's model and data on GPU 0
+    # (ranks share it), p2p over gloo staged through host memory (host_staging.py); results come back on CPU.
+    device: str = "cpu"
+    stage_p2p_through_host: bool = False  # testing aid: host staging on a CPU run too (always on with "cuda")
 
     @property
     def world_size(self) -> int:
@@ -103,10 +107,9 @@ class RunSpec:
 # What runs on one rank
 # ------------------------------------------------------------------------------------------------
 def run_on_rank(spec: RunSpec, rank: int, init_method: str) -> dict[str, Any]:
-    from megatron_pp_ext.megatron.cpu import enable_cpu_mode, hide_missing_accelerator_warnings
+    from .host_staging import prepare_rank, to_cpu
 
-    hide_missing_accelerator_warnings(announce=False)  # before enable_cpu_mode imports megatron
-    enable_cpu_mode()
+    prepare_rank(spec.device, spec.stage_p2p_through_host)
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -126,7 +129,7 @@ def run_on_rank(spec: RunSpec, rank: int, init_method: str) -> dict[str, Any]:
     report_progress(f"rank {rank} of {spec.world_size} started")
     try:
         ps.initialize_model_parallel(tensor_model_parallel_size=spec.tp, pipeline_model_parallel_size=spec.pp)
-        return _train(spec, torch, ps)
+        return to_cpu(_train(spec, torch, ps))
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
@@ -156,6 +159,8 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
 
     config = tiny_gpt.make_config(spec.model, tp=spec.tp, sequence_parallel=spec.sequence_parallel)
     chunks, layouts = tiny_gpt.build_chunks(config, spec.model, placement, pp_rank)
+    if spec.device == "cuda":
+        chunks = [c.cuda() for c in chunks]
     overlap = spec.dp > 1 or spec.distributed_optimizer
     fsdp_memory = None
     if spec.fsdp:
@@ -277,6 +282,8 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
                 c.zero_grad(set_to_none=True)
         m = spec.num_microbatches
         batches = tiny_gpt.make_batches(spec.model, iteration, m * spec.dp)[dp_rank * m : (dp_rank + 1) * m]
+        if spec.device == "cuda":
+            batches = [{k: v.cuda() for k, v in b.items()} for b in batches]
         iterators = [iter(batches) for _ in chunks]
         started = time.perf_counter()
         out = forward_backward(
@@ -908,6 +915,8 @@ def verify_schedule(
     fsdp_grad_reduce_unit: int | None = None,
     lr: float | None = None,
     progress: Any = None,
+    device: str = "cpu",
+    stage_p2p_through_host: bool = False,
 ) -> VerifyReport:
     """Run ``schedule`` (a validated Schedule) and its reference; return the comparison.
     ``progress`` (callable(text)) gets the steps as they happen: ranks started, iterations, comparison.
@@ -926,6 +935,9 @@ def verify_schedule(
     Likewise under FSDP with gradients reduce-scattered per unit (``fsdp_grad_reduce_unit``): the shard sums
     the units' partial gradients, ``(g0+g1)+(g2+g3)`` again (measured: zeropp p=4, m=8, dp=2, U=1 agrees to
     2.4e-7 in the first iteration and drifts to 4.8e-5 after two Adam steps at the default rate).
+
+    ``device`` (:class:`RunSpec`): ``"cuda"`` runs every rank on GPU 0 (p2p staged through host memory);
+    a pool's processes keep the device of their first run, so give a ``"cuda"`` run a pool of its own.
     """
     tol = default_tolerance(dp) if tol is None else tol
     if fsdp and distributed_optimizer:
@@ -955,6 +967,8 @@ def verify_schedule(
         "use_ddp": use_ddp,
         "sequence_parallel": sequence_parallel,
         "timeout_s": timeout_s,
+        "device": device,
+        "stage_p2p_through_host": stage_p2p_through_host,
     }
     if lr is not None or schedule.placement.num_replicas > 1 or per_unit:
         common["lr"] = lr if lr is not None else RunSpec.lr / 10
