@@ -52,8 +52,10 @@ STATUSES = ("pass", "fail", "skip", "error", "timeout")
 
 
 # ---- the pipeline check -------------------------------------------------------------------------------
-def pipeline(device: str, dry_run: bool) -> dict[str, Any]:
-    """zb-h1 and v-zb on 2 ranks sharing the device against megatron's own 1F1B on the same 2 ranks."""
+def pipeline(device: str, dry_run: bool, pool: Any = None) -> dict[str, Any]:
+    """zb-h1 and v-zb on 2 ranks sharing the device against megatron's own 1F1B on the same 2 ranks.
+
+    ``pool``: a :class:`RankPool` of at least 2 ranks to run on (tests share theirs); default: a new one."""
     from ..schedules import registry
     from .tiny_gpt import TinyGPTSpec
     from .verify import NATIVE, OURS, RankPool, RunSpec, _check_errors, compare
@@ -71,7 +73,7 @@ def pipeline(device: str, dry_run: bool) -> dict[str, Any]:
     }
     details: dict[str, Any] = {"p": p, "m": m, "transport": "gloo, CUDA tensors staged through host memory"}
     problems = []
-    with RankPool(p) as pool:
+    with contextlib.nullcontext(pool) if pool is not None else RankPool(p) as pool:
         ref = pool.run(RunSpec(schedule_csv=registry.generate("1f1b", p, m).to_csv(), mode=NATIVE, **common))
         _check_errors(ref)
         for name in names:
@@ -121,7 +123,7 @@ def _in_subprocess(name: str, dry_run: bool, limit_s: float, log: Any) -> dict[s
     """Run check ``name`` in a child process group, killed (with its rank processes) after ``limit_s``."""
     with tempfile.TemporaryDirectory() as tmp:
         result_path = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", __name__, "--run-one", name, "--result", str(result_path)]
+        cmd = [sys.executable, "-m", f"{__package__}.gpu_check", "--run-one", name, "--result", str(result_path)]
         cmd += ["--dry-run"] if dry_run else []
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -248,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in args.checks:
             remaining = deadline - time.monotonic()
             limit = min(args.check_timeout or CHECKS[name][2], remaining)
-            if limit <= 1.0:
+            if remaining <= 1.0:  # too little left to start an interpreter
                 results[name] = {
                     **_failure("timeout", f"not started: the {args.budget:g}s budget was spent"),
                     "seconds": 0.0,
