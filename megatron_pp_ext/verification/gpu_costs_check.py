@@ -190,8 +190,11 @@ def costs(device: str, dry_run: bool) -> dict[str, Any]:
         + "; ".join(parts)
         + f"; deferral overhead {max(overheads) * 100:+.1f}%"
     )
+    not_deferred = [n for n, r in shapes.items() if not r["measured_s"]["held"] > 0]
+    if not_deferred:  # then B was a full backward and the F/B/W figures mean nothing
+        summary = f"the weight-gradient store held nothing between B and W for {not_deferred}: W was not deferred"
     return {
-        "status": "pass",  # a measurement: the targets are reported, not enforced
+        "status": "fail" if not_deferred else "pass",  # a measurement: the targets are reported, not enforced
         "summary": summary,
         "details": {
             "preset": preset.name,
