@@ -6,9 +6,12 @@ replaces ``torch.distributed.batch_isend_irecv`` (the one entry that megatron's 
 package's executor both post through) with a version that copies every CUDA tensor it sends to the host
 first, receives every CUDA tensor into a host buffer, and copies that buffer into the CUDA tensor when
 the receive is waited on. CPU tensors pass through untouched, so installing it on a CPU run changes
-nothing. Used by ``verify`` with ``device="cuda"`` (the GPU check's pipeline on one GPU); never by a
-training run. :func:`prepare_rank` sets a ``verify`` rank up for its device, :func:`to_cpu` brings its
-results back to host memory (they travel to the driver through a queue).
+nothing. It also makes ``torch.distributed.all_reduce`` over a group of one rank return at once: megatron
+DDP's gradient all-reduce over the (size-one) data-parallel group runs inside a coalescing manager, which
+ends in ``allreduce_coalesced``, and gloo refuses that for CUDA tensors ("unsupported device type"); over
+one rank a reduction is the identity. Used by ``verify`` with ``device="cuda"`` (the GPU check's
+pipeline on one GPU); never by a training run. :func:`prepare_rank` sets a ``verify`` rank up for its
+device, :func:`to_cpu` brings its results back to host memory (they travel to the driver through a queue).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 _ORIGINAL: Any = None
+_ORIGINAL_ALL_REDUCE: Any = None
 _STAGE_ALL = False  # testing aid: stage CPU tensors too, so that a CPU run exercises this code
 
 
@@ -98,24 +102,46 @@ def staged_batch_isend_irecv(p2p_op_list: list[Any]) -> list[Any]:
     return out
 
 
+class _Done:
+    """The work of a collective that had nothing to do."""
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def all_reduce_skipping_single_rank(tensor: torch.Tensor, op: Any = None, group: Any = None, async_op: bool = False):
+    """``all_reduce``, returning at once over a group of one rank (see the module doc)."""
+    if group is not None and dist.get_world_size(group) == 1:
+        return _Done() if async_op else None
+    if op is None:
+        return _ORIGINAL_ALL_REDUCE(tensor, group=group, async_op=async_op)
+    return _ORIGINAL_ALL_REDUCE(tensor, op=op, group=group, async_op=async_op)
+
+
 def install(stage_cpu_tensors: bool = False) -> None:
     """Route ``torch.distributed.batch_isend_irecv`` through host staging (idempotent).
 
     ``stage_cpu_tensors``: copy CPU tensors through separate host buffers as well (the CPU dry run of the
     GPU check uses it to run this module's code without a GPU)."""
-    global _ORIGINAL, _STAGE_ALL
+    global _ORIGINAL, _ORIGINAL_ALL_REDUCE, _STAGE_ALL
     _STAGE_ALL = stage_cpu_tensors
     if _ORIGINAL is None:
         _ORIGINAL = dist.batch_isend_irecv
+        _ORIGINAL_ALL_REDUCE = dist.all_reduce
     dist.batch_isend_irecv = staged_batch_isend_irecv  # type: ignore[assignment]
+    dist.all_reduce = all_reduce_skipping_single_rank  # type: ignore[assignment]
 
 
 def uninstall() -> None:
-    global _ORIGINAL, _STAGE_ALL
+    global _ORIGINAL, _ORIGINAL_ALL_REDUCE, _STAGE_ALL
     _STAGE_ALL = False
     if _ORIGINAL is not None:
         dist.batch_isend_irecv = _ORIGINAL  # type: ignore[assignment]
-        _ORIGINAL = None
+        dist.all_reduce = _ORIGINAL_ALL_REDUCE  # type: ignore[assignment]
+        _ORIGINAL = _ORIGINAL_ALL_REDUCE = None
 
 
 DEVICES = ("cpu", "cuda")

@@ -29,7 +29,17 @@ def exchange(payload: Any, rank: int, init_method: str) -> dict[str, Any]:
         )
         for work in works:
             work.wait()
-        return {"kinds": [type(w).__name__ for w in works], "received": received.detach().tolist()}
+        # megatron DDP's reduction over a data-parallel group of one rank, inside a coalescing manager (gloo
+        # refuses the coalesced all-reduce of CUDA tensors): returns at once, the tensor unchanged
+        solo = [dist.new_group([0]), dist.new_group([1])][rank]
+        grads = torch.full((3,), 2.0)
+        with dist._coalescing_manager(solo):
+            skipped = dist.all_reduce(grads, group=solo) is None
+        return {
+            "kinds": [type(w).__name__ for w in works],
+            "received": received.detach().tolist(),
+            "solo_reduce": (skipped, grads.tolist()),
+        }
     finally:
         dist.destroy_process_group()
         host_staging.uninstall()
@@ -41,6 +51,7 @@ def test_staged_messages_arrive(pool):
     for rank, result in enumerate(results):
         assert result["kinds"] == ["_StagedSend", "_StagedRecv"]  # the staging path, not gloo's own
         assert result["received"] == [float(x + 10 * (1 - rank)) for x in range(6)]
+        assert result["solo_reduce"] == (True, [2.0, 2.0, 2.0])
 
 
 def test_pipeline_check_dry_run_passes_through_host_staging(pool):
