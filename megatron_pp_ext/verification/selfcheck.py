@@ -25,6 +25,7 @@ class LinearCase:
     hidden: int = 16
     ffn: int = 32
     seed: int = 7
+    device: str = "cpu"  # "cuda": the layer and its tensors on the current GPU (the GPU check)
 
 
 def _layer(case: LinearCase, config: Any) -> Any:
@@ -68,11 +69,11 @@ def _run(case: LinearCase, config: Any, split: bool) -> dict[str, Any]:
 
     torch.manual_seed(case.seed)
     model_parallel_cuda_manual_seed(case.seed)
-    layer = _layer(case, config)
+    layer = _layer(case, config).to(case.device)
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     external = None
     if case.layer == "output":
-        external = torch.nn.Parameter(torch.randn(case.ffn // tp, case.hidden))
+        external = torch.nn.Parameter(torch.randn(case.ffn // tp, case.hidden).to(case.device))
     gen = torch.Generator().manual_seed(case.seed + 100)
     in_features = case.ffn // tp if case.layer == "row" else case.hidden
     seq_in = case.seq // tp if (case.sequence_parallel and case.layer != "row") else case.seq
@@ -85,12 +86,12 @@ def _run(case: LinearCase, config: Any, split: bool) -> dict[str, Any]:
             x = full[tp_rank * seq_in : (tp_rank + 1) * seq_in].clone()
         else:
             x = full
-        xs.append(x.requires_grad_())
+        xs.append(x.to(case.device).requires_grad_())
     outs = []
     for x in xs:
         out, _ = layer(x, weight=external) if external is not None else layer(x)
         outs.append(out)
-        gos.append(torch.randn(out.shape, generator=gen))
+        gos.append(torch.randn(out.shape, generator=gen).to(case.device))
     store = get_weight_grad_store()
     if not split:
         for out, go in zip(outs, gos, strict=True):
@@ -166,18 +167,18 @@ def _deferral_probe(case: LinearCase) -> dict[str, Any]:
         gradient_accumulation_fusion=False,
         params_dtype=torch.float32,
     )
-    layer = _layer(case, config)
+    layer = _layer(case, config).to(case.device)
     tp = ps.get_tensor_model_parallel_world_size()
     params = dict(layer.named_parameters())
     external = None
     if case.layer == "output":
-        external = torch.nn.Parameter(torch.randn(case.ffn // tp, case.hidden))
+        external = torch.nn.Parameter(torch.randn(case.ffn // tp, case.hidden).to(case.device))
         params["external_weight"] = external
     in_features = case.ffn // tp if case.layer == "row" else case.hidden
     seq_in = case.seq // tp if (case.sequence_parallel and case.layer != "row") else case.seq
     outs = []
     for _ in range(2):
-        x = torch.randn(seq_in, case.batch, in_features, requires_grad=True)
+        x = torch.randn(seq_in, case.batch, in_features).to(case.device).requires_grad_()
         out, _ = layer(x, weight=external) if external is not None else layer(x)
         outs.append(out)
     store = get_weight_grad_store()  # the store the hooked layers queue into

@@ -105,6 +105,10 @@ class RunSpec:
     # Testing aid: deliberate faults injected into OURS runs (verification/breaks.py).
     breaks: tuple[str, ...] = ()
     adam_eps: float = 1e-8  # Adam's epsilon (torch's and megatron's optimizer); verification raises it
+    # "cpu": megatron's CPU shims (forced even where CUDA exists). "cuda": every rank's model and data on GPU 0
+    # (ranks share it), p2p over gloo staged through host memory (host_staging.py); results come back on CPU.
+    device: str = "cpu"
+    stage_p2p_through_host: bool = False  # testing aid: host staging on a CPU run too (always on with "cuda")
 
     @property
     def world_size(self) -> int:
@@ -115,10 +119,9 @@ class RunSpec:
 # What runs on one rank
 # ------------------------------------------------------------------------------------------------
 def run_on_rank(spec: RunSpec, rank: int, init_method: str) -> dict[str, Any]:
-    from megatron_pp_ext.megatron.cpu import enable_cpu_mode, hide_missing_accelerator_warnings
+    from .host_staging import prepare_rank, to_cpu
 
-    hide_missing_accelerator_warnings(announce=False)  # before enable_cpu_mode imports megatron
-    enable_cpu_mode()
+    prepare_rank(spec.device, spec.stage_p2p_through_host)
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -145,7 +148,7 @@ def run_on_rank(spec: RunSpec, rank: int, init_method: str) -> dict[str, Any]:
             if spec.float64:
                 stack.enter_context(tiny_gpt.float64_cross_entropy())
             stack.enter_context(injected(spec.breaks if spec.mode == OURS else ()))
-            return _train(spec, torch, ps)
+            return to_cpu(_train(spec, torch, ps))
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
@@ -182,6 +185,8 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
     chunks, layouts = tiny_gpt.build_chunks(config, spec.model, placement, pp_rank)
     if spec.float64:
         chunks = tiny_gpt.widen_to_float64(chunks, config)
+    if spec.device == "cuda":
+        chunks = [c.cuda() for c in chunks]
     overlap = spec.dp > 1 or spec.distributed_optimizer
     fsdp_memory = None
     if spec.fsdp:
@@ -307,6 +312,8 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
                 c.zero_grad(set_to_none=True)
         m = spec.num_microbatches
         batches = tiny_gpt.make_batches(spec.model, iteration, m * spec.dp)[dp_rank * m : (dp_rank + 1) * m]
+        if spec.device == "cuda":
+            batches = [{k: v.cuda() for k, v in b.items()} for b in batches]
         iterators = [iter(batches) for _ in chunks]
         started = time.perf_counter()
         out = forward_backward(
@@ -768,6 +775,8 @@ def reference_specs(spec: RunSpec) -> tuple[RunSpec, RunSpec]:
         "timeout_s": spec.timeout_s,
         "adam_eps": spec.adam_eps,
         "lr": spec.lr,
+        "device": spec.device,
+        "stage_p2p_through_host": spec.stage_p2p_through_host,
     }
     exact = RunSpec(num_microbatches=spec.num_microbatches * spec.dp, float64=True, **common)  # type: ignore[arg-type]
     reference = RunSpec(
@@ -815,6 +824,8 @@ def verify_schedule(
     lr: float | None = None,
     progress: Any = None,
     breaks: tuple[str, ...] = (),
+    device: str = "cpu",
+    stage_p2p_through_host: bool = False,
 ) -> VerifyReport:
     """Run ``schedule`` (a validated Schedule) and its references; return the comparison.
     ``progress`` (callable(text)) gets the steps as they happen: ranks started, iterations, comparison.
@@ -822,12 +833,17 @@ def verify_schedule(
     Three runs on the same model, data and initial weights (:mod:`.criterion` says why): megatron's own
     no-pipelining schedule in float64 (the exact result) and in fp32 with the run's data-parallel
     grouping (``dp`` replicas, megatron's DDP or distributed optimizer), then the schedule on
-    ``p x tp x dp`` ranks, each replica on its share of ``dp x m`` micro-batches. Plain SGD at
-    ``criterion.LR`` (``lr`` overrides it). ``tol``: a fixed bound on the largest relative gradient
-    difference to the fp32 reference instead of the derived verdict. ``fsdp_grad_reduce_unit``: with
-    ``fsdp``, reduce each chunk's gradients once per that many micro-batches (default: the schedule's
-    declared unit, e.g. ZeroPP's U; else once per iteration). ``breaks``: deliberate faults injected into
-    the schedule's run (:mod:`.breaks`; tests of the verdict's sharpness).
+    ``p x tp x dp`` ranks, each replica on its share of ``dp x m`` micro-batches; a schedule running
+    megatron's own 1F1B order is also run by megatron's 1F1B on the same ranks and must equal it bit for
+    bit. Adam with ``criterion.ADAM_EPS`` at ``criterion.LR`` (``lr`` overrides the rate). ``tol``: a fixed
+    bound on the largest relative gradient difference to the fp32 reference instead of the derived verdict.
+    ``fsdp_grad_reduce_unit``: with ``fsdp``, reduce each chunk's gradients once per that many
+    micro-batches (default: the schedule's declared unit, e.g. ZeroPP's U; else once per iteration).
+    ``breaks``: deliberate faults injected into the schedule's run (:mod:`.breaks`; tests of the verdict's
+    sharpness).
+
+    ``device`` (:class:`RunSpec`): ``"cuda"`` runs every rank on GPU 0 (p2p staged through host memory);
+    a pool's processes keep the device of their first run, so give a ``"cuda"`` run a pool of its own.
     """
     if fsdp and distributed_optimizer:
         raise ValueError("--fsdp shards gradients and optimizer state itself: drop --distributed-optimizer")
@@ -854,6 +870,8 @@ def verify_schedule(
         "use_ddp": use_ddp,
         "sequence_parallel": sequence_parallel,
         "timeout_s": timeout_s,
+        "device": device,
+        "stage_p2p_through_host": stage_p2p_through_host,
     }
     common["adam_eps"] = criterion.ADAM_EPS
     common["lr"] = criterion.LR if lr is None else lr
