@@ -1,0 +1,116 @@
+"""Which runs a ``--ckpt-format torch`` checkpoint loads into (``megatron_pp_ext.megatron.checkpoint_layout``).
+
+For every pair of registered schedules (p = 2 and 4, their default chunks): the checkpoint of one loads
+under the other exactly when both place the same layers in the same chunks of every rank, and the decision
+is the same whether the checkpoint carries its layout record or only megatron's ``args`` (checkpoints of
+megatron itself or of an earlier version). The end-to-end runs (``test_checkpoint_reload.py``) show that the
+record a run writes is the layout megatron built, and what a refused run prints.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+from argparse import Namespace
+from functools import cache
+
+import pytest
+import torch
+
+from megatron_pp_ext.megatron.checkpoint_layout import (
+    RECORD_KEY,
+    as_record,
+    describe,
+    mismatch,
+    normalise,
+    table_from_args,
+    table_of_layouts,
+)
+from megatron_pp_ext.runtime.placement import chunk_layouts
+from megatron_pp_ext.schedules import Placement, generate, names
+
+NUM_LAYERS = 8
+
+
+@cache
+def _placement_of(schedule: str, p: int) -> Placement:
+    return generate(schedule, p, 2 * p).placement
+
+
+def _args(schedule: str | None, p: int, **extra: object) -> Namespace:
+    chunks = _placement_of(schedule, p).chunks_per_rank if schedule else None
+    return Namespace(
+        pipeline_schedule=schedule,
+        pipeline_model_parallel_size=p,
+        virtual_pipeline_model_parallel_size=chunks if chunks and chunks > 1 else None,
+        num_layers=NUM_LAYERS,
+        **extra,
+    )
+
+
+def _table(schedule: str, p: int) -> tuple:
+    placement = _placement_of(schedule, p)
+    return table_of_layouts([chunk_layouts(placement, NUM_LAYERS, r) for r in range(p)])
+
+
+def _placement(schedule: str, p: int) -> tuple:
+    placement = _placement_of(schedule, p)
+    return tuple(placement.stages_on_rank(r) for r in range(p))
+
+
+SCHEDULES = [s for s in names() if s != "auto"]
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_torch_checkpoint_loads_exactly_under_the_same_placement(p: int) -> None:
+    refused = accepted = 0
+    for saved, loaded in itertools.product(SCHEDULES, repeat=2):
+        same = _placement(saved, p) == _placement(loaded, p)
+        current = _table(loaded, p)
+        with_record = {RECORD_KEY: as_record(_table(saved, p)), "args": _args(saved, p)}
+        args_only = {"args": _args(saved, p)}
+        for state_dict in (with_record, args_only):
+            why = mismatch(state_dict, current, _args(loaded, p))
+            assert (why is None) == same, (saved, loaded, why)
+        refused += not same
+        accepted += same
+    assert refused and accepted
+
+
+def test_megatron_own_schedule_is_the_loop_placement() -> None:
+    interleaved = _args(None, 2, pipeline_schedule_file=None)
+    interleaved.virtual_pipeline_model_parallel_size = 2
+    assert table_from_args(interleaved) == _table("interleaved-1f1b", 2)
+    assert table_from_args(_args(None, 2)) == _table("1f1b", 2)
+    assert mismatch({"args": _args(None, 2)}, _table("v-half", 2), _args("v-half", 2)) is not None
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"pipeline_schedule_file": "plan.json"}, {"pipeline_model_parallel_layout": "Et|tL"}],
+)
+def test_underivable_placement_loads_only_with_the_same_flags(extra: dict[str, object]) -> None:
+    saved = _args("1f1b", 2, **extra)
+    assert table_from_args(saved) is None
+    assert mismatch({"args": saved}, _table("1f1b", 2), _args("1f1b", 2, **extra)) is None
+    assert mismatch({"args": saved}, _table("1f1b", 2), _args("1f1b", 2)) is not None
+    assert mismatch({}, _table("1f1b", 2), _args("1f1b", 2)) is not None  # nothing to go by
+
+
+def test_auto_without_record_is_refused() -> None:
+    saved = _args("1f1b", 2)
+    saved.pipeline_schedule = "auto"
+    assert mismatch({"args": saved}, _table("1f1b", 2), saved) is not None
+
+
+def test_record_loads_weights_only_and_reads_back() -> None:
+    table = _table("bitpipe", 2)
+    buffer = io.BytesIO()
+    torch.save({RECORD_KEY: as_record(table)}, buffer)
+    buffer.seek(0)
+    assert normalise(torch.load(buffer, weights_only=True)[RECORD_KEY]) == table
+
+
+def test_describe_names_every_rank_and_chunk() -> None:
+    assert describe(_table("1f1b", 2)) == "rank 0 [emb 0-3], rank 1 [4-7 loss]"
+    assert describe(_table("v-half", 2)) == "rank 0 [emb 0-1 | 6-7 loss], rank 1 [2-3 | 4-5]"
