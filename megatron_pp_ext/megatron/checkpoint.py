@@ -22,11 +22,21 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 from typing import Any
 
 from ._patching import replace_everywhere
-from .checkpoint_layout import RECORD_KEY, as_record, mismatch, schedule_label, table_of_layouts
+from .checkpoint_layout import (
+    RECORD_KEY,
+    as_record,
+    describe,
+    mismatch,
+    saved_table,
+    schedule_label,
+    table_of_layouts,
+)
+from .checkpoint_mapping import MappingError, map_chunks
 
 MODULE = "megatron.training.checkpointing"
 FUNCTION = "_load_base_checkpoint"
@@ -78,33 +88,125 @@ def current_table(model_chunks: Any) -> tuple[tuple[tuple[int, int, bool, bool],
 
 
 def _check_loaded(load_dir: Any, result: Any, model_chunks: Any) -> None:
-    """Stop every rank (one line from rank 0) when a torch-format checkpoint's chunks are not this run's."""
-    import torch
+    """A torch-format checkpoint whose chunks are not this run's: move its weights onto this run's chunks
+    (with --no-load-optim / --finetune), else stop every rank with one line from rank 0."""
     from megatron.training import get_args
     from megatron.training.checkpointing import CheckpointType
 
-    state_dict, _, _, ckpt_type = result
+    state_dict, _, release, ckpt_type = result
     if state_dict is None or ckpt_type != CheckpointType.LEGACY:
         return
     args = get_args()
-    why = mismatch(state_dict, current_table(model_chunks), args)
+    current = current_table(model_chunks)
+    why = mismatch(state_dict, current, args)
     if why is None:
         return
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        from .install import installed
-
-        config = installed()
-        here = config.label if config is not None else schedule_label(args)
-        sys.stderr.write(
-            f"megatron_pp_ext: error: --load {load_dir}: this --ckpt-format torch checkpoint (saved under "
-            f"{schedule_label(state_dict.get('args'))}) stores each rank's chunks with chunk-local layer numbers "
-            f"and does not fit the chunks of this run ({here}): {why}; megatron would load nothing or the wrong "
-            "layers. Load it under a schedule with the same placement, or save checkpoints with --ckpt-format "
-            "torch_dist, which moves between schedules\n"
+    saving, here = schedule_label(state_dict.get("args")), _label(args)
+    head = (
+        f"--load {load_dir}: this --ckpt-format torch checkpoint (saved under {saving}) stores each rank's chunks "
+        f"with chunk-local layer numbers and does not fit the chunks of this run ({here}): {why}"
+    )
+    saved = saved_table(state_dict)
+    if saved is None or len(saved) != len(current):
+        _stop(
+            f"{head}; megatron would load nothing or the wrong layers. Load it under the schedule that saved it, "
+            "or save checkpoints with --ckpt-format torch_dist, which moves between schedules"
         )
+    if not (getattr(args, "no_load_optim", False) or getattr(args, "finetune", False)):
+        _stop(
+            f"{head}. Its weights can move onto this run's chunks, its optimizer state cannot (a per-rank list of "
+            "parameters): add --no-load-optim to load the weights only, load it under a schedule with the same "
+            "placement, or save checkpoints with --ckpt-format torch_dist, which moves between schedules"
+        )
+    mapped, failure = None, None
+    try:
+        mapped = map_chunks(
+            _saved_chunks(load_dir, release, state_dict, saved), saved, current, _pp_rank(), _expected(model_chunks)
+        )
+    except (MappingError, OSError, RuntimeError, KeyError, ValueError) as exc:
+        failure = f"{type(exc).__name__}: {exc}"
+    failures = _gather(failure)
+    if any(failures):
+        rank, reason = next((r, f) for r, f in enumerate(failures) if f)
+        _stop(f"{head}; its weights cannot move onto this run's chunks (rank {rank}: {reason})")
+    assert mapped is not None
+    for key in [k for k in state_dict if k == "model" or re.fullmatch(r"model\d+", k)]:
+        del state_dict[key]
+    if len(mapped) == 1:
+        state_dict["model"] = mapped[0]
+    else:
+        state_dict.update({f"model{i}": chunk for i, chunk in enumerate(mapped)})
+    if _global_rank() == 0:
+        print(
+            f"megatron_pp_ext: moved the weights of the --ckpt-format torch checkpoint {load_dir} (saved under "
+            f"{saving}: {describe(saved)}) onto this run's chunks ({here}: {describe(current)}); optimizer state "
+            "not loaded",
+            flush=True,
+        )
+
+
+def _label(args: Any) -> str:
+    from .install import installed
+
+    config = installed()
+    return config.label if config is not None else schedule_label(args)
+
+
+def _global_rank() -> int:
+    import torch
+
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _pp_rank() -> int:
+    from megatron.core import parallel_state
+
+    return int(parallel_state.get_pipeline_model_parallel_rank())
+
+
+def _saved_chunks(load_dir: Any, release: bool, state_dict: dict[str, Any], saved: Any) -> list[list[Any]]:
+    """Every saved pipeline rank's chunk state dicts (this rank's from ``state_dict``, the others read mmapped)."""
+    import torch
+    from megatron.training import checkpointing
+
+    chunks = []
+    for rank, layouts in enumerate(saved):
+        if rank == _pp_rank():
+            source = state_dict
+        else:
+            name = checkpointing.get_checkpoint_name(
+                load_dir, checkpointing.get_loaded_iteration(), release, pipeline_rank=rank
+            )
+            source = torch.load(name, map_location="cpu", mmap=True)
+        keys = ["model"] if "model" in source else [f"model{i}" for i in range(len(layouts))]
+        chunks.append([source[key] for key in keys])
+    return chunks
+
+
+def _expected(model_chunks: Any) -> list[set[str]]:
+    """The keys each of this run's chunks saves (and so loads) under megatron's torch format."""
+    chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
+    return [set(chunk.state_dict_for_save_checkpoint()) for chunk in chunks]
+
+
+def _gather(failure: str | None) -> list[str | None]:
+    """Every rank's failure (None: none), so that all ranks stop together or none does."""
+    import torch
+
+    if not torch.distributed.is_initialized():
+        return [failure]
+    out: list[str | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, failure)
+    return out
+
+
+def _stop(line: str) -> None:
+    """One line from rank 0, then every rank out (each reached the same verdict; no gloo teardown at exit)."""
+    if _global_rank() == 0:
+        sys.stderr.write(f"megatron_pp_ext: error: {line}\n")
         sys.stderr.flush()
     sys.stdout.flush()
-    os._exit(1)  # every rank decides the same; no collective to wait for, no gloo teardown at exit
+    os._exit(1)
 
 
 def check_torch_checkpoint_layouts() -> None:

@@ -26,6 +26,7 @@ from megatron_pp_ext.megatron.checkpoint_layout import (
     table_from_args,
     table_of_layouts,
 )
+from megatron_pp_ext.megatron.checkpoint_mapping import MappingError, map_chunks
 from megatron_pp_ext.runtime.placement import chunk_layouts
 from megatron_pp_ext.schedules import Placement, generate, names
 
@@ -114,3 +115,46 @@ def test_record_loads_weights_only_and_reads_back() -> None:
 def test_describe_names_every_rank_and_chunk() -> None:
     assert describe(_table("1f1b", 2)) == "rank 0 [emb 0-3], rank 1 [4-7 loss]"
     assert describe(_table("v-half", 2)) == "rank 0 [emb 0-1 | 6-7 loss], rank 1 [2-3 | 4-5]"
+
+
+# ---- moving a torch checkpoint's weights onto another placement (checkpoint_mapping) ----------------
+PRE_KEYS = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
+POST_KEYS = ("decoder.final_layernorm.weight", "output_layer.weight", "output_layer._extra_state")
+
+
+def _chunk_state(offset: int, count: int, pre: bool, post: bool) -> dict[str, object]:
+    """A chunk's state dict as megatron names it; every value says which global entry it is."""
+    state: dict[str, object] = {f"decoder.layers.{j}.{name}": (offset + j, name) for j in range(count)
+                                for name in ("linear_qkv.weight", "mlp.linear_fc1._extra_state")}  # fmt: skip
+    state.update({key: key for key in PRE_KEYS if pre})
+    state.update({key: key for key in POST_KEYS if post})
+    state["rotary_pos_emb.inv_freq"] = "common"
+    return state
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_mapping_gives_every_chunk_exactly_its_entries_for_every_pair(p: int) -> None:
+    mapped_pairs = 0
+    for saved_name, loaded_name in itertools.product(SCHEDULES, repeat=2):
+        saved, current = _table(saved_name, p), _table(loaded_name, p)
+        files = [[_chunk_state(*chunk) for chunk in chunks] for chunks in saved]
+        for rank in range(p):
+            want = [_chunk_state(*chunk) for chunk in current[rank]]
+            got = map_chunks(files, saved, current, rank, [set(w) for w in want])
+            assert got == want, (saved_name, loaded_name, rank)
+        mapped_pairs += saved != current
+    assert mapped_pairs
+
+
+def test_mapping_refuses_what_it_cannot_fill_exactly() -> None:
+    saved, current = _table("1f1b", 2), _table("v-half", 2)
+    files = [[_chunk_state(*chunk) for chunk in chunks] for chunks in saved]
+    want = [set(_chunk_state(*chunk)) for chunk in current[0]]
+    with pytest.raises(MappingError, match="too few"):
+        map_chunks(files, saved, current, 0, [want[0] | {"embedding.extra"}, want[1]])
+    del files[1][0]["decoder.layers.3.linear_qkv.weight"]
+    files[1][0]["decoder.layers.9.linear_qkv.weight"] = None
+    with pytest.raises(MappingError, match="beyond the 4 layer"):
+        map_chunks(files, saved, current, 1)
+    with pytest.raises(MappingError, match="chunks per rank"):
+        map_chunks([files[0], []], saved, current, 0)

@@ -1,13 +1,15 @@
 """End to end: scripts/pretrain_gpt.py checkpoints across a schedule change (CPU, PP=2, dropout 0).
 
 Saved under ``1f1b`` after 2 of 3 iterations in each format megatron offers that runs on CPU
-(``torch``, ``torch_dist``), then loaded (model, optimizer and RNG) under other schedules for the
-third iteration:
+(``torch``, ``torch_dist``), then loaded under other schedules for the third iteration (:data:`LOADS`):
 
-* every pair the README claims loads exactly: the loss of every micro-batch of the loaded run's
-  first iteration is bitwise the saving run's third-iteration loss (same data, same weights);
-* every other pair (``torch`` under a placement with other chunks) stops before training with one
-  line naming both layouts; megatron alone prints "successfully loaded" and trains the unloaded model.
+* every load the README claims is exact: the loss of every micro-batch of the loaded run's first
+  iteration is bitwise the saving run's third-iteration loss (same data, same weights). ``torch_dist``
+  under any placement; ``torch`` under the same placement (megatron's own load) or, with
+  ``--no-load-optim``, under another one (its weights moved onto this run's chunks, said in one line);
+* ``torch`` under another placement with its optimizer state stops before training with one line
+  naming both layouts and the ways that work (megatron alone prints "successfully loaded" and trains a
+  model it did not load).
 
 Also: a checkpoint megatron cannot read exits non-zero (megatron itself exits 0 there), and a run
 saving into a directory another live run holds is refused with one line naming the owner, while a
@@ -35,13 +37,13 @@ ROOT = Path(__file__).resolve().parents[2]
 P, M = 2, 4  # global batch 8 / micro-batch 2
 FORMATS = ("torch", "torch_dist")
 SAVED_UNDER = "1f1b"
-# (format, schedule loading it): True = loads exactly (README claims it), False = refused
+# name: (format, schedule loading it, extra flags, what must happen)
 LOADS = {
-    ("torch", "zb-h1"): True,
-    ("torch", "interleaved-1f1b"): False,
-    ("torch", "v-half"): False,
-    ("torch_dist", "interleaved-1f1b"): True,
-    ("torch_dist", "v-half"): True,
+    "torch-zb-h1": ("torch", "zb-h1", [], "same"),  # same placement: megatron's own load
+    "torch-v-half": ("torch", "v-half", ["--no-load-optim"], "moved"),  # weights moved onto the V chunks
+    "torch-interleaved-1f1b": ("torch", "interleaved-1f1b", [], "refused"),  # optimizer state cannot move
+    "torch_dist-interleaved-1f1b": ("torch_dist", "interleaved-1f1b", [], "same"),
+    "torch_dist-v-half": ("torch_dist", "v-half", [], "same"),
 }
 WAVE = 4  # runs at a time (2 processes each)
 HOLD = """
@@ -150,9 +152,9 @@ def loaded(saved: tuple[Path, list[float]]) -> tuple[Path, dict[str, tuple[int, 
         env=_env(),
     )  # fmt: skip
     runs = {
-        f"load-{fmt}-{schedule}": ["--pipeline-schedule", schedule, "--ckpt-format", fmt, "--load",
-                                   str(tmp / f"ckpt-{fmt}"), "--ckpt-step", "2"]
-        for fmt, schedule in LOADS
+        f"load-{name}": ["--pipeline-schedule", schedule, "--ckpt-format", fmt, "--load", str(tmp / f"ckpt-{fmt}"),
+                         "--ckpt-step", "2", *extra]
+        for name, (fmt, schedule, extra, _) in LOADS.items()
     }  # fmt: skip
     runs["broken"] = ["--pipeline-schedule", "1f1b", "--ckpt-format", "torch", "--load", str(broken)]
     runs["locked"] = ["--pipeline-schedule", "1f1b", "--save", str(tmp / "locked"), "--save-interval", "1"]
@@ -172,27 +174,29 @@ def _iterations(log: str) -> list[str]:
 
 
 @pytest.mark.gloo
-@pytest.mark.parametrize("fmt, schedule", list(LOADS))
+@pytest.mark.parametrize("name", list(LOADS))
 def test_checkpoint_loads_exactly_or_is_refused(
-    saved: tuple[Path, list[float]], loaded: tuple[Path, dict[str, tuple[int, str]], int], fmt: str, schedule: str
+    saved: tuple[Path, list[float]], loaded: tuple[Path, dict[str, tuple[int, str]], int], name: str
 ) -> None:
     tmp, results, _ = loaded
-    code, log = results[f"load-{fmt}-{schedule}"]
-    if LOADS[fmt, schedule]:
-        assert code == 0, log[-4000:]
-        assert "successfully loaded checkpoint" in log and not _errors(log), log[-4000:]
-        iterations = _iterations(log)
-        assert len(iterations) == 1 and "iteration        3/" in iterations[0], iterations
-        assert losses(tmp, f"load-{fmt}-{schedule}", schedule) == saved[1]  # bitwise
-    else:
+    code, log = results[f"load-{name}"]
+    _, schedule, _, expected = LOADS[name]
+    moved = [line for line in log.splitlines() if "megatron_pp_ext: moved the weights" in line]
+    if expected == "refused":
         assert code != 0, log[-4000:]
         errors = _errors(log)
         assert len(errors) == 1, log[-4000:]
         assert f"this --ckpt-format torch checkpoint (saved under {SAVED_UNDER})" in errors[0]
-        assert f"fits the chunks of this run ({schedule})" not in errors[0]
         assert f"does not fit the chunks of this run ({schedule})" in errors[0]
-        assert "--ckpt-format torch_dist" in errors[0]
+        assert "add --no-load-optim" in errors[0] and "--ckpt-format torch_dist" in errors[0]
         assert not _iterations(log) and "successfully loaded" not in log
+        return
+    assert code == 0, log[-4000:]
+    assert "successfully loaded checkpoint" in log and not _errors(log), log[-4000:]
+    assert len(moved) == (expected == "moved"), log[-4000:]
+    iterations = _iterations(log)
+    assert len(iterations) == 1 and "iteration        3/" in iterations[0], iterations
+    assert losses(tmp, f"load-{name}", schedule) == saved[1]  # bitwise, every micro-batch
 
 
 @pytest.mark.gloo
