@@ -1,4 +1,4 @@
-"""Checkpoints load into the model the run built, or the run stops with one line and a non-zero status.
+"""Checkpoints load exactly into the model the run built, or the run stops with one line and status 1.
 
 megatron-core 0.19.2 (``megatron/training/checkpointing.py``) ends two kinds of failed loads in a
 run that looks successful:
@@ -10,12 +10,19 @@ run that looks successful:
 * **A ``--ckpt-format torch`` checkpoint saved under another placement.** Such a checkpoint holds each
   rank's chunks with chunk-local layer numbers (:mod:`.checkpoint_layout`); megatron loads them by
   those names into whatever chunks this run has, skips what it does not find, and prints
-  ``successfully loaded checkpoint``. Saved under ``1f1b`` and loaded under ``v-half`` nothing is
+  ``successfully loaded checkpoint``: saved under ``1f1b`` and loaded under ``v-half``, nothing is
   loaded at all. :func:`check_torch_checkpoint_layouts` makes every torch-format save record the
   layer layout of all ranks (:data:`~.checkpoint_layout.RECORD_KEY`, plain ints and bools) and every
-  torch-format load compare it with the model being loaded into; a difference stops the run before
-  training, with one line (rank 0) naming both layouts and the format that moves between schedules.
-  Every rank holds the same record and computes the same table, so all ranks stop together.
+  torch-format load compare it with the model being loaded into. When they differ:
+
+  - with ``--no-load-optim`` (or ``--finetune``), the weights of every saved rank are moved onto this
+    run's chunks (:mod:`.checkpoint_mapping`: the same tensors, checked key for key against what each
+    chunk holds), and one line says so;
+  - otherwise the run stops before training, with one line naming both layouts and the ways that
+    work: the optimizer state of this format is a per-rank list of parameters that cannot move.
+
+  Every rank holds the same record and computes the same table, and the one per-rank step (the
+  mapping) is followed by an all-gather of its outcome, so all ranks go on or stop together.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ or loads layers into the wrong places, and still prints ``successfully loaded ch
 A :data:`LayoutTable` says, for every pipeline rank and each of its chunks, ``(first layer, layer
 count, holds the embedding, holds the loss)``. Every rank computes the same whole table, so the
 verdict of :func:`mismatch` is the same on every rank (no rank refuses while another goes on and
-waits for it). ``torch_dist`` checkpoints need none of this: they key every tensor by its global
+waits for it), and the saved table is what :mod:`.checkpoint_mapping` needs to move the weights onto
+other chunks. ``torch_dist`` checkpoints need none of this: they key every tensor by its global
 layer number.
 """
 

@@ -1,10 +1,15 @@
-"""Which runs a ``--ckpt-format torch`` checkpoint loads into (``megatron_pp_ext.megatron.checkpoint_layout``).
+"""A ``--ckpt-format torch`` checkpoint under another placement (``checkpoint_layout``, ``checkpoint_mapping``).
 
-For every pair of registered schedules (p = 2 and 4, their default chunks): the checkpoint of one loads
-under the other exactly when both place the same layers in the same chunks of every rank, and the decision
-is the same whether the checkpoint carries its layout record or only megatron's ``args`` (checkpoints of
-megatron itself or of an earlier version). The end-to-end runs (``test_checkpoint_reload.py``) show that the
-record a run writes is the layout megatron built, and what a refused run prints.
+For every pair of registered schedules (p = 2 and 4, their default chunks):
+
+* megatron's own load is taken exactly when both place the same layers in the same chunks of every rank,
+  whether the checkpoint carries its layout record or only megatron's ``args`` (checkpoints of megatron
+  itself or of an earlier version);
+* otherwise the weights move: every chunk of every rank gets exactly the entries (the same objects) it
+  would have saved itself, and nothing else; what cannot be filled exactly is an error.
+
+The end-to-end runs (``test_checkpoint_reload.py``) show that the record a run writes is the layout
+megatron built, that a moved load gives the saving run's next loss bit for bit, and what a refused run prints.
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ SCHEDULES = [s for s in names() if s != "auto"]
 
 
 @pytest.mark.parametrize("p", [2, 4])
-def test_torch_checkpoint_loads_exactly_under_the_same_placement(p: int) -> None:
+def test_megatron_own_load_is_taken_exactly_under_the_same_placement(p: int) -> None:
     refused = accepted = 0
     for saved, loaded in itertools.product(SCHEDULES, repeat=2):
         same = _placement(saved, p) == _placement(loaded, p)
