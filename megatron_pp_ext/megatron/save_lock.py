@@ -164,7 +164,8 @@ def lock_on_all_ranks(directory: str) -> None:
     import torch.distributed as dist
 
     verdict: list[Any] = [None]
-    if dist.get_rank() == 0:
+    held = any(lock.held and lock.path.parent == Path(directory) for lock in _HELD)
+    if dist.get_rank() == 0 and not held:  # held: megatron set its groups up again in this run
         lock = SaveDirLock(directory)
         owner = lock.acquire()
         if owner is None:

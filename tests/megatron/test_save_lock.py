@@ -116,3 +116,24 @@ def test_owner_keeps_the_lock_fresh_and_removes_only_its_own(tmp_path: Path, mon
     _write_lock(tmp_path, 12345, "another-host")  # replaced by hand: not ours any more
     lock.release()
     assert path.exists()
+
+
+TWICE = """
+import os, sys
+import torch.distributed as dist
+from megatron_pp_ext.megatron.save_lock import lock_on_all_ranks
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+lock_on_all_ranks(sys.argv[1])
+lock_on_all_ranks(sys.argv[1])  # megatron setting its groups up again: the run's own lock, not another run's
+print("locked twice", os.getpid(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_run_setting_its_groups_up_again_keeps_its_own_lock(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-c", TWICE, str(tmp_path)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0 and "locked twice" in proc.stdout, proc.stdout + proc.stderr
+    assert not (tmp_path / LOCK_NAME).exists()  # released at exit
