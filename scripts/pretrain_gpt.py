@@ -97,7 +97,8 @@ from megatron.training.utils import get_blend_and_blend_per_split  # noqa: E402
 import megatron_pp_ext  # noqa: E402
 from megatron_pp_ext.megatron import layout  # noqa: E402
 from megatron_pp_ext.megatron.argv_check import check_argv_or_exit  # noqa: E402
-from megatron_pp_ext.megatron.checkpoint import fail_loudly_on_bad_checkpoint  # noqa: E402
+from megatron_pp_ext.megatron.checkpoint import check_torch_checkpoint_layouts  # noqa: E402
+from megatron_pp_ext.megatron.save_lock import hold_save_dir_lock  # noqa: E402
 from megatron_pp_ext.runtime.agreement import ScheduleMismatchError  # noqa: E402
 from megatron_pp_ext.runtime.executor import ExecutorError  # noqa: E402
 from megatron_pp_ext.runtime.p2p import PipelineCommError  # noqa: E402
@@ -323,7 +324,10 @@ def main() -> None:
         args.cpu = True
     validate_arguments_or_exit(args)  # before any process group exists
     _check_environment_or_exit()
-    fail_loudly_on_bad_checkpoint()  # megatron exits with status 0 when a checkpoint cannot be loaded
+    # a checkpoint megatron cannot read (status 0 there), or a torch-format one of another placement (loads
+    # nothing or the wrong layers there), stops the run; one run at a time saves into a --save directory
+    check_torch_checkpoint_layouts()
+    hold_save_dir_lock(args)
     try:  # --pipeline-schedule auto is decided here (the planner's search), then checked like a named one
         installed = megatron_pp_ext.install(args)
     except PipelineArgumentError as exc:
