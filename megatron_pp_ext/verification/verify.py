@@ -1,12 +1,11 @@
 """``megatron-pp verify``: run a schedule on real gloo ranks and compare with a reference.
 
-A run spawns ranks on this machine (a :class:`RankPool`, reusable across runs),
-builds a tiny GPTModel split by the schedule's placement, trains a few
-iterations with Adam and records every loss and every parameter gradient. The
-reference is the same model, unpartitioned (pipeline size 1, same tensor
-parallel size), trained by megatron-core's own no-pipelining schedule with the
-same seed and data. The report gives the largest relative gradient difference
-and absolute loss difference over all iterations.
+A run spawns ranks on this machine (a :class:`~.rank_pool.RankPool`, reusable across
+runs), builds a tiny GPTModel split by the schedule's placement, trains a few
+iterations and records every loss and every parameter gradient. The references are
+the same model, unpartitioned, trained by megatron-core's own no-pipelining schedule
+with the same seed and data, in float64 and in fp32; :mod:`.criterion` says how the
+run is judged against them and :mod:`.compare` writes the report.
 """
 
 from __future__ import annotations
@@ -16,23 +15,31 @@ import dataclasses
 import datetime
 import gc
 import math
-import os
-import queue
-import socket
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import criterion
+from . import criterion, rank_pool
+from .ab_timing import AB, NATIVE, OURS, ab_timing
 from .compare import VerifyReport, VerifyRunError, _check_errors, _check_fsdp_collectives, check_bitwise, compare
+from .rank_pool import report_progress
+from .saved_bytes import SavedBytesMeter
 from .tiny_gpt import TinyGPTSpec
 
-__all__ = ["RankPool", "RunSpec", "VerifyReport", "VerifyRunError", "compare", "run_on_rank", "verify_schedule"]
-
-NATIVE = "native"  # megatron-core's own forward_backward_func
-OURS = "ours"  # megatron_pp_ext's executor
-AB = "ab"  # timing: each iteration runs megatron's function and ours, in alternating order
+__all__ = [
+    "AB",
+    "NATIVE",
+    "OURS",
+    "RankPool",
+    "RunSpec",
+    "SavedBytesMeter",
+    "VerifyReport",
+    "VerifyRunError",
+    "compare",
+    "report_progress",
+    "run_on_rank",
+    "verify_schedule",
+]
 
 
 @dataclass(frozen=True)
@@ -259,7 +266,7 @@ def _train(spec: RunSpec, torch: Any, ps: Any) -> dict[str, Any]:
                 config.batch_p2p_comm, config.overlap_p2p_comm = False, True
             config.microbatch_group_size_per_vp_stage = int(schedule.params.get("microbatch_group_size") or spec.pp)
             native_func = forward_backward_pipelining_with_interleaving
-        return _ab_timing(spec, chunks, make_forward_backward_func(lambda m: schedule), native_func)
+        return ab_timing(spec, chunks, make_forward_backward_func(lambda m: schedule), native_func)
     if spec.mode == OURS:
         param_storages = {p.untyped_storage().data_ptr() for p in params}
         if spec.trace:
@@ -490,105 +497,6 @@ def _owned_grad_ranges(ddp_chunk: Any, dp_rank: int, dp: int) -> dict[Any, list[
     return owned
 
 
-def _ab_timing(spec: RunSpec, chunks: list[Any], ours: Any, native: Any) -> dict[str, Any]:
-    """Time megatron's function and ours on the same ranks, model and data, alternating which goes first;
-    then one more iteration of each under :class:`SavedBytesMeter` (peak bytes autograd holds for backward)."""
-    from . import tiny_gpt
-
-    multi = len(chunks) > 1  # megatron's interleaved schedule takes the chunk and iterator lists, like ours
-
-    def step(name: str, func: Any, iteration: int) -> list[float]:
-        for c in chunks:
-            c.zero_grad_buffer()
-        batches = tiny_gpt.make_batches(spec.model, iteration, spec.num_microbatches)
-        out = func(
-            forward_step_func=tiny_gpt.forward_step,
-            data_iterator=[iter(batches) for _ in chunks] if multi else iter(batches),
-            model=chunks if name == OURS or multi else chunks[0],
-            num_microbatches=spec.num_microbatches,
-            seq_length=spec.model.seq_length,
-            micro_batch_size=spec.model.micro_batch_size,
-            decoder_seq_length=spec.model.seq_length,
-        )
-        return [float(d["lm loss"]) for d in out]
-
-    times: dict[str, list[float]] = {NATIVE: [], OURS: []}
-    losses: dict[str, list[list[float]]] = {NATIVE: [], OURS: []}
-    for iteration in range(spec.iterations):
-        order = [(NATIVE, native), (OURS, ours)]
-        if iteration % 2:
-            order.reverse()
-        for name, func in order:
-            started = time.perf_counter()
-            losses[name].append(step(name, func, iteration))
-            times[name].append(time.perf_counter() - started)
-    params = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
-    peak: dict[str, int] = {}
-    for name, func in ((NATIVE, native), (OURS, ours)):
-        meter = SavedBytesMeter(params)
-        with meter:
-            step(name, func, spec.iterations)
-        peak[name] = meter.peak
-    return {"step_times": times, "losses": losses, "peak_saved_bytes": peak}
-
-
-class SavedBytesMeter:
-    """Live bytes of the tensors autograd saves for backward (parameters excluded), and their peak.
-
-    A saved tensor counts from its pack until autograd drops it (after its backward); a storage saved
-    several times counts once. Measures any forward-backward function alike (megatron's or ours)."""
-
-    def __init__(self, param_storages: set[int]) -> None:
-        self.params = param_storages
-        self.refs: dict[int, int] = {}
-        self.live = 0
-        self.peak = 0
-        self._hooks: Any = None
-
-    def _pack(self, tensor: Any) -> Any:
-        storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr in self.params or storage.nbytes() == 0:
-            return tensor
-        count = self.refs.get(ptr, 0)
-        self.refs[ptr] = count + 1
-        if count == 0:
-            self.live += storage.nbytes()
-            self.peak = max(self.peak, self.live)
-        return _Saved(self, tensor, ptr, storage.nbytes())
-
-    def _release(self, ptr: int, nbytes: int) -> None:
-        count = self.refs.pop(ptr) - 1
-        if count:
-            self.refs[ptr] = count
-        else:
-            self.live -= nbytes
-
-    @staticmethod
-    def _unpack(packed: Any) -> Any:
-        return packed.tensor if isinstance(packed, _Saved) else packed
-
-    def __enter__(self) -> SavedBytesMeter:
-        import torch
-
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._hooks.__exit__(*exc)
-
-
-class _Saved:
-    __slots__ = ("meter", "nbytes", "ptr", "tensor")
-
-    def __init__(self, meter: SavedBytesMeter, tensor: Any, ptr: int, nbytes: int) -> None:
-        self.meter, self.tensor, self.ptr, self.nbytes = meter, tensor, ptr, nbytes
-
-    def __del__(self) -> None:
-        self.meter._release(self.ptr, self.nbytes)
-
-
 def _replanning_source(spec: RunSpec, p: int, pp_rank: int = 0) -> Any:
     from ..analysis.validate import validate
     from ..runtime.replan import ReplanningSource
@@ -614,137 +522,15 @@ def _replanning_source(spec: RunSpec, p: int, pp_rank: int = 0) -> Any:
     return ReplanningSource(build, spec.profile_iterations, log=lambda text: None)
 
 
-# ------------------------------------------------------------------------------------------------
-# A pool of rank processes, spawned once
-# ------------------------------------------------------------------------------------------------
-_PROGRESS: tuple[int, Any] | None = None  # (worker index, outbox) inside a pool worker
-
-
-def report_progress(text: str) -> None:
-    """From a rank: a progress line for the driver (``RankPool(on_progress=...)``); no-op elsewhere."""
-    if _PROGRESS is not None:
-        _PROGRESS[1].put(("progress", _PROGRESS[0], text))
-
-
-def _worker(index: int, inbox: Any, outbox: Any, driver_pid: int | None = None) -> None:
-    global _PROGRESS
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    _PROGRESS = (index, outbox)
-    parent = os.getppid() if driver_pid is None else driver_pid  # the driver may be gone already
-    while True:
-        try:
-            job = inbox.get(timeout=5.0)
-        except queue.Empty:
-            if os.getppid() != parent:  # the driver died (killed): do not linger as an orphan
-                return
-            continue
-        if job is None:  # the pool closes: flush the results, then skip torch's interpreter teardown
-            outbox.close()
-            outbox.join_thread()
-            os._exit(0)
-        fn, payload, rank, init_method = job
-        try:
-            outbox.put((index, fn(payload, rank, init_method)))
-        except BaseException as exc:  # report every failure to the driver, with the rank
-            outbox.put((index, {"error": f"rank {rank}: {type(exc).__name__}: {exc}", "tb": traceback.format_exc()}))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class RankPool:
-    """``size`` spawned rank processes that run jobs; reuse it across runs.
-
-    When a rank fails, the others get ``grace_s`` seconds to finish (a peer of a
-    failed rank is usually stuck in a collective with it); ranks still running
-    then are killed and reported as such, and the pool respawns its processes on
-    the next run.
-    """
-
-    def __init__(self, size: int, grace_s: float = 15.0, on_progress: Any = None) -> None:
-        self.size = size
-        self.grace_s = grace_s
-        self.on_progress = on_progress  # callable(text) for the ranks' progress lines, or None
-        self.procs: list[Any] = []
-        self._spawn()
-
-    def _spawn(self) -> None:
-        import torch.multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        self.outbox = ctx.Queue()
-        self.inboxes = [ctx.Queue() for _ in range(self.size)]
-        driver = os.getpid()
-        self.procs = [
-            ctx.Process(target=_worker, args=(i, self.inboxes[i], self.outbox, driver), daemon=True)
-            for i in range(self.size)
-        ]
-        for p in self.procs:
-            p.start()
+class RankPool(rank_pool.RankPool):
+    """A :class:`~.rank_pool.RankPool` that also runs training specs."""
 
     def run(self, spec: RunSpec, wall_timeout_s: float | None = None) -> list[dict[str, Any]]:
         """Run one training run (:func:`run_on_rank`) on ``spec.world_size`` ranks."""
         return self.run_fn(run_on_rank, spec, spec.world_size, wall_timeout_s or (spec.timeout_s * 4 + 120))
 
-    def run_fn(self, fn: Any, payload: Any, world_size: int, wall_timeout_s: float = 300.0) -> list[Any]:
-        """Call ``fn(payload, rank, init_method)`` on ranks ``0..world_size-1``; ``fn`` must be importable."""
-        if world_size > self.size:
-            raise ValueError(f"run needs {world_size} ranks, the pool has {self.size}")
-        if not self.procs or not all(p.is_alive() for p in self.procs):
-            self.close(kill=True)
-            self._spawn()
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        for rank in range(world_size):
-            self.inboxes[rank].put((fn, payload, rank, init_method))
-        results: dict[int, Any] = {}
-        deadline = time.monotonic() + wall_timeout_s
-        while len(results) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = sorted(set(range(world_size)) - set(results))
-                self.close(kill=True)
-                if any(isinstance(r, dict) and "error" in r for r in results.values()):
-                    for rank in missing:
-                        results[rank] = {"error": f"rank {rank}: killed after another rank failed", "tb": ""}
-                    break
-                raise TimeoutError(f"ranks {missing} did not finish within {wall_timeout_s:g}s; the pool was killed")
-            try:
-                message = self.outbox.get(timeout=min(remaining, 2.0))
-                if len(message) == 3:  # ("progress", worker, text)
-                    if self.on_progress is not None:
-                        self.on_progress(message[2])
-                    continue
-                index, result = message
-            except queue.Empty:
-                dead = [i for i in range(world_size) if not self.procs[i].is_alive()]
-                if dead:
-                    self.close(kill=True)
-                    raise RuntimeError(f"rank process(es) {dead} died") from None
-                continue
-            results[index] = result
-            if isinstance(result, dict) and "error" in result:
-                deadline = min(deadline, time.monotonic() + self.grace_s)
-        return [results[r] for r in range(world_size)]
-
-    def close(self, kill: bool = False) -> None:
-        for i, p in enumerate(self.procs):
-            if p.is_alive():
-                if kill:
-                    p.kill()
-                else:
-                    self.inboxes[i].put(None)
-        for p in self.procs:
-            p.join(timeout=10)
-        self.procs = []
-
     def __enter__(self) -> RankPool:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close(kill=exc[0] is not None)
 
 
 def _is_megatron_1f1b(schedule: Any) -> bool:

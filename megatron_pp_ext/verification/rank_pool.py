@@ -1,0 +1,140 @@
+"""A pool of spawned rank processes that run jobs, reused across runs (imports cost ~10 s per process).
+
+``verify``, the benchmarks and the tests run their gloo ranks here: each job is a picklable function
+called on every rank with ``(payload, rank, init_method)``; a rank's failure comes back as a result
+with the error, a rank that dies or a job that exceeds its wall time is reported and the pool respawns.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any
+
+_PROGRESS: tuple[int, Any] | None = None  # (worker index, outbox) inside a pool worker
+
+
+def report_progress(text: str) -> None:
+    """From a rank: a progress line for the driver (``RankPool(on_progress=...)``); no-op elsewhere."""
+    if _PROGRESS is not None:
+        _PROGRESS[1].put(("progress", _PROGRESS[0], text))
+
+
+def _worker(index: int, inbox: Any, outbox: Any, driver_pid: int | None = None) -> None:
+    global _PROGRESS
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _PROGRESS = (index, outbox)
+    parent = os.getppid() if driver_pid is None else driver_pid  # the driver may be gone already
+    while True:
+        try:
+            job = inbox.get(timeout=5.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the driver died (killed): do not linger as an orphan
+                return
+            continue
+        if job is None:  # the pool closes: flush the results, then skip torch's interpreter teardown
+            outbox.close()
+            outbox.join_thread()
+            os._exit(0)
+        fn, payload, rank, init_method = job
+        try:
+            outbox.put((index, fn(payload, rank, init_method)))
+        except BaseException as exc:  # report every failure to the driver, with the rank
+            outbox.put((index, {"error": f"rank {rank}: {type(exc).__name__}: {exc}", "tb": traceback.format_exc()}))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RankPool:
+    """``size`` spawned rank processes that run jobs; reuse it across runs.
+
+    When a rank fails, the others get ``grace_s`` seconds to finish (a peer of a
+    failed rank is usually stuck in a collective with it); ranks still running
+    then are killed and reported as such, and the pool respawns its processes on
+    the next run.
+    """
+
+    def __init__(self, size: int, grace_s: float = 15.0, on_progress: Any = None) -> None:
+        self.size = size
+        self.grace_s = grace_s
+        self.on_progress = on_progress  # callable(text) for the ranks' progress lines, or None
+        self.procs: list[Any] = []
+        self._spawn()
+
+    def _spawn(self) -> None:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.outbox = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(self.size)]
+        driver = os.getpid()
+        self.procs = [
+            ctx.Process(target=_worker, args=(i, self.inboxes[i], self.outbox, driver), daemon=True)
+            for i in range(self.size)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run_fn(self, fn: Any, payload: Any, world_size: int, wall_timeout_s: float = 300.0) -> list[Any]:
+        """Call ``fn(payload, rank, init_method)`` on ranks ``0..world_size-1``; ``fn`` must be importable."""
+        if world_size > self.size:
+            raise ValueError(f"run needs {world_size} ranks, the pool has {self.size}")
+        if not self.procs or not all(p.is_alive() for p in self.procs):
+            self.close(kill=True)
+            self._spawn()
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        for rank in range(world_size):
+            self.inboxes[rank].put((fn, payload, rank, init_method))
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + wall_timeout_s
+        while len(results) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(results))
+                self.close(kill=True)
+                if any(isinstance(r, dict) and "error" in r for r in results.values()):
+                    for rank in missing:
+                        results[rank] = {"error": f"rank {rank}: killed after another rank failed", "tb": ""}
+                    break
+                raise TimeoutError(f"ranks {missing} did not finish within {wall_timeout_s:g}s; the pool was killed")
+            try:
+                message = self.outbox.get(timeout=min(remaining, 2.0))
+                if len(message) == 3:  # ("progress", worker, text)
+                    if self.on_progress is not None:
+                        self.on_progress(message[2])
+                    continue
+                index, result = message
+            except queue.Empty:
+                dead = [i for i in range(world_size) if not self.procs[i].is_alive()]
+                if dead:
+                    self.close(kill=True)
+                    raise RuntimeError(f"rank process(es) {dead} died") from None
+                continue
+            results[index] = result
+            if isinstance(result, dict) and "error" in result:
+                deadline = min(deadline, time.monotonic() + self.grace_s)
+        return [results[r] for r in range(world_size)]
+
+    def close(self, kill: bool = False) -> None:
+        for i, p in enumerate(self.procs):
+            if p.is_alive():
+                if kill:
+                    p.kill()
+                else:
+                    self.inboxes[i].put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+        self.procs = []
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(kill=exc[0] is not None)
