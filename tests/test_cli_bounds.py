@@ -49,7 +49,7 @@ def test_grid_out_must_be_a_directory(capsys: pytest.CaptureFixture[str], tmp_pa
     target = tmp_path / "afile"
     target.write_text("")
     message = error_of(capsys, "grid", "--slurm", "--out", str(target), "--model", "tiny", "--gpus", "2")
-    assert f"--out {target}: exists and is not a directory" in message
+    assert f"argument --out: {target} exists and is not a directory" in message
 
 
 @pytest.mark.parametrize(

@@ -21,9 +21,11 @@ from ..analysis.simulate import Costs, simulate
 from ..analysis.validate import validate
 from ..schedules import registry
 from ..schedules.ir import ScheduleError
+from ..schedules.limits import OPS_PER_PAIR
 from ..schedules.schedule import Schedule
 from .costs import CostModel
 from .evaluate import evaluate
+from .extrapolate import EXACT_FALLBACK, anchor_counts
 from .fsdp import FsdpSimulator, fsdp_options
 from .memo import (
     POST_VALIDATION_ITERATIONS,
@@ -128,6 +130,30 @@ class Planner:
     def count_steps(self) -> int:
         """(shape, schedule, memory limit) triples :meth:`run` visits (the progress bar's total)."""
         return sum(len(self.schedules_at(p)) * len(self.limits_at(p)) for _, p, *_ in self.shapes())
+
+    def search_ops(self) -> int:
+        """An upper estimate of the schedule ops the search builds (:func:`built_ops` per shape and schedule),
+        cheap to compute: :meth:`check_search` refuses a search over :data:`MAX_SEARCH_OPS` up front."""
+        total = 0
+        for _, p, _, _, m in self.shapes():
+            for name in self.schedules_at(p):
+                total += built_ops(name, p, m, self.space) * len(self.limits_at(p))
+                if total > MAX_SEARCH_OPS:
+                    return total
+        return total
+
+    def check_search(self) -> None:
+        """Refuse, before any schedule is built, a search with no shape or one too large to finish in minutes."""
+        if next(iter(self.shapes()), None) is None:
+            raise ValueError(no_shape_reason(self))
+        ops = self.search_ops()
+        if ops > MAX_SEARCH_OPS:
+            raise ValueError(
+                f"the search would build about {ops:,} schedule ops or more ({self.num_gpus} GPUs, global batch "
+                f"{self.global_batch}); the limit is {MAX_SEARCH_OPS:,} (about a minute of search): narrow it with "
+                "--pp, --tp, --micro-batch, --schedules, --virtual or --unit-sizes, "
+                "or a smaller --global-batch"
+            )
 
     def schedules_at(self, p: int) -> tuple[str, ...]:
         """The schedules searched at pipeline size ``p``. Without a pipeline (``p = 1``) every schedule is
@@ -242,6 +268,7 @@ class Planner:
 
     # ---- evaluation -----------------------------------------------------------------------------
     def run(self, progress: bool | None = None, stream: TextIO | None = None) -> PlanResult:
+        self.check_search()
         start = time.perf_counter()
         cpu_start = time.process_time()
         bar = Progress(self.count_steps(), progress, stream)
@@ -290,6 +317,52 @@ class Planner:
             stats={**self.stats, "FSDP simulations": self.fsdp_sim.simulations},
             budget_bytes=self.budget_bytes,
         )
+
+
+# Schedule ops one search may build (every shape, schedule, chunk count, anchor and unit size), in linear-
+# generator equivalents (zeropp's unit sizes weighted, see UNIT_SCAN). Measured on one CPU core, a search takes
+# about 11 us per such op: ``plan --model tiny --global-batch 1024`` (8.9 M) 93 s and 2.7 GB, the largest
+# published plan here (bf-52b at global batch 512, 3.2 M) 35 s and 315 MB. 4 M keeps a search under a minute.
+MAX_SEARCH_OPS = 4_000_000
+# zeropp at a unit size U < m scans its units: a build at m takes about (1 + m / (15 U)) times as long per op
+# as a linear generator (fitted to the two searches above; single builds at p=2 and 8, m=1024: U=1 80 us per
+# op, U=4 25, U=256 10)
+UNIT_SCAN = 15
+
+
+def built_ops(name: str, p: int, m: int, space: SearchSpace) -> int:
+    """At most the ops :func:`.variants.schedule_variants` builds for schedule ``name`` at ``(p, m)``: per chunk
+    count tried, the extrapolation anchors (or ``m`` itself, up to ``EXACT_FALLBACK x p`` when the anchors
+    are not affine), and for a schedule with unit sizes one build at ``m`` per unit size."""
+    info = registry.get(name)
+    caps = info.capabilities
+    if info.placement == "loop" and (caps is None or not caps.chunks.fixed):
+        chunks = sum({1, *space.virtual, caps.chunks.default if caps else 1})
+    else:
+        chunks = caps.chunks.default if caps is not None else 2
+    anchors = anchor_counts(p, m)
+    per_chunk = sum(anchors) + (m if len(anchors) > 1 and m <= EXACT_FALLBACK * p else 0)
+    if info.takes("unit_size"):  # a unit size U < m: built at m, in time growing with m / U (measured)
+        units = space.unit_sizes or divisors(m)
+        per_chunk += sum(m * (1 + m // (UNIT_SCAN * u)) for u in units if u < m and m % u == 0)
+    return OPS_PER_PAIR * p * chunks * per_chunk
+
+
+def no_shape_reason(planner: Planner) -> str:
+    """Why no (TP, PP, DP, micro-batch) shape of the planner's GPUs and global batch divides."""
+    model, n, batch = planner.model, planner.num_gpus, planner.global_batch
+    per_node = planner.space.max_tp or planner.costs.device.gpus_per_node
+    return (
+        f"no configuration of {n} GPUs fits global batch {batch}: TP x PP x DP must be {n} with TP <= {per_node} "
+        f"(one node) dividing the {model.num_attention_heads} heads, PP <= {2 * model.num_layers} (2 x "
+        f"{model.num_layers} layers), and DP x micro-batch dividing the global batch"
+        + (
+            ""
+            if planner.space.tp is None and planner.space.pp is None and planner.space.micro_batch is None
+            else " (with the --tp / --pp / --micro-batch given)"
+        )
+        + ": give fewer --gpus or a larger --global-batch"
+    )
 
 
 class Progress:
