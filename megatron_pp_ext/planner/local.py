@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..argtypes import output_dir, positive_float, positive_int
+from .children import run_child
 from .slurm import DEFAULT_SCRIPT, common_args
 
 __all__ = ["add_parser", "run_local"]
@@ -79,16 +79,9 @@ def run_local(
             fh.write(f"# args: {' '.join(common)} {' '.join(row['megatron_args'])}\n")
             fh.write(f"# command: {shlex.join(cmd)}\n")
             fh.flush()
-            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            try:
-                code = proc.wait(timeout=timeout)
+            try:  # its own process group: stopped on a timeout, and with launch-local on SIGTERM / SIGINT
+                code, _, _ = run_child(cmd, timeout=timeout, stdout=fh, stderr=subprocess.STDOUT, env=env)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
                 fh.write(f"\n# megatron-pp timeout after {timeout:g} s\n")
                 code = -9
         with log.open("a") as fh:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..argtypes import output_dir
+from .children import run_child
 from .files import MAX_PLAN_BYTES, read_capped
 
 __all__ = [
@@ -379,6 +380,9 @@ for action in parser._actions:
 """
 
 
+_PIPED = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+
+
 def driver_flags(
     script: str | Path = DEFAULT_SCRIPT, python: str = sys.executable, timeout: float = 600
 ) -> tuple[set[str], str]:
@@ -390,23 +394,17 @@ def driver_flags(
     ``add_arguments``) in a subprocess and listing its option strings."""
     env_cmd = [python, str(script), "--help"]
     try:
-        proc = subprocess.run(env_cmd, capture_output=True, text=True, timeout=timeout, check=False)
-        flags = set(_FLAG.findall(proc.stdout))
-        if proc.returncode == 0 and "--pipeline-schedule" in flags and "--num-layers" in flags:
+        code, out, err = run_child(env_cmd, timeout=timeout, **_PIPED)
+        flags = set(_FLAG.findall(out or ""))
+        if code == 0 and "--pipeline-schedule" in flags and "--num-layers" in flags:
             return flags, f"{Path(script).name} --help"
-        why = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        why = ((err or "").strip().splitlines() or [f"exit code {code}"])[-1]
     except (OSError, subprocess.TimeoutExpired) as exc:
         why = str(exc)
-    proc = subprocess.run(
-        [python, "-c", _PARSER_DUMP.format(root=str(REPO_ROOT))],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"cannot list the driver's flags: --help failed ({why}); parser dump failed: {proc.stderr}")
-    flags = {line.strip() for line in proc.stdout.splitlines() if line.strip().startswith("--")}
+    code, out, err = run_child([python, "-c", _PARSER_DUMP.format(root=str(REPO_ROOT))], timeout=timeout, **_PIPED)
+    if code != 0:
+        raise RuntimeError(f"cannot list the driver's flags: --help failed ({why}); parser dump failed: {err}")
+    flags = {line.strip() for line in (out or "").splitlines() if line.strip().startswith("--")}
     return flags, f"parser introspection (megatron + plugin parsers; --help failed: {why})"
 
 
