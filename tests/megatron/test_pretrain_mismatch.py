@@ -47,8 +47,7 @@ def test_different_schedules_per_rank_stop_before_megatrons_group_setup(tmp_path
     assert all("rank 1: schedule=v-half" in line for line in lines), lines
     assert not any(line.startswith("[rank") and "Traceback" in line for line in log.splitlines()), log[-4000:]
     assert all(
-        "the ranks disagree on the pipeline configuration (--pipeline-* flags): schedule, v differ" in x
-        for x in lines
+        "the ranks disagree on the pipeline configuration (--pipeline-* flags): schedule, v differ" in x for x in lines
     ), lines
     assert elapsed < 200  # imports (~30 s per rank on a busy machine) and no wait: not megatron's 10-minute timeout
 
