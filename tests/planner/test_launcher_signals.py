@@ -57,7 +57,7 @@ def _launch(tmp_path: Path) -> tuple[subprocess.Popen[str], Path]:
     return proc, pids
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_to_launch_local_stops_torchrun_and_workers(tmp_path: Path, sig: signal.Signals) -> None:
     proc, pids = _launch(tmp_path)
     deadline = time.monotonic() + 240  # torchrun imports torch before it starts the workers (slow when loaded)
@@ -66,12 +66,20 @@ def test_signal_to_launch_local_stops_torchrun_and_workers(tmp_path: Path, sig: 
         assert time.monotonic() < deadline, "the workers never started"
         time.sleep(0.2)
     workers = [int(p.name) for p in pids.iterdir()]
-    proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)  # the launcher waits for its children, within their grace
-    assert proc.returncode == 128 + sig, err
-    assert f"stopped by {sig.name}" in err and "Traceback" not in err, err
-    end = time.monotonic() + 5
-    while any(_alive(pid) for pid in workers) and time.monotonic() < end:
-        time.sleep(0.1)
-    assert not [pid for pid in workers if _alive(pid)], "workers outlived launch-local"
-    assert not (tmp_path / "out" / "logs" / "b.log").exists()  # the next run did not start
+    groups = {os.getpgid(pid) for pid in workers}  # torchrun's group: cleaned up below if the check fails
+    try:
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)  # the launcher waits for its children, within their grace
+        end = time.monotonic() + 5
+        while any(_alive(pid) for pid in workers) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not [pid for pid in workers if _alive(pid)], "workers outlived launch-local"
+        assert proc.returncode == 128 + sig, err
+        assert f"stopped by {sig.name}" in err and "Traceback" not in err, err
+        assert not (tmp_path / "out" / "logs" / "b.log").exists()  # the next run did not start
+    finally:
+        for group in groups:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
