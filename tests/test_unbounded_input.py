@@ -57,6 +57,12 @@ def test_v_shape_counts_its_two_chunks(capsys: pytest.CaptureFixture[str]) -> No
     assert "v=2 chunks" in one_error(capsys, "simulate", "v-half", "-p", "4", "-m", "100000000")
 
 
+def test_compare_counts_every_schedule(capsys: pytest.CaptureFixture[str]) -> None:
+    """compare builds every registered schedule: -p 100000 -m 1 is within one schedule's limit, not all of them."""
+    line = one_error(capsys, "compare", "-p", "100000", "-m", "1")
+    assert "compare builds all" in line and "the limit is 1,048,576" in line
+
+
 def test_iterations_times_ops_over_the_limit(capsys: pytest.CaptureFixture[str]) -> None:
     line = one_error(capsys, "simulate", "zb-h1", "-p", "4", "-m", "8", "--iterations", "1000000000")
     assert "1000000000 iterations (--iterations) x 96 ops" in line and "give at most --iterations 10922" in line
