@@ -157,9 +157,13 @@ def check_agreement(
     differing = [name for i, name in enumerate(part_names) if len({h[i] for h in heads}) > 1]
     own = [f"{name}={parts[i]}" for i, name in enumerate(part_names[:fixed]) if name in differing]
     if own and len(part_names) > 2:  # each rank's own values of the differing parts (a second, same-shaped gather)
-        descriptions = [_decode(t) for t in _gather(_encode(", ".join(own)), group, timeout_s, what)]
-        if not per_rank_rows and part_names[-1] in differing:  # the whole text: said by the fields already
-            differing.remove(part_names[-1])
+        values = [_decode(t) for t in _gather(_encode(", ".join(own)), group, timeout_s, what)]
+        if per_rank_rows:  # a schedule: its description, and what differs (parameters the description omits)
+            descriptions = [f"{d} with {v}" for d, v in zip(descriptions, values, strict=True)]
+        else:  # a configuration: the fields that differ say it all
+            descriptions = values
+            if part_names[-1] in differing:
+                differing.remove(part_names[-1])
     if per_rank_rows and part_names[-1] in differing and len({h[-1] for h in heads}) == 1:
         # Same number of rows on every rank: find the rows that differ (a second, same-shaped gather).
         rows = torch.tensor([_digest(p) for p in parts[fixed:]], dtype=torch.int64)
