@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 # The largest cost, time or size a command takes: far beyond any real value, small enough that sums
 # and products over a whole schedule stay finite (1e308 overflowed to inf and raised a traceback).
@@ -37,6 +39,19 @@ def int_at_least(low: int) -> Callable[[str], int]:
 
 positive_int = int_at_least(1)
 nonnegative_int = int_at_least(0)
+
+
+def int_in(low: int, high: int, why: str) -> Callable[[str], int]:
+    """An integer in ``[low, high]``; ``why`` says where the upper bound comes from (in the message)."""
+
+    def parse(text: str) -> int:
+        value = int(_number(text, int))
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be an integer in [{low}, {high:,}] ({why}), got {text!r}")
+        return value
+
+    parse.__name__ = f"int in [{low}, {high}]"
+    return parse
 
 
 def float_in(low: float, high: float, *, low_open: bool = False) -> Callable[[str], float]:
@@ -70,3 +85,28 @@ def unit_size(text: str) -> int | str:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1 or 'auto', got {value}")
     return value
+
+
+def output_file(text: str) -> str:
+    """A file to write (``plan --save``): checked when the command line is read, before any work, so that
+    a search of minutes does not end in a traceback: its folder exists and is writable, and it is not a folder."""
+    path = Path(text)
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory, not a file")
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: folder {folder} does not exist (create it first)")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text}: not writable")
+    return text
+
+
+def output_dir(text: str) -> str:
+    """A directory to write into, created when missing (``--out``): it must not be an existing file."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: {existing} is a file, so the directory cannot be created")
+    return text

@@ -273,6 +273,15 @@ def iteration_time_1f1b_units(schedule: Schedule, result: SimResult, costs: Cost
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    from .schedules.limits import MAX_OPS, OPS_PER_PAIR
+
+    count = len(registry.names())  # every schedule is built: the op limit holds for all of them together
+    ops = OPS_PER_PAIR * args.p * args.m * (args.v or 2) * count
+    if ops > MAX_OPS:
+        raise CliError(
+            f"compare builds all {count} schedules at -p {args.p} -m {args.m} (v={args.v or 2}): about {ops:,} ops; "
+            f"the limit is {MAX_OPS:,} (as for one schedule in simulate): give a smaller -p or -m"
+        )
     costs = parse_costs(args.costs)
     done, skipped, broken = compare_rows(args.p, args.m, args.v, costs)
     if args.json:

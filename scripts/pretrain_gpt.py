@@ -334,8 +334,12 @@ def main() -> None:
         if os.environ.get("RANK", "0") == "0":
             error_line(os.path.basename(sys.argv[0]), exc)
         raise SystemExit(2) from None
-    if installed is not None:  # megatron untouched without --pipeline-schedule
+    if installed is not None:
         print_rank_0(f"> megatron_pp_ext: {describe(args)}")
+    else:  # megatron untouched without --pipeline-schedule, but a peer started with one learns it at once
+        from megatron_pp_ext.megatron.install import agree_without_schedule
+
+        agree_without_schedule(args)
     if _LOSS_FILE and getattr(args, "pipeline_post_validation", False):
         from megatron_pp_ext.megatron import post_validation_training
 

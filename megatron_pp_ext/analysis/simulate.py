@@ -53,6 +53,7 @@ from ..schedules.collectives import (
 from ..schedules.costs import Costs, PerStage, check_cost, expand_cost
 from ..schedules.gc_pause import cyclic_gc_paused
 from ..schedules.ir import Op, OpKind
+from ..schedules.limits import check_simulated_ops
 from ..schedules.lowering import LoweredSchedule
 from ..schedules.op_arrays import KIND_B, KIND_BW, KIND_F, KIND_W, op_arrays
 from ..schedules.schedule import Schedule
@@ -292,7 +293,7 @@ def simulate(
         raise ValueError(f"overlap must be a number in [0, 1], got {overlap!r}")
     if overlap and schedule.overlap_pairs and (comm != "async" or collectives is not None or dp != 1):
         raise ValueError("overlap pairs are timed with comm='async' and without data-parallel collectives only")
-    repeat = _check_iterations(iterations, post_validation, step_time, schedule.num_ranks)
+    repeat = _check_iterations(iterations, post_validation, step_time, schedule)
     if repeat is not None and (collectives is not None or dp != 1):
         raise ValueError("iterations / post_validation are simulated without data-parallel collectives only")
     if lowered is None:
@@ -314,12 +315,14 @@ def simulate(
 
 
 def _check_iterations(
-    iterations: int, post_validation: bool, step_time: float | list[float], p: int
+    iterations: int, post_validation: bool, step_time: float | list[float], schedule: Schedule
 ) -> tuple[int, bool, list[float]] | None:
     """The checked iteration settings, or None for one plain iteration (the default)."""
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
         raise ValueError(f"iterations must be an integer >= 1, got {iterations!r}")
+    check_simulated_ops(iterations, sum(len(row) for row in schedule.ops))
     checked = check_cost("step_time", step_time)
+    p = schedule.num_ranks
     if isinstance(checked, tuple) and len(checked) != p:
         raise ValueError(f"step_time lists {len(checked)} per-rank times, the schedule has {p} ranks")
     steps = expand_cost("step_time", checked, p)

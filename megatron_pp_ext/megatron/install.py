@@ -282,8 +282,8 @@ def install(args_or_config: Any = None, *, layout_hooks: bool | None = None) -> 
     return forward_backward_func
 
 
-def config_text(config: PipelineConfig) -> str:
-    """What every rank's plugin configuration must agree on (files by content, not by name)."""
+def config_fields(config: PipelineConfig) -> list[tuple[str, str]]:
+    """What every rank's plugin configuration must agree on, field by field (files by content, not by name)."""
     import hashlib
 
     def content(path: str | None) -> str:
@@ -294,13 +294,27 @@ def config_text(config: PipelineConfig) -> str:
         except OSError as exc:
             return f"unreadable ({exc.strerror})"
 
-    return (
-        f"schedule={config.schedule or '-'} file={content(config.schedule_file)} "
-        f"block={content(config.block_file)} memory_limit={config.memory_limit} costs={config.costs!r} "
-        f"v={config.num_virtual_stages} layers={config.num_layers} p={config.pipeline_parallel_size} "
-        f"mb_group={config.microbatch_group_size} profile_iters={config.profile_iterations} "
-        f"check_messages={config.check_messages}"
-    )
+    return [
+        ("schedule", config.schedule or "-"),
+        ("file", content(config.schedule_file)),
+        ("block", content(config.block_file)),
+        ("memory_limit", str(config.memory_limit)),
+        ("costs", repr(config.costs)),
+        ("v", str(config.num_virtual_stages)),
+        ("layers", str(config.num_layers)),
+        ("p", str(config.pipeline_parallel_size)),
+        ("mb_group", str(config.microbatch_group_size)),
+        ("unit_size", str(config.unit_size)),
+        ("fsdp", f"{config.fsdp}/{config.fsdp_max_unsharded}"),
+        ("post_validation", f"{config.post_validation}/{config.post_validation_early}"),
+        ("profile_iters", str(config.profile_iterations)),
+        ("check_messages", str(config.check_messages)),
+    ]
+
+
+def config_text(config: PipelineConfig) -> str:
+    """:func:`config_fields` in one line."""
+    return " ".join(f"{name}={value}" for name, value in config_fields(config))
 
 
 def _agree_before_groups(config: PipelineConfig, patcher: Patcher) -> None:
@@ -315,15 +329,35 @@ def _agree_before_groups(config: PipelineConfig, patcher: Patcher) -> None:
     except ImportError:
         return
     original = module.initialize_model_parallel
-    text = config_text(config)
+    fields = config_fields(config)
 
     def initialize_model_parallel(*args: Any, **kwargs: Any) -> Any:
         from ..runtime.agreement import agree_on_config
 
-        agree_on_config(text)
+        agree_on_config(fields)
         return original(*args, **kwargs)
 
     patcher.replace(module_name, "initialize_model_parallel", initialize_model_parallel)
+
+
+_UNSELECTED: Patcher | None = None
+
+
+def agree_without_schedule(args: Any) -> None:
+    """A rank of this project's training script started without ``--pipeline-schedule`` still joins the
+    configuration agreement (as ``schedule=-``), so that a peer started with one stops at once with the
+    disagreement naming both ranks, instead of waiting the agreement's full timeout for a rank that
+    never comes (megatron's own training code is untouched otherwise). A rank running megatron without
+    this project at all cannot be asked: there the timeout (``MEGATRON_PP_AGREE_TIMEOUT``) still applies."""
+    global _UNSELECTED
+    if _UNSELECTED is not None:
+        return
+    config = PipelineConfig(
+        num_layers=getattr(args, "num_layers", None),
+        pipeline_parallel_size=getattr(args, "pipeline_model_parallel_size", None) or 1,
+    )
+    _UNSELECTED = Patcher()
+    _agree_before_groups(config, _UNSELECTED)
 
 
 def _splits_backward(config: PipelineConfig) -> bool:

@@ -45,6 +45,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..argtypes import output_dir
+from .files import MAX_LOG_BYTES, MAX_PLAN_BYTES, read_capped
+
 __all__ = ["RunLog", "add_parser", "collect", "parse_log", "plot_throughput", "summarize", "write_outputs"]
 
 _ITER = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|")
@@ -112,7 +115,7 @@ class RunLog:
 
 def parse_log(path: str | Path) -> RunLog:
     p = Path(path)
-    text = p.read_text(errors="replace")
+    text = read_capped(p, MAX_LOG_BYTES, "log")
     run = RunLog(path=p, config_id=p.stem)
     wrapper_error = False
     lines = text.splitlines()
@@ -266,7 +269,7 @@ def collect(
     plan: dict[str, Any] | None = None
     if plan_file is not None:
         try:
-            plan = json.loads(plan_file.read_text())
+            plan = json.loads(read_capped(plan_file, MAX_PLAN_BYTES, "plan"))
         except (OSError, ValueError) as exc:
             raise ValueError(f"cannot read plan {plan_file}: {exc}") from None
     if plan is not None:
@@ -275,6 +278,8 @@ def collect(
     rows = []
     seen = set()
     for path in sorted(root.rglob("*.log")):
+        if path.is_dir():  # a folder named x.log: its logs are found on their own
+            continue
         run = parse_log(path)
         seen.add(run.config_id)
         rows.append(summarize(run, skip, by_id.get(run.config_id), plan))
@@ -472,7 +477,7 @@ def add_parser(subparsers: Any) -> None:
         "paper.md over all of them in --out",
     )
     p.add_argument("--plan", help="plan.json with the predictions (default: LOGDIR/plan.json or ../plan.json)")
-    p.add_argument("--out", help="where to write results.* (default: LOGDIR)")
+    p.add_argument("--out", type=output_dir, help="where to write results.* (default: LOGDIR)")
     p.add_argument("--skip", type=int, default=2, help="warm-up iterations left out of the averages (default 2)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--csv", action="store_true", help="print the CSV instead of the markdown table")

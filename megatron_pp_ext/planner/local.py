@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -22,7 +21,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..argtypes import positive_float, positive_int
+from ..argtypes import output_dir, positive_float, positive_int
+from .children import run_child
 from .slurm import DEFAULT_SCRIPT, common_args
 
 __all__ = ["add_parser", "run_local"]
@@ -79,16 +79,9 @@ def run_local(
             fh.write(f"# args: {' '.join(common)} {' '.join(row['megatron_args'])}\n")
             fh.write(f"# command: {shlex.join(cmd)}\n")
             fh.flush()
-            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            try:
-                code = proc.wait(timeout=timeout)
+            try:  # its own process group: stopped on a timeout, and with launch-local on SIGTERM / SIGINT
+                code, _, _ = run_child(cmd, timeout=timeout, stdout=fh, stderr=subprocess.STDOUT, env=env)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
                 fh.write(f"\n# megatron-pp timeout after {timeout:g} s\n")
                 code = -9
         with log.open("a") as fh:
@@ -100,7 +93,7 @@ def run_local(
 
 
 def add_parser(subparsers: Any) -> None:
-    from .plan_cli import add_plan_arguments
+    from .plan_cli import add_plan_arguments, add_top_argument
 
     p = subparsers.add_parser(
         "launch-local",
@@ -108,10 +101,10 @@ def add_parser(subparsers: Any) -> None:
         description="Plan (default: --model tiny --device CPU --gpus 2 --pp 2), then run the selected "
         "configurations with torchrun + scripts/pretrain_gpt.py --cpu for a few iterations each.",
     )
-    p.add_argument("--out", required=True, metavar="DIR", help="directory for plan.json and logs/")
+    p.add_argument("--out", required=True, type=output_dir, metavar="DIR", help="directory for plan.json and logs/")
     p.add_argument("--plan", metavar="PLAN.json", help="use this plan instead of planning now")
     p.add_argument("--best-per-schedule", action="store_true", help="each schedule's best configuration")
-    p.add_argument("--top", type=int, default=2, help="how many configurations to run (default 2)")
+    add_top_argument(p, 2)
     p.add_argument("--train-iters", type=positive_int, default=4, help="iterations per run (default 4)")
     p.add_argument("--nproc", type=positive_int, help="processes per run (default: the plan's GPU count)")
     p.add_argument("--script", default=str(DEFAULT_SCRIPT))

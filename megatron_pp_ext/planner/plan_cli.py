@@ -5,18 +5,41 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..argtypes import fraction, nonnegative_float, positive_float, positive_fraction, positive_int
+from ..argtypes import (
+    fraction,
+    int_in,
+    nonnegative_float,
+    nonnegative_int,
+    output_file,
+    positive_float,
+    positive_fraction,
+    positive_int,
+)
 from .costs import CostModel
 from .memo import SIM_OVERLAP, PlannerMemo
-from .memory import TrainingSetup, w_memory_fraction
+from .memory import GIB, TrainingSetup, w_memory_fraction
 from .report import TABLE_HEADER, csv_text, format_table, plan_document, select_rows, summary_lines, table_rows
+from .result import PlanResult
 from .schedule_cache import default_cache_dir
 from .search import Planner
 from .space import SearchSpace
+
+# Upper bounds of the cluster flags, far beyond real runs, so that a typo is one line instead of a search
+# that never ends (the shapes come from the divisors of both numbers, the micro-batch counts from the batch).
+GPUS = int_in(1, 1 << 20, "the largest clusters have ~10^5 GPUs")
+GLOBAL_BATCH = int_in(1, 1 << 20, "published global batches are at most a few thousand sequences")
+
+
+def add_top_argument(parser: Any, default: int) -> None:
+    """``--top``: how many of the best configurations (``plan``, ``grid``, ``launch-local``); 0 = all."""
+    parser.add_argument(
+        "--top", type=nonnegative_int, default=default, help=f"the N best configurations (default {default}; 0 = all)"
+    )
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -48,8 +71,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--swiglu", action="store_true", default=None)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
     c = parser.add_argument_group("cluster and training")
-    c.add_argument("--gpus", type=positive_int, help="number of GPUs (default: the preset's)")
-    c.add_argument("--global-batch", type=positive_int, help="global batch size in sequences (default: the preset's)")
+    c.add_argument("--gpus", type=GPUS, help="number of GPUs (default: the preset's)")
+    c.add_argument("--global-batch", type=GLOBAL_BATCH, help="global batch size in sequences (default: the preset's)")
     c.add_argument("--device", default="A100-80GB", help="device preset: A100-80GB, H100-80GB, H200, V100-32GB, CPU")
     c.add_argument("--gpus-per-node", type=positive_int, help="GPUs per node (default: the device preset's, 8)")
     c.add_argument("--memory-budget", type=positive_float, help="GiB per GPU (default: the device's memory)")
@@ -225,11 +248,13 @@ def add_parser(subparsers: Any) -> None:
     )
     add_plan_arguments(p)
     o = p.add_argument_group("output")
-    o.add_argument("--top", type=int, default=20, help="rows to print (default 20; 0 = all)")
+    add_top_argument(o, 20)
     o.add_argument("--best-per-schedule", action="store_true", help="only each schedule's best configuration")
     o.add_argument("--json", action="store_true", help="print the plan as JSON")
     o.add_argument("--csv", action="store_true", help="print the ranked rows as CSV")
-    o.add_argument("--save", metavar="PLAN.json", help="also write the plan (every fitting row) to this file")
+    o.add_argument(
+        "--save", type=output_file, metavar="PLAN.json", help="also write the plan (every fitting row) to this file"
+    )
     o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar on stderr")
     p.set_defaults(func=cmd_plan)
 
@@ -251,6 +276,7 @@ def print_models() -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    """Print (and save) the plan; exit status 1, with the reason on stderr, when no configuration fits."""
     if args.list_models:
         print_models()
         return 0
@@ -265,10 +291,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         doc = plan_document(result, planner, rows)
         doc["summary"] = summary_lines(result, planner)
         print(json.dumps(doc))
-        return 0
+        return _nothing_fits(result)
     if args.csv:
         print(csv_text(rows), end="")
-        return 0
+        return _nothing_fits(result)
     if tuple(args.schedules or ()) == ("auto",):
         from .auto import AutoDecision
 
@@ -282,4 +308,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print("\n".join(summary_lines(result, planner)))
     if args.save:
         print(f"wrote {args.save} ({len(result.rows)} configurations)")
-    return 0
+    return _nothing_fits(result)
+
+
+def _nothing_fits(result: PlanResult) -> int:
+    """0 when some configuration fits; else 1 and one line on stderr saying why (the summary has the detail)."""
+    if result.rows:
+        return 0
+    why = []
+    if result.over_budget:
+        best = min(result.over_budget_best.values(), default=0.0) / GIB
+        why.append(
+            f"{result.over_budget} over the memory budget of {result.budget_bytes / GIB:.3g} GiB "
+            f"(the smallest needs {best:.3g} GiB: raise --memory-budget, add GPUs or recompute)"
+        )
+    inapplicable = sum(sum(c.values()) for c in result.inapplicable.values())
+    if inapplicable:
+        why.append(f"{inapplicable} schedule/shape pairs not applicable (reasons in the summary)")
+    print(
+        f"megatron-pp: error: no configuration fits: {'; '.join(why) or 'nothing was searched'}",
+        file=sys.stderr,
+    )
+    return 1

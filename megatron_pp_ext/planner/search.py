@@ -21,9 +21,11 @@ from ..analysis.simulate import Costs, simulate
 from ..analysis.validate import validate
 from ..schedules import registry
 from ..schedules.ir import ScheduleError
+from ..schedules.limits import OPS_PER_PAIR
 from ..schedules.schedule import Schedule
 from .costs import CostModel
 from .evaluate import evaluate
+from .extrapolate import EXACT_FALLBACK, anchor_counts
 from .fsdp import FsdpSimulator, fsdp_options
 from .memo import (
     POST_VALIDATION_ITERATIONS,
@@ -41,7 +43,7 @@ from .models import ModelSpec
 from .result import PlanResult, PlanRow
 from .schedule_cache import DISK_CACHE_MIN_SECONDS, ScheduleCache
 from .space import NO_PIPELINE_SCHEDULE, SearchSpace, default_schedules, divisors
-from .variants import first_line, resolve_limit, schedule_variants
+from .variants import feasible_chunks, first_line, resolve_limit, schedule_variants
 
 
 class Planner:
@@ -128,6 +130,32 @@ class Planner:
     def count_steps(self) -> int:
         """(shape, schedule, memory limit) triples :meth:`run` visits (the progress bar's total)."""
         return sum(len(self.schedules_at(p)) * len(self.limits_at(p)) for _, p, *_ in self.shapes())
+
+    def search_ops(self) -> int:
+        """An upper estimate of the schedule ops the search builds, cheap to compute: every distinct build
+        (schedule, p, micro-batches, chunks, memory limit, unit size; shapes that share one share the build,
+        as the memo does) of :func:`builds_at`, weighted by its op count. :meth:`check_search` refuses a
+        search over :data:`MAX_SEARCH_OPS` up front."""
+        keys: set[tuple[object, ...]] = set()
+        for _, p, _, _, m in self.shapes():
+            for name in self.schedules_at(p):
+                for limit in self.limits_at(p):
+                    feasible = feasible_chunks(self, registry.get(name).placement, p)
+                    keys.update((limit, *key) for key in builds_at(name, p, m, self.space, feasible))
+        return sum(weight for *_, weight in keys)
+
+    def check_search(self) -> None:
+        """Refuse, before any schedule is built, a search with no shape or one too large to finish in minutes."""
+        if next(iter(self.shapes()), None) is None:
+            raise ValueError(no_shape_reason(self))
+        ops = self.search_ops()
+        if ops > MAX_SEARCH_OPS:
+            raise ValueError(
+                f"the search would build about {ops:,} schedule ops ({self.num_gpus} GPUs, global batch "
+                f"{self.global_batch}); the limit is {MAX_SEARCH_OPS:,} (about 10 s and 300 MB of search): narrow "
+                "it with --pp, --tp, --micro-batch, --schedules, --virtual or --unit-sizes, "
+                "or a smaller --global-batch"
+            )
 
     def schedules_at(self, p: int) -> tuple[str, ...]:
         """The schedules searched at pipeline size ``p``. Without a pipeline (``p = 1``) every schedule is
@@ -242,6 +270,7 @@ class Planner:
 
     # ---- evaluation -----------------------------------------------------------------------------
     def run(self, progress: bool | None = None, stream: TextIO | None = None) -> PlanResult:
+        self.check_search()
         start = time.perf_counter()
         cpu_start = time.process_time()
         bar = Progress(self.count_steps(), progress, stream)
@@ -290,6 +319,62 @@ class Planner:
             stats={**self.stats, "FSDP simulations": self.fsdp_sim.simulations},
             budget_bytes=self.budget_bytes,
         )
+
+
+# Schedule ops one search may build: the distinct builds of :func:`builds_at` (shapes that share a build share
+# it, as the memo does), in linear-generator equivalents (zeropp's unit sizes weighted, see UNIT_SCAN).
+# Measured on one CPU core of this project's CI machine (CPU time of the whole command, peak memory):
+# ``plan --model tiny --global-batch 512`` 0.95 M: 5.0 s, 140 MB; ``--global-batch 1024`` 3.6 M: 9.5 s, 260 MB;
+# the largest published plan here (bf-52b on 64 GPUs at global batch 512) 1.4 M: 6.0 s, 315 MB. The estimate
+# grows about 4x per doubling of the batch (``--global-batch 2048``: 14 M), so 4 M admits every plan above and
+# refuses the searches that would take minutes and gigabytes.
+MAX_SEARCH_OPS = 4_000_000
+# zeropp at a unit size U < m scans its units: a build at m takes about (1 + m / (15 U)) times as long per op
+# as a linear generator (single builds at p=2 and 8, m=1024: U=1 80 us per op, U=4 25, U=256 10)
+UNIT_SCAN = 15
+
+
+def builds_at(
+    name: str, p: int, m: int, space: SearchSpace, feasible: list[int] | None = None
+) -> set[tuple[object, ...]]:
+    """At most the builds :func:`.variants.schedule_variants` makes for schedule ``name`` at ``(p, m)``, as
+    ``(name, p, micro-batches, chunks, unit size, weight)``: per chunk count tried, the extrapolation anchors
+    (and ``m`` itself, up to ``EXACT_FALLBACK x p``, when the anchors are not affine), and for a schedule with
+    unit sizes one build at ``m`` per unit size; only the chunk counts in ``feasible`` when given (those the
+    layers split over). The weight is the op count, times :data:`UNIT_SCAN`'s factor for a unit size."""
+    info = registry.get(name)
+    caps = info.capabilities
+    if info.placement == "loop" and (caps is None or not caps.chunks.fixed):
+        chunk_counts = {1, *space.virtual, caps.chunks.default if caps else 1}
+    else:
+        chunk_counts = {caps.chunks.default if caps is not None else 2}
+    if feasible is not None:
+        chunk_counts &= set(feasible)
+    anchors = anchor_counts(p, m)
+    counts = set(anchors) | ({m} if len(anchors) > 1 and m <= EXACT_FALLBACK * p else set())
+    units = [u for u in (space.unit_sizes or divisors(m)) if u < m and m % u == 0] if info.takes("unit_size") else []
+    out: set[tuple[object, ...]] = set()
+    for v in chunk_counts:
+        out.update((name, p, mm, v, None, OPS_PER_PAIR * p * v * mm) for mm in counts)
+        out.update((name, p, m, v, u, OPS_PER_PAIR * p * v * m * (1 + m // (UNIT_SCAN * u))) for u in units)
+    return out
+
+
+def no_shape_reason(planner: Planner) -> str:
+    """Why no (TP, PP, DP, micro-batch) shape of the planner's GPUs and global batch divides."""
+    model, n, batch = planner.model, planner.num_gpus, planner.global_batch
+    per_node = planner.space.max_tp or planner.costs.device.gpus_per_node
+    return (
+        f"no configuration of {n} GPUs fits global batch {batch}: TP x PP x DP must be {n} with TP <= {per_node} "
+        f"(one node) dividing the {model.num_attention_heads} heads, PP <= {2 * model.num_layers} (2 x "
+        f"{model.num_layers} layers), and DP x micro-batch dividing the global batch"
+        + (
+            ""
+            if planner.space.tp is None and planner.space.pp is None and planner.space.micro_batch is None
+            else " (with the --tp / --pp / --micro-batch given)"
+        )
+        + ": give fewer --gpus or a larger --global-batch"
+    )
 
 
 class Progress:

@@ -30,6 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..argtypes import output_dir
+from .children import run_child
+from .files import MAX_PLAN_BYTES, read_capped
+
 __all__ = [
     "GridOptions",
     "add_parser",
@@ -376,6 +380,9 @@ for action in parser._actions:
 """
 
 
+_PIPED = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+
+
 def driver_flags(
     script: str | Path = DEFAULT_SCRIPT, python: str = sys.executable, timeout: float = 600
 ) -> tuple[set[str], str]:
@@ -387,23 +394,17 @@ def driver_flags(
     ``add_arguments``) in a subprocess and listing its option strings."""
     env_cmd = [python, str(script), "--help"]
     try:
-        proc = subprocess.run(env_cmd, capture_output=True, text=True, timeout=timeout, check=False)
-        flags = set(_FLAG.findall(proc.stdout))
-        if proc.returncode == 0 and "--pipeline-schedule" in flags and "--num-layers" in flags:
+        code, out, err = run_child(env_cmd, timeout=timeout, **_PIPED)
+        flags = set(_FLAG.findall(out or ""))
+        if code == 0 and "--pipeline-schedule" in flags and "--num-layers" in flags:
             return flags, f"{Path(script).name} --help"
-        why = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        why = ((err or "").strip().splitlines() or [f"exit code {code}"])[-1]
     except (OSError, subprocess.TimeoutExpired) as exc:
         why = str(exc)
-    proc = subprocess.run(
-        [python, "-c", _PARSER_DUMP.format(root=str(REPO_ROOT))],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"cannot list the driver's flags: --help failed ({why}); parser dump failed: {proc.stderr}")
-    flags = {line.strip() for line in proc.stdout.splitlines() if line.strip().startswith("--")}
+    code, out, err = run_child([python, "-c", _PARSER_DUMP.format(root=str(REPO_ROOT))], timeout=timeout, **_PIPED)
+    if code != 0:
+        raise RuntimeError(f"cannot list the driver's flags: --help failed ({why}); parser dump failed: {err}")
+    flags = {line.strip() for line in (out or "").splitlines() if line.strip().startswith("--")}
     return flags, f"parser introspection (megatron + plugin parsers; --help failed: {why})"
 
 
@@ -425,7 +426,7 @@ def unknown_flags(grid_dir: str | Path, known: set[str]) -> list[str]:
 
 # ---- command line ---------------------------------------------------------------------------------
 def add_parser(subparsers: Any) -> None:
-    from .plan_cli import add_plan_arguments
+    from .plan_cli import add_plan_arguments, add_top_argument
 
     p = subparsers.add_parser(
         "grid",
@@ -434,7 +435,7 @@ def add_parser(subparsers: Any) -> None:
         "write DIR/job.sbatch, DIR/configs.tsv and DIR/plan.json; submit with `sbatch DIR/job.sbatch`.",
     )
     p.add_argument("--slurm", action="store_true", help="write a Slurm job array (the only backend)")
-    p.add_argument("--out", metavar="DIR", help="directory for job.sbatch, configs.tsv, plan.json")
+    p.add_argument("--out", type=output_dir, metavar="DIR", help="directory for job.sbatch, configs.tsv, plan.json")
     p.add_argument("--plan", metavar="PLAN.json", help="a plan written by `megatron-pp plan --save`")
     p.add_argument(
         "--spec",
@@ -444,7 +445,7 @@ def add_parser(subparsers: Any) -> None:
     )
     sel = p.add_argument_group("selection")
     sel.add_argument("--best-per-schedule", action="store_true", help="each schedule's best configuration")
-    sel.add_argument("--top", type=int, default=8, help="the N best configurations (default 8; 0 = all)")
+    add_top_argument(sel, 8)
     sl = p.add_argument_group("slurm")
     sl.add_argument("--nodes", type=int, help="nodes per configuration (default: GPUs / GPUs per node)")
     sl.add_argument("--partition")
@@ -470,6 +471,16 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=cmd_grid)
 
 
+def _plan_row(row: object) -> bool:
+    """A plan row the launchers can run: an id and a list of flags."""
+    return (
+        isinstance(row, dict)
+        and isinstance(row.get("id"), str)
+        and isinstance(row.get("megatron_args"), list)
+        and all(isinstance(a, str) for a in row["megatron_args"])
+    )
+
+
 def load_or_plan(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The plan document and its selected rows: from ``--plan`` or by planning now."""
     from .plan_cli import planner_from_args
@@ -477,12 +488,20 @@ def load_or_plan(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[st
 
     if args.plan:
         try:
-            doc = json.loads(Path(args.plan).read_text())
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"cannot read plan {args.plan}: {exc}") from None
-        if doc.get("format") != "megatron-pp plan v1":
-            raise ValueError(f"{args.plan} is not a megatron-pp plan (format {doc.get('format')!r})")
+            doc = json.loads(read_capped(args.plan, MAX_PLAN_BYTES, "plan"))
+        except ValueError as exc:
+            raise ValueError(f"cannot read plan {args.plan}: {str(exc)[:200]}") from None
+        if (
+            not isinstance(doc, dict)
+            or doc.get("format") != "megatron-pp plan v1"
+            or not isinstance(doc.get("rows"), list)
+        ):
+            got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+            raise ValueError(f"{args.plan} is not a megatron-pp plan (format {got!r}, written by `plan --save`)")
         rows = list(doc["rows"])
+        bad = next((i for i, r in enumerate(rows) if not _plan_row(r)), None)
+        if bad is not None:
+            raise ValueError(f"{args.plan}: row {bad} is not a configuration with an 'id' and 'megatron_args'")
     else:
         planner = planner_from_args(args)
         result = planner.run(progress=getattr(args, "progress", None))
@@ -511,8 +530,6 @@ def cmd_grid(args: argparse.Namespace) -> int:
         return 0
     if not args.out:
         raise ValueError("give --out DIR (or --spec SPEC.json)")
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise ValueError(f"--out {args.out}: exists and is not a directory (give a directory for job.sbatch & co.)")
     env = {}
     for item in args.env:
         key, sep, value = item.partition("=")

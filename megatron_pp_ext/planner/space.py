@@ -16,7 +16,16 @@ def default_schedules() -> tuple[str, ...]:
 
 
 def divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+    """The divisors of ``n`` in increasing order, found in pairs ``(k, n // k)`` up to ``sqrt(n)``."""
+    low, high = [], []
+    k = 1
+    while k * k <= n:
+        if n % k == 0:
+            low.append(k)
+            if k * k != n:
+                high.append(n // k)
+        k += 1
+    return low + high[::-1]
 
 
 @dataclass(frozen=True)

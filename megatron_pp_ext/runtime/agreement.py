@@ -155,6 +155,15 @@ def check_agreement(
         return
     descriptions = [_decode(g[len(head) :]) for g in gathered]
     differing = [name for i, name in enumerate(part_names) if len({h[i] for h in heads}) > 1]
+    own = [f"{name}={parts[i]}" for i, name in enumerate(part_names[:fixed]) if name in differing]
+    if own and len(part_names) > 2:  # each rank's own values of the differing parts (a second, same-shaped gather)
+        values = [_decode(t) for t in _gather(_encode(", ".join(own)), group, timeout_s, what)]
+        if per_rank_rows:  # a schedule: its description, and what differs (parameters the description omits)
+            descriptions = [f"{d} with {v}" for d, v in zip(descriptions, values, strict=True)]
+        else:  # a configuration: the fields that differ say it all
+            descriptions = values
+            if part_names[-1] in differing:
+                differing.remove(part_names[-1])
     if per_rank_rows and part_names[-1] in differing and len({h[-1] for h in heads}) == 1:
         # Same number of rows on every rank: find the rows that differ (a second, same-shaped gather).
         rows = torch.tensor([_digest(p) for p in parts[fixed:]], dtype=torch.int64)
@@ -198,19 +207,18 @@ def agree_on_schedule(schedule: Schedule, group: dist.ProcessGroup, *, timeout_s
     _agreed[key] = weakref.ref(schedule)
 
 
-CONFIG_PARTS = ("project version", "pipeline configuration")
-
-
-def agree_on_config(config_text: str, *, timeout_s: float | None = None) -> None:
-    """Before megatron builds its groups: every rank of the world has the same plugin configuration."""
+def agree_on_config(config: Sequence[tuple[str, str]], *, timeout_s: float | None = None) -> None:
+    """Before megatron builds its groups: every rank of the world has the same plugin configuration,
+    given as ``(flag, value)`` fields; a disagreement names each rank's own values of the fields that differ."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
+    text = " ".join(f"{name}={value}" for name, value in config)
     check_agreement(
-        [_project_version(), config_text],
-        config_text[:_DESCRIPTION_BYTES],
+        [_project_version(), *(value for _, value in config), text],
+        text[:_DESCRIPTION_BYTES],
         None,
         what="pipeline configuration (--pipeline-* flags)",
-        part_names=CONFIG_PARTS,
+        part_names=("project version", *(name for name, _ in config), "pipeline configuration"),
         timeout_s=timeout_s,
         per_rank_rows=False,
     )

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from .capabilities import Capabilities, check_request
 from .gc_pause import cyclic_gc_paused
 from .ir import ScheduleError
+from .limits import check_ops
 from .schedule import Schedule
 
 Generator = Callable[..., Schedule]
@@ -62,9 +63,15 @@ class ScheduleInfo:
             return dict(kwargs)
         return check_request(self.name, self.capabilities, p, m, kwargs)
 
+    def check_size(self, p: int, m: int, v: object) -> None:
+        """Refuse a request over :data:`.limits.MAX_OPS` before the generator sizes anything by it."""
+        chunks = v if isinstance(v, int) else self.capabilities.chunks.default if self.capabilities else 1
+        check_ops(p, m, max(int(chunks), 1))
+
     def build(self, p: int, m: int, **kwargs: object) -> Schedule:
         """Check the request, then generate."""
         checked = self.check(p, m, **kwargs)
+        self.check_size(p, m, checked.get("v", kwargs.get("v")))
         with cyclic_gc_paused():
             return self.generate(p, m, **checked)
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .ir import Op, OpKind, ScheduleSyntaxError
+from .limits import MAX_FILE_BYTES, MAX_OPS
 from .placement import Placement, make_placement
 
 CSV_MAGIC = "megatron_pp_ext schedule v1"
@@ -154,6 +155,7 @@ class Schedule:
         rows: dict[int, list[Op]] = {}
         pairs: dict[int, list[int]] = {}
         body = []
+        num_ops = 0
         for lineno, line in enumerate(text.splitlines(), 1):
             stripped = line.strip()
             if not stripped:
@@ -185,6 +187,9 @@ class Schedule:
                     if len(parts) == 2:
                         pairs[rank].append(len(rows[rank]))
                     rows[rank] += [Op.parse(part) for part in parts]
+                    num_ops += len(parts)
+                    if num_ops > MAX_OPS:
+                        raise ScheduleSyntaxError(f"the file has more than {MAX_OPS:,} ops, the limit of a schedule")
             except ScheduleSyntaxError as exc:
                 raise ScheduleSyntaxError(f"{source}:{lineno} (rank {rank}): {exc}") from None
         if not rows:
@@ -217,19 +222,10 @@ class Schedule:
 
     @classmethod
     def load(cls, path: str | Path) -> Schedule:
+        """Read a schedule file of at most :data:`.limits.MAX_FILE_BYTES`, counted while reading (a device
+        or pipe reports size 0, ``/dev/zero`` never ends), refusing binary data at the first NUL byte."""
+        data = _read_capped(path)
         try:
-            size = Path(path).stat().st_size
-            if size > MAX_FILE_BYTES:
-                raise ScheduleSyntaxError(
-                    f"schedule file {path} is {size} bytes; the limit is {MAX_FILE_BYTES} bytes "
-                    f"({MAX_FILE_BYTES >> 20} MiB)"
-                )
-            data = Path(path).read_bytes()
-        except OSError as exc:
-            raise ScheduleSyntaxError(f"cannot read schedule file {path}: {exc.strerror}") from None
-        try:
-            if b"\0" in data:
-                raise UnicodeDecodeError("utf-8", data, data.index(b"\0"), data.index(b"\0") + 1, "NUL byte")
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise ScheduleSyntaxError(
@@ -238,7 +234,31 @@ class Schedule:
         return cls.from_csv(text, source=str(path))
 
 
-MAX_FILE_BYTES = 256 << 20  # a schedule of ~10 M ops; anything larger is not a schedule file
+_READ_BLOCK = 1 << 16
+
+
+def _read_capped(path: str | Path) -> bytes:
+    """The file's bytes, read block by block: refused at the first NUL byte or past the size limit."""
+    blocks: list[bytes] = []
+    size = 0
+    try:
+        with open(path, "rb") as stream:
+            while block := stream.read(_READ_BLOCK):
+                if b"\0" in block:
+                    where = size + block.index(b"\0")
+                    raise ScheduleSyntaxError(
+                        f"schedule file {path} is not a text (UTF-8) schedule: binary data at byte {where}"
+                    )
+                size += len(block)
+                if size > MAX_FILE_BYTES:
+                    raise ScheduleSyntaxError(
+                        f"schedule file {path} has more than {MAX_FILE_BYTES} bytes ({MAX_FILE_BYTES >> 20} MiB, "
+                        f"{MAX_FILE_BYTES // MAX_OPS} bytes per op of the {MAX_OPS:,}-op limit): not a schedule file"
+                    )
+                blocks.append(block)
+    except OSError as exc:
+        raise ScheduleSyntaxError(f"cannot read schedule file {path}: {exc.strerror or exc}") from None
+    return b"".join(blocks)
 
 
 def _check_sizes(source: str, rows: dict[int, list[Op]], num_mb: int, placement: Placement) -> None:

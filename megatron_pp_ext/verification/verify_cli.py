@@ -101,8 +101,7 @@ def _iteration_stage(text: str) -> tuple[int, int]:
 def run_verify(args: argparse.Namespace) -> int:
     from ..schedule_args import PROG
     from ..schedule_args import schedule_from_args as _schedule_from_args
-    from .tiny_gpt import TinyGPTSpec
-    from .verify import VerifyRunError, verify_schedule
+    from .rank_budget import check_local_ranks
 
     if args.dp < 1:
         print(f"{PROG}: --dp must be an integer >= 1, got {args.dp}", file=sys.stderr)
@@ -134,6 +133,15 @@ def run_verify(args: argparse.Namespace) -> int:
         )
         return 2
     schedule = _schedule_from_args(args)
+    too_many = check_local_ranks(
+        schedule.num_ranks * args.tp * args.dp, f"-p {schedule.num_ranks} x --tp {args.tp} x --dp {args.dp}"
+    )
+    if too_many is not None:
+        print(f"{PROG}: {too_many}", file=sys.stderr)
+        return 2
+    from .tiny_gpt import TinyGPTSpec  # torch and megatron-core: imported once the request is known to fit
+    from .verify import VerifyRunError, verify_schedule
+
     bad = [f"{i}:{s}" for i, s in args.inject_inf if i >= args.iterations or s >= schedule.num_ranks]
     if bad:
         print(

@@ -47,8 +47,7 @@ def test_different_schedules_per_rank_stop_before_megatrons_group_setup(tmp_path
     assert all("rank 1: schedule=v-half" in line for line in lines), lines
     assert not any(line.startswith("[rank") and "Traceback" in line for line in log.splitlines()), log[-4000:]
     assert all(
-        "the ranks disagree on the pipeline configuration (--pipeline-* flags): pipeline configuration differ" in x
-        for x in lines
+        "the ranks disagree on the pipeline configuration (--pipeline-* flags): schedule, v differ" in x for x in lines
     ), lines
     assert elapsed < 200  # imports (~30 s per rank on a busy machine) and no wait: not megatron's 10-minute timeout
 
@@ -60,3 +59,26 @@ def test_bad_timeout_variable_fails_before_any_process_group(tmp_path: Path) -> 
     lines = [line for line in log.splitlines() if "error:" in line and "MEGATRON_PP_P2P_TIMEOUT" in line]
     assert lines and all("MEGATRON_PP_P2P_TIMEOUT='abc': expected a number of seconds > 0" in x for x in lines), log
     assert not any(line.startswith("[rank") and "Traceback" in line for line in log.splitlines()), log[-4000:]
+
+
+@pytest.mark.gloo
+def test_rank_without_pipeline_schedule_is_named_at_once(tmp_path: Path) -> None:
+    """A rank started without --pipeline-schedule still joins the configuration agreement (as schedule=-):
+    its peer stops with the disagreement instead of waiting the agreement's 300 s timeout for it."""
+    start = time.monotonic()
+    code, log = run_per_rank(tmp_path, [[], ["--pipeline-schedule", "1f1b"]], {"MEGATRON_PP_AGREE_TIMEOUT": "250"})
+    elapsed = time.monotonic() - start
+    assert code != 0, log[-4000:]
+    lines = [line for line in log.splitlines() if "the ranks disagree" in line]
+    assert lines and all("rank 0: schedule=-" in x and "rank 1: schedule=1f1b" in x for x in lines), log[-4000:]
+    assert "not every rank of the group reached the check" not in log, log[-4000:]
+    assert elapsed < 200  # imports only, not the 250 s agreement timeout
+
+
+@pytest.mark.gloo
+def test_unit_size_disagreement_names_each_ranks_own_value(tmp_path: Path) -> None:
+    zeropp = ["--pipeline-schedule", "zeropp", "--pipeline-unit-size"]
+    code, log = run_per_rank(tmp_path, [[*zeropp, "2"], [*zeropp, "4"]])
+    assert code != 0, log[-4000:]
+    lines = [line for line in log.splitlines() if "the ranks disagree" in line]
+    assert lines and all("rank 0: unit_size=2" in x and "rank 1: unit_size=4" in x for x in lines), log[-4000:]
