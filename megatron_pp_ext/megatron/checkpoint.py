@@ -1,6 +1,6 @@
 """Checkpoints load exactly into the model the run built, or the run stops with one line and status 1.
 
-megatron-core 0.19.2 (``megatron/training/checkpointing.py``) ends two kinds of failed loads in a
+megatron-core 0.19.2 (``megatron/training/checkpointing.py``) ends three kinds of failed loads in a
 run that looks successful:
 
 * **Unreadable checkpoint.** ``_load_base_checkpoint`` prints "could not load the checkpoint" and
