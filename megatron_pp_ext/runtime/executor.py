@@ -7,7 +7,8 @@ returns. It interprets this rank's lowered program instruction by instruction:
 * ``F``  runs megatron's ``forward_step`` on the op's chunk;
 * ``BW`` runs megatron's ``backward_step`` (full backward);
 * ``B`` / ``W`` run the split backward through the weight-gradient store;
-* an ``Exchange`` posts its sends and receives as one batch (``runtime.p2p``);
+* an ``Exchange`` posts its sends and receives (:mod:`.channels`: an op waits only for its own
+  input, sends complete off the critical path);
 * the collectives :mod:`~megatron_pp_ext.schedules.collectives` derives for a gap
   (data-parallel gradient reduction of a chunk after its last backward, the
   distributed optimizer's parameter gather before its first forward, FSDP
@@ -46,6 +47,7 @@ from ..schedules.ir import Op, OpKind, ScheduleError
 from ..schedules.lowering import ACT, GRAD, Compute, Exchange, LoweredSchedule, lower
 from ..schedules.schedule import Schedule
 from . import agreement, p2p
+from .channels import Channels
 from .data import MicrobatchIterator
 from .embedding_sync import add_local_tied_grads, ends_on_same_rank, local_tied_pairs, without_embedding_groups
 from .grad_check import GradCheckPolicy, GradWatch, watching
@@ -84,9 +86,9 @@ class _Plan:
     collectives: dict[int, tuple[Collective, ...]]  # gap (index of the next compute op) -> collectives
 
 
-def _plan_for(lowered: LoweredSchedule, rank: int, policy: CollectivePolicy) -> _Plan:
+def _plan_for(lowered: LoweredSchedule, rank: int, policy: CollectivePolicy, prefetch: bool) -> _Plan:
     placement = lowered.schedule.placement
-    program = lowered.program(rank)
+    program = lowered.program(rank, prefetch)
     collectives = derive_collectives(lowered.schedule, policy).on_rank(rank)
     first_forward: dict[int, Op] = {}
     for ins in program:
@@ -206,11 +208,13 @@ def make_forward_backward_func(
     Megatron's own ``grad_sync_func`` / ``param_sync_func`` (config) are launched where the
     collectives pass places them.
     """
-    plans: dict[tuple[int, int, bool, CollectivePolicy], tuple[Schedule, _Plan]] = {}
+    plans: dict[tuple[int, int, bool, CollectivePolicy, bool], tuple[Schedule, _Plan]] = {}
     tracers: dict[int, Tracer] = {}
     grad_checks = GradCheckPolicy(every_iteration=check_grads)
 
-    def plan(num_microbatches: int, rank: int, forward_only: bool, config: Any, models: list[Any]) -> _Plan:
+    def plan(
+        num_microbatches: int, rank: int, forward_only: bool, config: Any, models: list[Any], prefetch: bool
+    ) -> _Plan:
         schedule = schedule_for(num_microbatches)  # the source caches; it may re-plan between calls
         training = not forward_only
         fields = {
@@ -223,7 +227,7 @@ def make_forward_backward_func(
             policy = fsdp_policy(schedule, fsdp_max_unsharded, fsdp_grad_reduce_unit, **fields)
         else:
             policy = CollectivePolicy(**fields)
-        key = (num_microbatches, rank, forward_only, policy)
+        key = (num_microbatches, rank, forward_only, policy, prefetch)
         cached = plans.get(key)
         if cached is None or cached[0] is not schedule:
             if schedule.num_microbatches != num_microbatches:
@@ -232,7 +236,7 @@ def make_forward_backward_func(
                     f"megatron asked for {num_microbatches}"
                 )
             run_schedule = forward_only_schedule(schedule) if forward_only else schedule
-            plans[key] = cached = (schedule, _plan_for(lower(run_schedule), rank, policy))
+            plans[key] = cached = (schedule, _plan_for(lower(run_schedule), rank, policy, prefetch))
         return cached[1]
 
     def forward_backward_func(
@@ -259,7 +263,8 @@ def make_forward_backward_func(
         rank = pp_group.rank()
         from megatron.core.utils import get_model_config
 
-        the_plan = plan(num_microbatches, rank, forward_only, get_model_config(models[0]), models)
+        prefetch = p2p.strategy_for(pp_group).prefetches
+        the_plan = plan(num_microbatches, rank, forward_only, get_model_config(models[0]), models, prefetch)
         agreement.agree_on_schedule(the_plan.lowered.schedule, pp_group, timeout_s=timeout_s)  # once per schedule
         if rank not in tracers:
             tracers[rank] = tracer_factory(rank) if tracer_factory else NullTracer()
@@ -368,10 +373,15 @@ class _Run:
 
         self.mailbox: dict[tuple[str, int, int], torch.Tensor | None] = {}
         self.saved: dict[tuple[int, int], tuple[Any, Any]] = {}
-        self.sent_outputs: list[Any] = []  # outputs of the last F whose data goes to another stage
-        # posted batches, the outputs to pseudo-free once they completed, and the tensors they read
-        self.in_flight: list[tuple[p2p.Batch, list[Any], list[Any]]] = []
-        self.pending_recv: dict[tuple[str, int, int], p2p.Batch] = {}
+        self.channels = Channels(
+            group=pp_group,
+            global_ranks=self.global_ranks,
+            timeout_s=self.timeout_s,
+            use_tags=self.use_tags,
+            send_bound=plan.lowered.send_bounds[rank],
+            tracer=self.tracer,
+            free=self._free_output,
+        )
         self.forward_data_store: list[Any] = []
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)  # megatron keeps it on the GPU
         self.wgrad: WeightGradStore = get_weight_grad_store()
@@ -469,11 +479,11 @@ class _Run:
                 self._exchange(instruction, _next_op(program, index))
         for collective in collectives.get(gap, ()):
             self._collective(collective)
-        self._retire_completed(wait=True)
+        leftover_receives = self.channels.finish(self._where())
         self.grad_sync.finish(self._where())
         if self.replica_sync is not None and not self.forward_only:
             self.replica_sync.finish()  # before finalize_model_grads reads the same buffers
-        self._check_drained()
+        self._check_drained(leftover_receives)
         for it in self.iterators:
             if it is not None:
                 it.finish_iteration()
@@ -496,9 +506,9 @@ class _Run:
             config.timers("forward-backward").stop()
         return self.forward_data_store
 
-    def _check_drained(self) -> None:
+    def _check_drained(self, leftover_receives: list[str]) -> None:
         leftovers = [k for k, v in self.mailbox.items() if v is not None] + [f"saved{k}" for k in self.saved]
-        leftovers += [f"unconsumed receive {k}" for k in self.pending_recv]
+        leftovers += leftover_receives
         if leftovers:
             raise ExecutorError(f"{self._where()}: tensors left over at the end of the iteration: {leftovers[:8]}")
         if not self.forward_only:
@@ -618,10 +628,8 @@ class _Run:
             self._deposit((ACT, nxt, op.microbatch), output_tensor, local=local)
         if not self.forward_only:
             self.saved[(op.stage, op.microbatch)] = (input_tensor, output_tensor)
-            if nxt is not None:
-                self.sent_outputs.append(output_tensor)  # freed once sent, or now if handed over locally
-            if local:
-                self._free_sent_outputs()
+            if local:  # handed over (the consumer has its own leaf); a sent output is freed once sent
+                self._free_output(output_tensor)
 
     def _backward(self, op: Op) -> None:
         from megatron.core.pipeline_parallel.schedules import backward_step
@@ -655,9 +663,7 @@ class _Run:
     def _take(self, key: tuple[str, int, int], op: Op) -> Any:
         if key not in self.mailbox:
             raise ExecutorError(f"{self._where(op)}: input {key[0]} for stage {key[1]} mb {key[2]} never arrived")
-        batch = self.pending_recv.pop(key, None)
-        if batch is not None:  # posted earlier without waiting: wait now, just before the consumer
-            batch.wait(f", waiting for the input of {op}")
+        self.channels.wait_input(key, f", waiting for the input of {op}")  # (no-op once awaited)
         return self.mailbox.pop(key)
 
     def _exchange(self, exchange: Exchange, next_op: Op | None) -> None:
@@ -666,75 +672,35 @@ class _Run:
             tensor = self.mailbox.pop(msg.key, None)
             if tensor is None:
                 raise ExecutorError(f"{self._where(next_op)}: nothing to send for {msg}")
-            sends.append(p2p.Transfer(tensor, self.global_ranks[msg.dst_rank], msg.seq, str(msg), _header(msg)))
+            sends.append((msg, tensor, msg.kind == ACT and not self.forward_only))
         recvs = []
         for msg in exchange.recvs:
             buffer = torch.empty(
                 self.tensor_shape, dtype=self.config.pipeline_dtype, requires_grad=msg.kind == ACT, device=self.device
             )
             self.mailbox[msg.key] = buffer
-            recvs.append(p2p.Transfer(buffer, self.global_ranks[msg.src_rank], msg.seq, str(msg), _header(msg)))
+            recvs.append((msg, buffer))
         where = self._where() + (f", exchange before {next_op}" if next_op is not None else ", final exchange")
-        self.tracer.begin_comm()
-        batch = p2p.post(sends, recvs, self.pp_group, rank_desc=where, timeout_s=self.timeout_s, use_tags=self.use_tags)
-        self.tracer.end_comm()
-        for msg in exchange.recvs:
-            self.pending_recv[msg.key] = batch
-        self.in_flight.append((batch, self.sent_outputs, [t.tensor for t in sends]))
-        self.sent_outputs = []
-        self._retire_completed()
+        self.channels.post(sends, recvs, where)
 
     def _await_inputs(self, op: Op) -> None:
-        """Wait for the receive that brings ``op``'s input (posted earlier without waiting)."""
+        """Wait for the receive that brings ``op``'s input, and nothing else; before a backward, then
+        complete the send of the output it differentiates (megatron pseudo-frees that output; by now
+        its receiver has posted the receive, since the gradient it sent back has arrived)."""
         if op.kind == OpKind.W:
             return
-        if op.kind == OpKind.F:
-            key = (ACT, op.stage, op.microbatch)
-        else:
-            key = (GRAD, op.stage, op.microbatch)
-            saved = self.saved.get((op.stage, op.microbatch))
-            if saved is not None:
-                self._finish_send_of(saved[1], op)
-        batch = self.pending_recv.pop(key, None)
-        if batch is not None:
-            batch.wait(f", waiting for the input of {op}")
+        key = (ACT if op.kind == OpKind.F else GRAD, op.stage, op.microbatch)
+        self.channels.wait_input(key, f"{self._where(op)}, waiting for its input")
+        saved = self.saved.get((op.stage, op.microbatch)) if op.kind != OpKind.F else None
+        if saved is not None:
+            self.channels.finish_send_of(saved[1], f"{self._where(op)}, finishing the send of its forward output")
 
-    def _finish_send_of(self, output: Any, op: Op) -> None:
-        """Before the backward of an output: its send must be done and the output pseudo-freed (megatron)."""
-        for batch, outputs, _ in self.in_flight:
-            if any(out is output for out in outputs):
-                batch.wait(f", finishing the send of F{op.stage}.{op.microbatch} before {op}")
-        self._retire_completed()
-
-    def _retire_completed(self, wait: bool = False) -> None:
-        """Free the outputs of batches whose sends completed (all of them, waiting, with ``wait``)."""
-        from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
-
-        still: list[tuple[p2p.Batch, list[Any], list[Any]]] = []
-        for batch, outputs, keep in self.in_flight:
-            if wait:
-                batch.wait(" at the end of the iteration")
-            if batch.done or batch.is_completed():
-                if not self.forward_only:
-                    for out in outputs:
-                        deallocate_output_tensor(out, self.config.deallocate_pipeline_outputs)
-            else:
-                still.append((batch, outputs, keep))
-        self.in_flight = still
-
-    def _free_sent_outputs(self) -> None:
-        """Megatron's pseudo-free of stage outputs handed over locally (only grad_fn is kept)."""
+    def _free_output(self, output: Any) -> None:
+        """Megatron's pseudo-free of a stage output that was handed over or sent (only grad_fn is kept)."""
         from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
 
         if not self.forward_only:
-            for out in self.sent_outputs:
-                deallocate_output_tensor(out, self.config.deallocate_pipeline_outputs)
-        self.sent_outputs.clear()
-
-
-def _header(msg: Any) -> tuple[int, ...]:
-    """What a message is, as checked on arrival with ``--pipeline-check-messages``."""
-    return (int(msg.kind == GRAD), msg.src_stage, msg.dst_stage, msg.microbatch, msg.seq)
+            deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)
 
 
 def _next_op(program: Sequence[Compute | Exchange], index: int) -> Op | None:
