@@ -20,6 +20,7 @@ takes them; pending sends' bytes are measured apart (:mod:`.trace`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -99,6 +100,8 @@ class Channels:
             )
         finally:
             self.tracer.end_comm()
+        for handle in (*send_handles, *recv_handles):
+            handle.on_wait = self._traced_wait
         for (msg, tensor, free), handle in zip(sends, send_handles, strict=True):
             nbytes = tensor.numel() * tensor.element_size()
             self.sends.append(_Send(msg, handle, tensor, nbytes, free))
@@ -120,9 +123,9 @@ class Channels:
         recv = self.recvs.pop(key, None)
         if recv is None:
             return False
-        blocked = self._guarded(recv.handle, for_what)
+        waited = self._guarded(recv.handle, for_what)
         self.tracer.add_comm_bytes(-recv.nbytes)
-        self.tracer.protocol("recv-wait", str(recv.msg), blocked=blocked)
+        self.tracer.protocol("recv-wait", str(recv.msg), waited_s=waited)
         return True
 
     def finish_send_of(self, tensor: Any, for_what: str) -> None:
@@ -139,7 +142,7 @@ class Channels:
         except p2p.PipelineCommError as exc:
             raise p2p.PipelineCommError(f"{exc}; pending on this rank: {self.pending()}") from exc
         for send in completed:
-            self._retire(send, "polled", blocked=False)
+            self._retire(send, "polled", 0.0)
 
     def finish(self, where: str) -> list[str]:
         """End of the iteration: wait for every send; the receives nobody took (names)."""
@@ -155,23 +158,27 @@ class Channels:
 
     # ---- helpers -----------------------------------------------------------------------------
     def _wait_send(self, send: _Send, reason: str, for_what: str) -> None:
-        blocked = self._guarded(send.handle, for_what)
-        self._retire(send, reason, blocked)
+        waited = self._guarded(send.handle, for_what)
+        self._retire(send, reason, waited)
 
-    def _retire(self, send: _Send, how: str, blocked: bool) -> None:
+    def _retire(self, send: _Send, how: str, waited: float) -> None:
         self.sends.remove(send)
         self.tracer.add_send_bytes(-send.nbytes)
-        self.tracer.protocol("send-done", str(send.msg), how=how, blocked=blocked)
+        self.tracer.protocol("send-done", str(send.msg), how=how, waited_s=waited)
         if send.free:
             self.free(send.tensor)
 
-    def _guarded(self, handle: p2p.Handle, for_what: str) -> bool:
-        """Wait for ``handle``; whether it had not completed yet (the wait blocked). A failure names
-        every transfer still pending on the rank."""
+    def _traced_wait(self, handle: p2p.Handle) -> None:
+        """Every wait of the rank on a transfer, whoever waits (the trace's guard)."""
+        self.tracer.protocol("wait", handle.transfer.what, send=handle.is_send)
+
+    def _guarded(self, handle: p2p.Handle, for_what: str) -> float:
+        """Wait for ``handle``; the seconds waited. A failure names every transfer still pending on
+        the rank."""
         try:
-            blocked = not handle.is_completed()
+            start = time.perf_counter()
             handle.wait(for_what)
-            return blocked
+            return time.perf_counter() - start
         except p2p.PipelineCommError as exc:
             raise p2p.PipelineCommError(f"{exc}; pending on this rank: {self.pending()}") from exc
 

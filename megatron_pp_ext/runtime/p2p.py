@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Sequence
+import queue
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +100,9 @@ class Handle:
         self.strategy = strategy
         self.header = header  # a receive's header buffer (--pipeline-check-messages)
         self.done = not works
+        self.watched: threading.Event | None = None  # set by the completer once the works finished
+        self.on_wait: Callable[[Handle], None] | None = None  # told of every wait of the rank on it
+        self._outcome: BaseException | bool = True
 
     @property
     def what(self) -> str:
@@ -106,23 +111,32 @@ class Handle:
 
     def is_completed(self) -> bool:
         """Whether it completed, without blocking (a completed receive's header is checked)."""
-        if not self.done and all(w.is_completed() for w in self.works):
-            self.wait()
+        if not self.done:
+            if self.watched is not None:
+                if self.watched.is_set():
+                    self._complete("")
+            elif all(w.is_completed() for w in self.works):
+                self._complete("")
         return self.done
 
     def wait(self, for_what: str = "") -> None:
         if self.done:
             return
-        for work in self.works:
-            try:
-                finished = self.strategy.wait(work, self.timeout_s)
-            except RuntimeError as exc:
-                raise PipelineCommError(self._failure(for_what, exc)) from exc
-            if finished is False:
-                raise PipelineCommError(
-                    f"{self.rank_desc}{for_what}: {self.what} did not complete within {self.timeout_s:g}s "
-                    f"({TIMEOUT_ENV})"
-                )
+        if self.on_wait is not None:
+            self.on_wait(self)
+        self._complete(for_what)
+
+    def _complete(self, for_what: str) -> None:
+        if self.watched is not None:  # the completer waits on the works; never two waits on one work
+            outcome = self._outcome if self.watched.wait(self.timeout_s) else False
+        else:
+            outcome = self.wait_works()
+        if isinstance(outcome, BaseException):
+            raise PipelineCommError(self._failure(for_what, outcome)) from outcome
+        if outcome is False:
+            raise PipelineCommError(
+                f"{self.rank_desc}{for_what}: {self.what} did not complete within {self.timeout_s:g}s ({TIMEOUT_ENV})"
+            )
         self.done = True
         if self.header is not None:
             got = tuple(int(x) for x in self.header.tolist())
@@ -133,6 +147,17 @@ class Handle:
                     f"(header {expected.header}), the message that arrived has header {got} "
                     "(the ranks run different schedules)"
                 )
+
+    def wait_works(self) -> BaseException | bool:
+        """Wait on the works themselves: True, False (timed out) or the backend's error."""
+        for work in self.works:
+            try:
+                finished = self.strategy.wait(work, self.timeout_s)
+            except RuntimeError as exc:
+                return exc
+            if finished is False:
+                return False
+        return True
 
     def _failure(self, for_what: str, exc: BaseException) -> str:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -171,6 +196,8 @@ class Strategy:
     #: whether transfers progress on their own, so receives may be posted ahead (the lowering's
     #: prefetch positions) without holding anything else back
     prefetches = True
+    #: whether sends are waited for by the :class:`Completer` (works that cannot be polled)
+    watches_sends = False
 
     def post(self, ops: list[dist.P2POp]) -> list[list[Any]]:
         """Post ``ops``; per op, the works that carry it."""
@@ -181,10 +208,52 @@ class Strategy:
 
 
 class PerTransfer(Strategy):
-    """Each transfer is its own ``isend`` / ``irecv`` (one work each; gloo)."""
+    """Each transfer is its own ``isend`` / ``irecv`` (one work each; gloo).
+
+    Gloo's works report completion only through ``wait`` (``is_completed`` stays False until
+    then, and a wait that times out breaks the connection), so sends are handed to a
+    :class:`Completer` that waits for them on a thread of its own, one per peer: whether a send
+    completed is then known without the rank blocking."""
+
+    watches_sends = True
 
     def post(self, ops: list[dist.P2POp]) -> list[list[Any]]:
         return [[op.op(op.tensor, op.peer, op.group, op.tag)] for op in ops]
+
+
+class Completer:
+    """Daemon threads, one per peer, that wait for that peer's sends in posting order (a channel
+    matches its messages in order) and mark each done (``Handle.watched``). The works' waits
+    release the GIL; the main thread only reads the flags, or waits on them with its timeout."""
+
+    def __init__(self) -> None:
+        self._queues: dict[int, queue.SimpleQueue[Handle]] = {}
+        self._lock = threading.Lock()
+
+    def watch(self, handle: Handle) -> None:
+        handle.watched = threading.Event()
+        peer = handle.transfer.peer
+        with self._lock:
+            inbox = self._queues.get(peer)
+            if inbox is None:
+                inbox = self._queues[peer] = queue.SimpleQueue()
+                threading.Thread(target=self._run, args=(inbox,), name=f"p2p-sends-{peer}", daemon=True).start()
+        inbox.put(handle)
+
+    @staticmethod
+    def _run(inbox: queue.SimpleQueue[Handle]) -> None:
+        while True:
+            handle = inbox.get()
+            try:
+                handle._outcome = handle.wait_works()
+            except BaseException as exc:  # handed to the main thread, which raises it
+                handle._outcome = exc
+            finally:
+                assert handle.watched is not None
+                handle.watched.set()
+
+
+_completer = Completer()
 
 
 class Coalesced(Strategy):
@@ -257,6 +326,9 @@ def post_transfers(
         Handle(t, index < len(sends), per_transfer[index], rank_desc, timeout_s, strategy, headers.get(index))
         for index, t in enumerate([*sends, *recvs])
     ]
+    if strategy.watches_sends:
+        for handle in handles[: len(sends)]:
+            _completer.watch(handle)
     return handles[: len(sends)], handles[len(sends) :]
 
 

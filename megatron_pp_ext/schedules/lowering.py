@@ -297,21 +297,31 @@ class LoweredSchedule:
         """Per rank, the most sends the executor keeps pending (None: no bound).
 
         A pending send holds one message-sized tensor. An activation's send is completed before
-        that activation's backward, so pending activation sends never outnumber the rank's live
-        stage activations; a gradient's send is pending until its receiver posts the receive. The
-        bound is twice the rank's peak count of live stage activations (at least 1): room for as
-        many gradient sends as activation sends, so a rank's send buffers stay within twice the
-        count the memory model already holds in activations, each far larger than a message. Checked
-        with :func:`~.progress.run_posted` on the prefetching programs: a bound that could deadlock
-        is lifted (sends then complete lazily, by the end of the iteration at the latest)."""
+        that activation's backward, so rank ``r`` never has more activation sends pending than live
+        stage activations: at most its peak count ``L(r)``. A gradient sent to rank ``q`` for
+        ``(s, m)`` is pending until ``q`` posts the receive, before the backward of ``(s - 1, m)``
+        on ``q``, whose forward already ran: while it is pending that activation is live on ``q``,
+        so such sends never outnumber ``L(q)``. The bound ``L(r) + sum of L(q)`` over the ranks
+        ``q`` that ``r`` sends gradients to is therefore never reached by a matched protocol; it
+        caps the send buffers by counts the memory model already has, each buffer far smaller than
+        a stage activation. Checked with :func:`~.progress.run_posted` on the prefetching
+        programs: a bound that could deadlock is lifted (sends then complete by the end of the
+        iteration at the latest)."""
         plan = self.timing_plan
-        bounds: list[int | None] = []
+        live_peak: list[int] = []
         for row in self.schedule.ops:
             live = peak = 0
             for op in row:
                 live += 1 if op.kind == "F" else -1 if op.kind in ("B", "BW") else 0
                 peak = max(peak, live)
-            bounds.append(2 * max(1, peak))
+            live_peak.append(peak)
+        grads_to: list[set[int]] = [set() for _ in live_peak]
+        for grad, src, dst in zip(plan.kind_grad, plan.src_rank, plan.dst_rank, strict=True):
+            if grad:
+                grads_to[src].add(dst)
+        bounds: list[int | None] = [
+            max(1, live_peak[r] + sum(live_peak[q] for q in grads_to[r])) for r in range(len(live_peak))
+        ]
         lengths = [len(row) for row in self.schedule.ops]
         fields = (plan.src_rank, plan.dst_rank, plan.send_gap, plan.post_gap, plan.consumer)
         if run_posted(lengths, *fields, bounds) is not None:
