@@ -328,6 +328,22 @@ class LoweredSchedule:
             return (None,) * len(bounds)
         return tuple(bounds)
 
+    @cached_property
+    def buffer_counts(self) -> tuple[int, ...]:
+        """Per rank, the most message-sized p2p buffers it holds at once beyond its activations: the
+        receive buffers posted ahead of their consumer (``CommPlan.receive_buffers``) plus the sends
+        it may keep pending (:attr:`send_bounds`, at most all its sends)."""
+        plan = self.timing_plan
+        sends = [0] * self.schedule.num_ranks
+        for src in plan.src_rank:
+            sends[src] += 1
+        out = []
+        for rank, row in enumerate(plan.receive_buffers):
+            bound = self.send_bounds[rank]
+            pending = sends[rank] if bound is None else min(bound, sends[rank])
+            out.append(max((len(mids) for mids in row), default=0) + pending)
+        return tuple(out)
+
     def program(self, rank: int, prefetch: bool = False) -> tuple[Instruction, ...]:
         """Rank ``rank``'s instructions; with ``prefetch`` its receives sit at the prefetch positions
         (``CommPlan.post_gap``: for backends whose transfers progress on their own; a hand-made
