@@ -70,6 +70,7 @@ class Channels:
         self.tracer = tracer
         self.free = free
         self.strategy = p2p.strategy_for(group)
+        self.completer = p2p.Completer() if self.strategy.watches_sends else None
         self.recvs: dict[tuple[str, int, int], _Recv] = {}
         self.sends: list[_Send] = []
 
@@ -97,6 +98,7 @@ class Channels:
                 timeout_s=self.timeout_s,
                 use_tags=self.use_tags,
                 strategy=self.strategy,
+                completer=self.completer,
             )
         finally:
             self.tracer.end_comm()
@@ -116,7 +118,8 @@ class Channels:
         if self.send_bound is not None and len(self.sends) > self.send_bound:
             self.retire_completed()
             while len(self.sends) > self.send_bound:
-                self._wait_send(self.sends[0], "bound", f", {len(self.sends)} sends pending (bound {self.send_bound})")
+                pending = f", with {len(self.sends)} sends pending (bound {self.send_bound})"
+                self._wait_send(self.sends[0], "bound", pending)
 
     def wait_input(self, key: tuple[str, int, int], for_what: str) -> bool:
         """Wait for the receive that brings mailbox entry ``key`` (if one is pending); True if one was."""
@@ -144,10 +147,12 @@ class Channels:
         for send in completed:
             self._retire(send, "polled", 0.0)
 
-    def finish(self, where: str) -> list[str]:
+    def finish(self) -> list[str]:
         """End of the iteration: wait for every send; the receives nobody took (names)."""
         while self.sends:
-            self._wait_send(self.sends[0], "end", f"{where}, at the end of the iteration")
+            self._wait_send(self.sends[0], "end", ", at the end of the iteration")
+        if self.completer is not None:
+            self.completer.close()
         return [f"unconsumed receive {key}" for key in self.recvs]
 
     def pending(self) -> str:

@@ -27,9 +27,8 @@ decides is in its op lists, its placement and the lowering.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +49,9 @@ from . import agreement, p2p
 from .channels import Channels
 from .data import MicrobatchIterator
 from .embedding_sync import add_local_tied_grads, ends_on_same_rank, local_tied_pairs, without_embedding_groups
+from .errors import ExecutorError
 from .grad_check import GradCheckPolicy, GradWatch, watching
+from .grad_sync import GradSync, grad_sync_funcs, per_chunk
 from .overlap import OverlapStep, find_overlap_hook
 from .trace import NullTracer, Tracer
 from .wgrad import WeightGradStore, get_weight_grad_store
@@ -58,10 +59,6 @@ from .wgrad import WeightGradStore, get_weight_grad_store
 logger = logging.getLogger(__name__)
 
 ScheduleSource = Callable[[int], Schedule]
-
-
-class ExecutorError(RuntimeError):
-    """The executor cannot run this schedule with these arguments."""
 
 
 def forward_only_schedule(schedule: Schedule) -> Schedule:
@@ -95,92 +92,6 @@ def _plan_for(lowered: LoweredSchedule, rank: int, policy: CollectivePolicy, pre
         if isinstance(ins, Compute) and ins.op.kind == OpKind.F:
             first_forward.setdefault(placement.chunk_of(ins.op.stage), ins.op)
     return _Plan(lowered, program, frozenset(first_forward.values()), collectives)
-
-
-class _GradSync:
-    """Megatron's no_sync / grad_sync hooks, driven by the schedule.
-
-    Grad reduction stays disabled (``no_sync``) for the whole iteration. The derived
-    ``reduce-grads`` collective of a chunk, right after the chunk's last gradient-producing op,
-    launches megatron's ``grad_sync_func`` (set by megatron's training loop with
-    ``overlap_grad_reduce`` and ``align_grad_reduce``), or the chunk's own ``start_grad_sync``
-    when its DDP overlaps the reduction without that hook. Without an overlapped reduction
-    megatron's ``finalize_model_grads`` reduces everything after the pipeline, as in megatron.
-    """
-
-    def __init__(
-        self, config: Any, models: Sequence[torch.nn.Module], active: bool, expected: dict[int, int] | None = None
-    ) -> None:
-        self.models = models
-        self.expected = expected or {}  # chunk -> reductions the collectives pass placed (several: per unit)
-        self.active = active
-        no_sync = config.no_sync_func if active else None
-        if isinstance(no_sync, list):
-            funcs = list(no_sync)
-
-            @contextlib.contextmanager
-            def all_no_sync() -> Iterator[None]:
-                with contextlib.ExitStack() as stack:
-                    for f in funcs:
-                        stack.enter_context(f())
-                    yield
-
-            no_sync = all_no_sync
-        self.no_sync_func = no_sync or contextlib.nullcontext
-        self.grad_sync_func = grad_sync_funcs(config, models) if active else None
-        self.synced: dict[int, int] = {}  # chunk -> reductions launched this iteration
-        self._ctx: Any = None
-
-    def disable(self) -> None:
-        if self._ctx is None:
-            self._ctx = self.no_sync_func()
-            self._ctx.__enter__()
-
-    def enable(self) -> None:
-        if self._ctx is not None:
-            self._ctx.__exit__(None, None, None)
-            self._ctx = None
-
-    def reduce(self, chunk: int) -> None:
-        """The derived ``reduce-grads`` collective: start the chunk's data-parallel reduction."""
-        assert self.grad_sync_func is not None
-        launched = self.synced.get(chunk, 0) + 1
-        if launched > self.expected.get(chunk, 1):
-            raise ExecutorError(
-                f"gradient reduction of chunk {chunk} launched {launched} times in one iteration, the collectives "
-                f"pass placed {self.expected.get(chunk, 1)}"
-            )
-        self.grad_sync_func[chunk](self.models[chunk].parameters())
-        self.synced[chunk] = launched
-
-    def finish(self, where: str) -> None:
-        self.enable()
-        if self.grad_sync_func is not None:
-            missing = [chunk for chunk in range(len(self.models)) if chunk not in self.synced]
-            if missing:
-                raise ExecutorError(f"{where}: chunks {missing} never launched their gradient reduction")
-            short = {c: (self.synced[c], n) for c, n in self.expected.items() if self.synced.get(c, 0) < n}
-            if short:
-                raise ExecutorError(f"{where}: chunk -> (reductions launched, placed): {short}")
-
-
-def grad_sync_funcs(config: Any, models: Sequence[torch.nn.Module]) -> list[Callable[..., Any]] | None:
-    """Per chunk, what starts its overlapped gradient reduction: megatron's ``grad_sync_func``, else a
-    DDP chunk's ``start_grad_sync`` when its ``overlap_grad_reduce`` is on, else None (no overlap)."""
-    funcs = _per_chunk(config.grad_sync_func, len(models))
-    if funcs is not None:
-        return funcs
-    overlapped = [getattr(getattr(m, "ddp_config", None), "overlap_grad_reduce", False) for m in models]
-    if models and all(overlapped):
-        return [lambda params, m=m: m.start_grad_sync() for m in models]
-    return None
-
-
-def _per_chunk(funcs: Any, num_chunks: int) -> list[Callable[..., Any]] | None:
-    """Megatron's per-chunk hook lists (``grad_sync_func``, ``param_sync_func``): one function or a list."""
-    if funcs is None:
-        return None
-    return list(funcs) if isinstance(funcs, list) else [funcs] * num_chunks
 
 
 def make_forward_backward_func(
@@ -347,7 +258,7 @@ class _Run:
         self.replica_sync: Any = kw["replica_sync"]
         self.grad_watch: GradWatch | None = kw.get("grad_watch")
         self.config = get_model_config(self.models[0])
-        self.param_sync_func = _per_chunk(self.config.param_sync_func, len(self.models))
+        self.param_sync_func = per_chunk(self.config.param_sync_func, len(self.models))
 
         if pp_group.size() != self.schedule.num_ranks:
             raise ExecutorError(
@@ -392,7 +303,7 @@ class _Run:
                 if c.kind == CollectiveKind.REDUCE_GRADS:
                     chunk = self.placement.chunk_of(c.stage)
                     reductions[chunk] = reductions.get(chunk, 0) + 1
-        self.grad_sync = _GradSync(self.config, self.models, active=not self.forward_only, expected=reductions)
+        self.grad_sync = GradSync(self.config, self.models, active=not self.forward_only, expected=reductions)
         self.holds_last_stage = any(self.placement.is_last(s) for s in self.local_stages)
 
     # ---- set-up helpers ------------------------------------------------------------------
@@ -479,7 +390,7 @@ class _Run:
                 self._exchange(instruction, _next_op(program, index))
         for collective in collectives.get(gap, ()):
             self._collective(collective)
-        leftover_receives = self.channels.finish(self._where())
+        leftover_receives = self.channels.finish()
         self.grad_sync.finish(self._where())
         if self.replica_sync is not None and not self.forward_only:
             self.replica_sync.finish()  # before finalize_model_grads reads the same buffers
@@ -663,7 +574,7 @@ class _Run:
     def _take(self, key: tuple[str, int, int], op: Op) -> Any:
         if key not in self.mailbox:
             raise ExecutorError(f"{self._where(op)}: input {key[0]} for stage {key[1]} mb {key[2]} never arrived")
-        self.channels.wait_input(key, f", waiting for the input of {op}")  # (no-op once awaited)
+        self.channels.wait_input(key, f", waited for by {op} (its input)")  # (no-op once awaited)
         return self.mailbox.pop(key)
 
     def _exchange(self, exchange: Exchange, next_op: Op | None) -> None:
@@ -690,10 +601,10 @@ class _Run:
         if op.kind == OpKind.W:
             return
         key = (ACT if op.kind == OpKind.F else GRAD, op.stage, op.microbatch)
-        self.channels.wait_input(key, f"{self._where(op)}, waiting for its input")
+        self.channels.wait_input(key, f", waited for by {op} (its input)")
         saved = self.saved.get((op.stage, op.microbatch)) if op.kind != OpKind.F else None
         if saved is not None:
-            self.channels.finish_send_of(saved[1], f"{self._where(op)}, finishing the send of its forward output")
+            self.channels.finish_send_of(saved[1], f", before {op} frees the output it sent")
 
     def _free_output(self, output: Any) -> None:
         """Megatron's pseudo-free of a stage output that was handed over or sent (only grad_fn is kept)."""

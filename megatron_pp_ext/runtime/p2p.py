@@ -211,9 +211,8 @@ class PerTransfer(Strategy):
     """Each transfer is its own ``isend`` / ``irecv`` (one work each; gloo).
 
     Gloo's works report completion only through ``wait`` (``is_completed`` stays False until
-    then, and a wait that times out breaks the connection), so sends are handed to a
-    :class:`Completer` that waits for them on a thread of its own, one per peer: whether a send
-    completed is then known without the rank blocking."""
+    then, and a wait that times out breaks the connection), so a caller that wants to know
+    whether a send completed without blocking hands it to a :class:`Completer`."""
 
     watches_sends = True
 
@@ -224,26 +223,34 @@ class PerTransfer(Strategy):
 class Completer:
     """Daemon threads, one per peer, that wait for that peer's sends in posting order (a channel
     matches its messages in order) and mark each done (``Handle.watched``). The works' waits
-    release the GIL; the main thread only reads the flags, or waits on them with its timeout."""
+    release the GIL; the owner only reads the flags, or waits on them with its timeout. One
+    completer serves one owner (one iteration of the executor): :meth:`close` ends its threads, and
+    a thread left waiting on the work of a failed run never holds up another run's sends."""
 
     def __init__(self) -> None:
-        self._queues: dict[int, queue.SimpleQueue[Handle]] = {}
-        self._lock = threading.Lock()
+        self._queues: dict[int, queue.SimpleQueue[Handle | None]] = {}
 
     def watch(self, handle: Handle) -> None:
         handle.watched = threading.Event()
         peer = handle.transfer.peer
-        with self._lock:
-            inbox = self._queues.get(peer)
-            if inbox is None:
-                inbox = self._queues[peer] = queue.SimpleQueue()
-                threading.Thread(target=self._run, args=(inbox,), name=f"p2p-sends-{peer}", daemon=True).start()
+        inbox = self._queues.get(peer)
+        if inbox is None:
+            inbox = self._queues[peer] = queue.SimpleQueue()
+            threading.Thread(target=self._run, args=(inbox,), name=f"p2p-sends-{peer}", daemon=True).start()
         inbox.put(handle)
 
+    def close(self) -> None:
+        """End the threads once they have waited for what they hold."""
+        for inbox in self._queues.values():
+            inbox.put(None)
+        self._queues.clear()
+
     @staticmethod
-    def _run(inbox: queue.SimpleQueue[Handle]) -> None:
+    def _run(inbox: queue.SimpleQueue[Handle | None]) -> None:
         while True:
             handle = inbox.get()
+            if handle is None:
+                return
             try:
                 handle._outcome = handle.wait_works()
             except BaseException as exc:  # handed to the main thread, which raises it
@@ -251,9 +258,6 @@ class Completer:
             finally:
                 assert handle.watched is not None
                 handle.watched.set()
-
-
-_completer = Completer()
 
 
 class Coalesced(Strategy):
@@ -290,10 +294,12 @@ def post_transfers(
     timeout_s: float | None = None,
     use_tags: bool = True,
     strategy: Strategy | None = None,
+    completer: Completer | None = None,
 ) -> tuple[list[Handle], list[Handle]]:
     """Post ``sends`` and ``recvs`` without waiting: one :class:`Handle` per transfer, in order.
 
     ``timeout_s``: bound of every host wait on them (None: ``MEGATRON_PP_P2P_TIMEOUT``, default 300 s).
+    ``completer``: where the sends go to be waited for, if the strategy cannot poll them.
     """
     timeout_s = timeout_from_env() if timeout_s is None else timeout_s
     if not timeout_s > 0:
@@ -326,9 +332,9 @@ def post_transfers(
         Handle(t, index < len(sends), per_transfer[index], rank_desc, timeout_s, strategy, headers.get(index))
         for index, t in enumerate([*sends, *recvs])
     ]
-    if strategy.watches_sends:
+    if strategy.watches_sends and completer is not None:
         for handle in handles[: len(sends)]:
-            _completer.watch(handle)
+            completer.watch(handle)
     return handles[: len(sends)], handles[len(sends) :]
 
 

@@ -148,7 +148,7 @@ def _pending_send_main(rank: int, init_method: str, out: Any, mode: str = "dies"
         channels.post(
             [(sent, torch.ones(4), False)], [(expected, torch.empty(4))], "pipeline rank 0, exchange before F0.4"
         )
-        channels.finish("pipeline rank 0")
+        channels.finish()
         out.put(("no error", time.monotonic() - start))
     except p2p.PipelineCommError as exc:
         out.put((str(exc), time.monotonic() - start))
@@ -167,7 +167,7 @@ def _pending_send_to_silent_peer(rank: int, init_method: str, out: Any) -> None:
 
 def test_pending_send_to_a_dead_peer_fails_at_once_naming_it() -> None:
     message, elapsed = _run_two(_pending_send_to_dead_peer)
-    assert "pipeline rank 0, at the end of the iteration" in message, message
+    assert "pipeline rank 0, exchange before F0.4, at the end of the iteration: " in message, message
     assert "send act[0->1 mb3 r0->r1] to rank 1 failed: a peer closed the connection" in message, message
     assert "pending on this rank: " in message and "recv grad[1->0 mb2 r1->r0] from rank 1" in message, message
     assert elapsed < 60  # seconds, not the 300 s timeout
@@ -175,7 +175,7 @@ def test_pending_send_to_a_dead_peer_fails_at_once_naming_it() -> None:
 
 def test_pending_send_to_a_silent_peer_fails_after_the_timeout() -> None:
     message, elapsed = _run_two(_pending_send_to_silent_peer)
-    assert "pipeline rank 0, at the end of the iteration" in message, message
+    assert "pipeline rank 0, exchange before F0.4, at the end of the iteration: " in message, message
     assert "send act[0->1 mb3 r0->r1] to rank 1 did not complete within 3s" in message, message
     assert "pending on this rank: " in message and "recv grad[1->0 mb2 r1->r0] from rank 1" in message, message
     assert elapsed < 15
