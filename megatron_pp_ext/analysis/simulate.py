@@ -54,7 +54,7 @@ from ..schedules.costs import Costs, PerStage, check_cost, expand_cost
 from ..schedules.gc_pause import cyclic_gc_paused
 from ..schedules.ir import Op, OpKind
 from ..schedules.limits import check_simulated_ops
-from ..schedules.lowering import LoweredSchedule
+from ..schedules.lowering import CommPlan, LoweredSchedule
 from ..schedules.op_arrays import KIND_B, KIND_BW, KIND_F, KIND_W, op_arrays
 from ..schedules.schedule import Schedule
 from ..schedules.timing import op_start_times, op_start_times_with_stream, repeat_iterations
@@ -262,7 +262,9 @@ def simulate(
     ``activation_bytes``: one stage-microbatch activation in bytes, one number or one per
     global stage. ``message_bytes``: size of the tensor crossing the boundary after stage
     ``s`` (the activation ``s -> s+1`` and the gradient ``s+1 -> s``), one number or one per
-    stage; it only changes ``p2p_volume``. ``w_retained_fraction``: share of an activation a
+    stage; it changes ``p2p_volume`` and, with ``activation_bytes``, adds to
+    ``peak_activation_bytes`` the receive buffers the executor posts ahead of their consumer
+    (``CommPlan.receive_buffers``: what the tracer counts too). ``w_retained_fraction``: share of an activation a
     ``B`` keeps alive until its ``W`` (see :data:`DEFAULT_W_RETAINED_FRACTION`: 1.0 = the papers'
     counting; about 0.9 is realistic, as ``W`` needs only the linear layers' inputs and output
     gradients). Raises :class:`~megatron_pp_ext.analysis.validate.ScheduleValidationError`
@@ -418,10 +420,13 @@ def _simulate(
     w_max = max(busy, default=0.0)
     per_rank_stages = schedule.placement.stages_per_rank_per_replica
     peak_bytes = None
+    plan = lowered.plan
     if activation_bytes is not None:
         sizes = expand_cost("activation_bytes", activation_bytes, num_stages)
-        peak_bytes = _memory_and_busy(schedule, sizes, w_retained_fraction, None)[0]
-    plan = lowered.plan
+        buffers = None
+        if message_bytes is not None and plan is not None:
+            buffers = _receive_buffer_bytes(plan, expand_cost("message_bytes", message_bytes, num_stages))
+        peak_bytes = _memory_and_busy(schedule, sizes, w_retained_fraction, None, buffers)[0]
     if plan is not None:
         messages, handoffs = plan.num_messages, len(plan.handoffs[0])
         boundaries = map(min, plan.src_stage, plan.dst_stage)  # the stage boundary each message crosses
@@ -539,10 +544,22 @@ def _op_durations(schedule: Schedule, durations: _Durations) -> list[list[float]
     return [flat[arrays.slice(rank)].tolist() for rank in range(schedule.num_ranks)]
 
 
+def _receive_buffer_bytes(plan: CommPlan, message: list[float]) -> list[np.ndarray]:
+    """Per rank, per op: bytes of the receive buffers posted and not yet taken when the op ends."""
+    rows = plan.receive_buffers
+    boundary = [min(a, b) for a, b in zip(plan.src_stage, plan.dst_stage, strict=True)]
+    return [np.array([sum(message[boundary[mid]] for mid in mids) for mids in row], dtype=float) for row in rows]
+
+
 def _memory_and_busy(
-    schedule: Schedule, size: list[float], retained: float, op_durations: list[list[float]] | None
+    schedule: Schedule,
+    size: list[float],
+    retained: float,
+    op_durations: list[list[float]] | None,
+    extra: list[np.ndarray] | None = None,
 ) -> tuple[list[float], list[float]]:
-    """Peak live activation per rank (``size`` per stage) and, given op durations, busy time per rank."""
+    """Peak live activation per rank (``size`` per stage; plus ``extra[r][k]`` alive at the end of
+    op ``k``) and, given op durations, busy time per rank."""
     arrays = op_arrays(schedule)
     sizes = np.asarray(size, dtype=float)[arrays.stage]
     kind = arrays.kind
@@ -553,6 +570,8 @@ def _memory_and_busy(
     for rank in range(schedule.num_ranks):
         part = delta[arrays.slice(rank)]
         live = np.cumsum(part)  # running sum in op order, as a rank runs them
+        if extra is not None and len(live):
+            live = live + extra[rank]
         peaks.append(max(0.0, float(live.max())) if len(live) else 0.0)
         if op_durations is not None:
             busy.append(float(np.cumsum(op_durations[rank])[-1]) if op_durations[rank] else 0.0)

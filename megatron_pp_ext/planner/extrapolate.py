@@ -45,12 +45,14 @@ def affine_at(xs: Sequence[int], ys: Sequence[float], x: int, tolerance: float =
 def affine_memory(
     ms: Sequence[int], per_anchor: Sequence[Sequence[RankMemory]], m: int, tolerance: float
 ) -> list[RankMemory] | None:
-    """Each rank's memory at ``m`` from its memory at the anchors ``ms``: the activations extrapolated
-    (never below the last anchor's), the rest as at the last anchor; ``None`` if not affine."""
+    """Each rank's memory at ``m`` from its memory at the anchors ``ms``: the activations and the p2p
+    buffers extrapolated (never below the last anchor's), the rest as at the last anchor; ``None``
+    if not affine."""
     out = []
     for ranks in zip(*per_anchor, strict=True):
         value = affine_at(ms, [r.activations for r in ranks], m, tolerance)
-        if value is None:
+        buffers = affine_at(ms, [r.p2p_buffers for r in ranks], m, tolerance)
+        if value is None or buffers is None:
             return None
         last = ranks[-1]
         out.append(
@@ -62,6 +64,7 @@ def affine_memory(
                 optimizer=last.optimizer,
                 activations=max(value, last.activations),
                 transient=last.transient,
+                p2p_buffers=max(buffers, last.p2p_buffers),
             )
         )
     return out

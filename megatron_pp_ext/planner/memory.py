@@ -61,6 +61,7 @@ from dataclasses import dataclass
 
 from ..schedules.collectives import CollectiveKind, CollectivePlan
 from ..schedules.ir import OpKind
+from ..schedules.lowering import lower
 from ..schedules.placement import Placement
 from ..schedules.schedule import Schedule
 from .models import ModelSpec, ParameterCounts, parameter_counts  # re-exported: counts belong to the model
@@ -363,6 +364,7 @@ class RankMemory:
     optimizer: float
     activations: float  # peak live activations of the schedule
     transient: float  # working set not held across ops (full-recompute rematerialisation)
+    p2p_buffers: float = 0.0  # receive buffers posted ahead and pending sends (p2p_buffer_bytes)
 
     @property
     def static(self) -> float:
@@ -370,7 +372,7 @@ class RankMemory:
 
     @property
     def total(self) -> float:
-        return self.static + self.activations + self.transient
+        return self.static + self.activations + self.transient + self.p2p_buffers
 
     def to_json_dict(self) -> dict[str, float]:
         return {
@@ -381,6 +383,7 @@ class RankMemory:
             "optimizer_gib": round(self.optimizer / GIB, 4),
             "activations_gib": round(self.activations / GIB, 4),
             "transient_gib": round(self.transient / GIB, 4),
+            "p2p_buffers_gib": round(self.p2p_buffers / GIB, 4),
             "total_gib": round(self.total / GIB, 4),
         }
 
@@ -423,10 +426,33 @@ def rank_memory(
     transient = 0.0
     if recompute == "full":
         transient = layer_activation_bytes(model, micro_batch, tensor_parallel, setup, "none")
+    buffers = p2p_buffer_bytes(model, micro_batch, tensor_parallel, setup, schedule)
     return [
-        RankMemory(rank=r, parameters=n, weights=w, gradients=g, optimizer=o, activations=peaks[r], transient=transient)
+        RankMemory(
+            rank=r,
+            parameters=n,
+            weights=w,
+            gradients=g,
+            optimizer=o,
+            activations=peaks[r],
+            transient=transient,
+            p2p_buffers=buffers[r],
+        )
         for r, (n, w, g, o) in enumerate(static)
     ]
+
+
+def p2p_buffer_bytes(
+    model: ModelSpec, micro_batch: int, tensor_parallel: int, setup: TrainingSetup, schedule: Schedule
+) -> list[float]:
+    """Per rank, bytes of the p2p buffers the executor holds beyond activations: receive buffers
+    posted ahead of their consumer and pending sends (``LoweredSchedule.buffer_counts``), each one
+    pipeline message (``seq x micro-batch x hidden``, split by TP under sequence parallelism)."""
+    t = int(tensor_parallel)
+    message = model.seq_length * int(micro_batch) * model.hidden_size * setup.activation_bytes
+    if setup.uses_sp(t):
+        message /= t
+    return [count * message for count in lower(schedule).buffer_counts]
 
 
 # ---- FSDP inside the pipeline ----------------------------------------------------------------------
@@ -485,6 +511,7 @@ def fsdp_rank_memory(
                 optimizer=n * ob / d,
                 activations=base.activations,
                 transient=base.transient,
+                p2p_buffers=base.p2p_buffers,
             )
         )
     return out

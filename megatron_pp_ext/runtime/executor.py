@@ -7,7 +7,8 @@ returns. It interprets this rank's lowered program instruction by instruction:
 * ``F``  runs megatron's ``forward_step`` on the op's chunk;
 * ``BW`` runs megatron's ``backward_step`` (full backward);
 * ``B`` / ``W`` run the split backward through the weight-gradient store;
-* an ``Exchange`` posts its sends and receives as one batch (``runtime.p2p``);
+* an ``Exchange`` posts its sends and receives (:mod:`.channels`: an op waits only for its own
+  input, sends complete off the critical path);
 * the collectives :mod:`~megatron_pp_ext.schedules.collectives` derives for a gap
   (data-parallel gradient reduction of a chunk after its last backward, the
   distributed optimizer's parameter gather before its first forward, FSDP
@@ -26,9 +27,8 @@ decides is in its op lists, its placement and the lowering.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,9 +46,12 @@ from ..schedules.ir import Op, OpKind, ScheduleError
 from ..schedules.lowering import ACT, GRAD, Compute, Exchange, LoweredSchedule, lower
 from ..schedules.schedule import Schedule
 from . import agreement, p2p
+from .channels import Channels
 from .data import MicrobatchIterator
 from .embedding_sync import add_local_tied_grads, ends_on_same_rank, local_tied_pairs, without_embedding_groups
+from .errors import ExecutorError
 from .grad_check import GradCheckPolicy, GradWatch, watching
+from .grad_sync import GradSync, grad_sync_funcs, per_chunk
 from .overlap import OverlapStep, find_overlap_hook
 from .trace import NullTracer, Tracer
 from .wgrad import WeightGradStore, get_weight_grad_store
@@ -56,10 +59,6 @@ from .wgrad import WeightGradStore, get_weight_grad_store
 logger = logging.getLogger(__name__)
 
 ScheduleSource = Callable[[int], Schedule]
-
-
-class ExecutorError(RuntimeError):
-    """The executor cannot run this schedule with these arguments."""
 
 
 def forward_only_schedule(schedule: Schedule) -> Schedule:
@@ -84,101 +83,15 @@ class _Plan:
     collectives: dict[int, tuple[Collective, ...]]  # gap (index of the next compute op) -> collectives
 
 
-def _plan_for(lowered: LoweredSchedule, rank: int, policy: CollectivePolicy) -> _Plan:
+def _plan_for(lowered: LoweredSchedule, rank: int, policy: CollectivePolicy, prefetch: bool) -> _Plan:
     placement = lowered.schedule.placement
-    program = lowered.program(rank)
+    program = lowered.program(rank, prefetch)
     collectives = derive_collectives(lowered.schedule, policy).on_rank(rank)
     first_forward: dict[int, Op] = {}
     for ins in program:
         if isinstance(ins, Compute) and ins.op.kind == OpKind.F:
             first_forward.setdefault(placement.chunk_of(ins.op.stage), ins.op)
     return _Plan(lowered, program, frozenset(first_forward.values()), collectives)
-
-
-class _GradSync:
-    """Megatron's no_sync / grad_sync hooks, driven by the schedule.
-
-    Grad reduction stays disabled (``no_sync``) for the whole iteration. The derived
-    ``reduce-grads`` collective of a chunk, right after the chunk's last gradient-producing op,
-    launches megatron's ``grad_sync_func`` (set by megatron's training loop with
-    ``overlap_grad_reduce`` and ``align_grad_reduce``), or the chunk's own ``start_grad_sync``
-    when its DDP overlaps the reduction without that hook. Without an overlapped reduction
-    megatron's ``finalize_model_grads`` reduces everything after the pipeline, as in megatron.
-    """
-
-    def __init__(
-        self, config: Any, models: Sequence[torch.nn.Module], active: bool, expected: dict[int, int] | None = None
-    ) -> None:
-        self.models = models
-        self.expected = expected or {}  # chunk -> reductions the collectives pass placed (several: per unit)
-        self.active = active
-        no_sync = config.no_sync_func if active else None
-        if isinstance(no_sync, list):
-            funcs = list(no_sync)
-
-            @contextlib.contextmanager
-            def all_no_sync() -> Iterator[None]:
-                with contextlib.ExitStack() as stack:
-                    for f in funcs:
-                        stack.enter_context(f())
-                    yield
-
-            no_sync = all_no_sync
-        self.no_sync_func = no_sync or contextlib.nullcontext
-        self.grad_sync_func = grad_sync_funcs(config, models) if active else None
-        self.synced: dict[int, int] = {}  # chunk -> reductions launched this iteration
-        self._ctx: Any = None
-
-    def disable(self) -> None:
-        if self._ctx is None:
-            self._ctx = self.no_sync_func()
-            self._ctx.__enter__()
-
-    def enable(self) -> None:
-        if self._ctx is not None:
-            self._ctx.__exit__(None, None, None)
-            self._ctx = None
-
-    def reduce(self, chunk: int) -> None:
-        """The derived ``reduce-grads`` collective: start the chunk's data-parallel reduction."""
-        assert self.grad_sync_func is not None
-        launched = self.synced.get(chunk, 0) + 1
-        if launched > self.expected.get(chunk, 1):
-            raise ExecutorError(
-                f"gradient reduction of chunk {chunk} launched {launched} times in one iteration, the collectives "
-                f"pass placed {self.expected.get(chunk, 1)}"
-            )
-        self.grad_sync_func[chunk](self.models[chunk].parameters())
-        self.synced[chunk] = launched
-
-    def finish(self, where: str) -> None:
-        self.enable()
-        if self.grad_sync_func is not None:
-            missing = [chunk for chunk in range(len(self.models)) if chunk not in self.synced]
-            if missing:
-                raise ExecutorError(f"{where}: chunks {missing} never launched their gradient reduction")
-            short = {c: (self.synced[c], n) for c, n in self.expected.items() if self.synced.get(c, 0) < n}
-            if short:
-                raise ExecutorError(f"{where}: chunk -> (reductions launched, placed): {short}")
-
-
-def grad_sync_funcs(config: Any, models: Sequence[torch.nn.Module]) -> list[Callable[..., Any]] | None:
-    """Per chunk, what starts its overlapped gradient reduction: megatron's ``grad_sync_func``, else a
-    DDP chunk's ``start_grad_sync`` when its ``overlap_grad_reduce`` is on, else None (no overlap)."""
-    funcs = _per_chunk(config.grad_sync_func, len(models))
-    if funcs is not None:
-        return funcs
-    overlapped = [getattr(getattr(m, "ddp_config", None), "overlap_grad_reduce", False) for m in models]
-    if models and all(overlapped):
-        return [lambda params, m=m: m.start_grad_sync() for m in models]
-    return None
-
-
-def _per_chunk(funcs: Any, num_chunks: int) -> list[Callable[..., Any]] | None:
-    """Megatron's per-chunk hook lists (``grad_sync_func``, ``param_sync_func``): one function or a list."""
-    if funcs is None:
-        return None
-    return list(funcs) if isinstance(funcs, list) else [funcs] * num_chunks
 
 
 def make_forward_backward_func(
@@ -206,11 +119,13 @@ def make_forward_backward_func(
     Megatron's own ``grad_sync_func`` / ``param_sync_func`` (config) are launched where the
     collectives pass places them.
     """
-    plans: dict[tuple[int, int, bool, CollectivePolicy], tuple[Schedule, _Plan]] = {}
+    plans: dict[tuple[int, int, bool, CollectivePolicy, bool], tuple[Schedule, _Plan]] = {}
     tracers: dict[int, Tracer] = {}
     grad_checks = GradCheckPolicy(every_iteration=check_grads)
 
-    def plan(num_microbatches: int, rank: int, forward_only: bool, config: Any, models: list[Any]) -> _Plan:
+    def plan(
+        num_microbatches: int, rank: int, forward_only: bool, config: Any, models: list[Any], prefetch: bool
+    ) -> _Plan:
         schedule = schedule_for(num_microbatches)  # the source caches; it may re-plan between calls
         training = not forward_only
         fields = {
@@ -223,7 +138,7 @@ def make_forward_backward_func(
             policy = fsdp_policy(schedule, fsdp_max_unsharded, fsdp_grad_reduce_unit, **fields)
         else:
             policy = CollectivePolicy(**fields)
-        key = (num_microbatches, rank, forward_only, policy)
+        key = (num_microbatches, rank, forward_only, policy, prefetch)
         cached = plans.get(key)
         if cached is None or cached[0] is not schedule:
             if schedule.num_microbatches != num_microbatches:
@@ -232,7 +147,7 @@ def make_forward_backward_func(
                     f"megatron asked for {num_microbatches}"
                 )
             run_schedule = forward_only_schedule(schedule) if forward_only else schedule
-            plans[key] = cached = (schedule, _plan_for(lower(run_schedule), rank, policy))
+            plans[key] = cached = (schedule, _plan_for(lower(run_schedule), rank, policy, prefetch))
         return cached[1]
 
     def forward_backward_func(
@@ -259,7 +174,8 @@ def make_forward_backward_func(
         rank = pp_group.rank()
         from megatron.core.utils import get_model_config
 
-        the_plan = plan(num_microbatches, rank, forward_only, get_model_config(models[0]), models)
+        prefetch = p2p.strategy_for(pp_group).prefetches
+        the_plan = plan(num_microbatches, rank, forward_only, get_model_config(models[0]), models, prefetch)
         agreement.agree_on_schedule(the_plan.lowered.schedule, pp_group, timeout_s=timeout_s)  # once per schedule
         if rank not in tracers:
             tracers[rank] = tracer_factory(rank) if tracer_factory else NullTracer()
@@ -342,7 +258,7 @@ class _Run:
         self.replica_sync: Any = kw["replica_sync"]
         self.grad_watch: GradWatch | None = kw.get("grad_watch")
         self.config = get_model_config(self.models[0])
-        self.param_sync_func = _per_chunk(self.config.param_sync_func, len(self.models))
+        self.param_sync_func = per_chunk(self.config.param_sync_func, len(self.models))
 
         if pp_group.size() != self.schedule.num_ranks:
             raise ExecutorError(
@@ -368,10 +284,15 @@ class _Run:
 
         self.mailbox: dict[tuple[str, int, int], torch.Tensor | None] = {}
         self.saved: dict[tuple[int, int], tuple[Any, Any]] = {}
-        self.sent_outputs: list[Any] = []  # outputs of the last F whose data goes to another stage
-        # posted batches, the outputs to pseudo-free once they completed, and the tensors they read
-        self.in_flight: list[tuple[p2p.Batch, list[Any], list[Any]]] = []
-        self.pending_recv: dict[tuple[str, int, int], p2p.Batch] = {}
+        self.channels = Channels(
+            group=pp_group,
+            global_ranks=self.global_ranks,
+            timeout_s=self.timeout_s,
+            use_tags=self.use_tags,
+            send_bound=plan.lowered.send_bounds[rank],
+            tracer=self.tracer,
+            free=self._free_output,
+        )
         self.forward_data_store: list[Any] = []
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)  # megatron keeps it on the GPU
         self.wgrad: WeightGradStore = get_weight_grad_store()
@@ -382,7 +303,7 @@ class _Run:
                 if c.kind == CollectiveKind.REDUCE_GRADS:
                     chunk = self.placement.chunk_of(c.stage)
                     reductions[chunk] = reductions.get(chunk, 0) + 1
-        self.grad_sync = _GradSync(self.config, self.models, active=not self.forward_only, expected=reductions)
+        self.grad_sync = GradSync(self.config, self.models, active=not self.forward_only, expected=reductions)
         self.holds_last_stage = any(self.placement.is_last(s) for s in self.local_stages)
 
     # ---- set-up helpers ------------------------------------------------------------------
@@ -469,11 +390,11 @@ class _Run:
                 self._exchange(instruction, _next_op(program, index))
         for collective in collectives.get(gap, ()):
             self._collective(collective)
-        self._retire_completed(wait=True)
+        leftover_receives = self.channels.finish()
         self.grad_sync.finish(self._where())
         if self.replica_sync is not None and not self.forward_only:
             self.replica_sync.finish()  # before finalize_model_grads reads the same buffers
-        self._check_drained()
+        self._check_drained(leftover_receives)
         for it in self.iterators:
             if it is not None:
                 it.finish_iteration()
@@ -496,9 +417,9 @@ class _Run:
             config.timers("forward-backward").stop()
         return self.forward_data_store
 
-    def _check_drained(self) -> None:
+    def _check_drained(self, leftover_receives: list[str]) -> None:
         leftovers = [k for k, v in self.mailbox.items() if v is not None] + [f"saved{k}" for k in self.saved]
-        leftovers += [f"unconsumed receive {k}" for k in self.pending_recv]
+        leftovers += leftover_receives
         if leftovers:
             raise ExecutorError(f"{self._where()}: tensors left over at the end of the iteration: {leftovers[:8]}")
         if not self.forward_only:
@@ -618,10 +539,8 @@ class _Run:
             self._deposit((ACT, nxt, op.microbatch), output_tensor, local=local)
         if not self.forward_only:
             self.saved[(op.stage, op.microbatch)] = (input_tensor, output_tensor)
-            if nxt is not None:
-                self.sent_outputs.append(output_tensor)  # freed once sent, or now if handed over locally
-            if local:
-                self._free_sent_outputs()
+            if local:  # handed over (the consumer has its own leaf); a sent output is freed once sent
+                self._free_output(output_tensor)
 
     def _backward(self, op: Op) -> None:
         from megatron.core.pipeline_parallel.schedules import backward_step
@@ -655,9 +574,7 @@ class _Run:
     def _take(self, key: tuple[str, int, int], op: Op) -> Any:
         if key not in self.mailbox:
             raise ExecutorError(f"{self._where(op)}: input {key[0]} for stage {key[1]} mb {key[2]} never arrived")
-        batch = self.pending_recv.pop(key, None)
-        if batch is not None:  # posted earlier without waiting: wait now, just before the consumer
-            batch.wait(f", waiting for the input of {op}")
+        self.channels.wait_input(key, f", waited for by {op} (its input)")  # (no-op once awaited)
         return self.mailbox.pop(key)
 
     def _exchange(self, exchange: Exchange, next_op: Op | None) -> None:
@@ -666,75 +583,35 @@ class _Run:
             tensor = self.mailbox.pop(msg.key, None)
             if tensor is None:
                 raise ExecutorError(f"{self._where(next_op)}: nothing to send for {msg}")
-            sends.append(p2p.Transfer(tensor, self.global_ranks[msg.dst_rank], msg.seq, str(msg), _header(msg)))
+            sends.append((msg, tensor, msg.kind == ACT and not self.forward_only))
         recvs = []
         for msg in exchange.recvs:
             buffer = torch.empty(
                 self.tensor_shape, dtype=self.config.pipeline_dtype, requires_grad=msg.kind == ACT, device=self.device
             )
             self.mailbox[msg.key] = buffer
-            recvs.append(p2p.Transfer(buffer, self.global_ranks[msg.src_rank], msg.seq, str(msg), _header(msg)))
+            recvs.append((msg, buffer))
         where = self._where() + (f", exchange before {next_op}" if next_op is not None else ", final exchange")
-        self.tracer.begin_comm()
-        batch = p2p.post(sends, recvs, self.pp_group, rank_desc=where, timeout_s=self.timeout_s, use_tags=self.use_tags)
-        self.tracer.end_comm()
-        for msg in exchange.recvs:
-            self.pending_recv[msg.key] = batch
-        self.in_flight.append((batch, self.sent_outputs, [t.tensor for t in sends]))
-        self.sent_outputs = []
-        self._retire_completed()
+        self.channels.post(sends, recvs, where)
 
     def _await_inputs(self, op: Op) -> None:
-        """Wait for the receive that brings ``op``'s input (posted earlier without waiting)."""
+        """Wait for the receive that brings ``op``'s input, and nothing else; before a backward, then
+        complete the send of the output it differentiates (megatron pseudo-frees that output; by now
+        its receiver has posted the receive, since the gradient it sent back has arrived)."""
         if op.kind == OpKind.W:
             return
-        if op.kind == OpKind.F:
-            key = (ACT, op.stage, op.microbatch)
-        else:
-            key = (GRAD, op.stage, op.microbatch)
-            saved = self.saved.get((op.stage, op.microbatch))
-            if saved is not None:
-                self._finish_send_of(saved[1], op)
-        batch = self.pending_recv.pop(key, None)
-        if batch is not None:
-            batch.wait(f", waiting for the input of {op}")
+        key = (ACT if op.kind == OpKind.F else GRAD, op.stage, op.microbatch)
+        self.channels.wait_input(key, f", waited for by {op} (its input)")
+        saved = self.saved.get((op.stage, op.microbatch)) if op.kind != OpKind.F else None
+        if saved is not None:
+            self.channels.finish_send_of(saved[1], f", before {op} frees the output it sent")
 
-    def _finish_send_of(self, output: Any, op: Op) -> None:
-        """Before the backward of an output: its send must be done and the output pseudo-freed (megatron)."""
-        for batch, outputs, _ in self.in_flight:
-            if any(out is output for out in outputs):
-                batch.wait(f", finishing the send of F{op.stage}.{op.microbatch} before {op}")
-        self._retire_completed()
-
-    def _retire_completed(self, wait: bool = False) -> None:
-        """Free the outputs of batches whose sends completed (all of them, waiting, with ``wait``)."""
-        from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
-
-        still: list[tuple[p2p.Batch, list[Any], list[Any]]] = []
-        for batch, outputs, keep in self.in_flight:
-            if wait:
-                batch.wait(" at the end of the iteration")
-            if batch.done or batch.is_completed():
-                if not self.forward_only:
-                    for out in outputs:
-                        deallocate_output_tensor(out, self.config.deallocate_pipeline_outputs)
-            else:
-                still.append((batch, outputs, keep))
-        self.in_flight = still
-
-    def _free_sent_outputs(self) -> None:
-        """Megatron's pseudo-free of stage outputs handed over locally (only grad_fn is kept)."""
+    def _free_output(self, output: Any) -> None:
+        """Megatron's pseudo-free of a stage output that was handed over or sent (only grad_fn is kept)."""
         from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
 
         if not self.forward_only:
-            for out in self.sent_outputs:
-                deallocate_output_tensor(out, self.config.deallocate_pipeline_outputs)
-        self.sent_outputs.clear()
-
-
-def _header(msg: Any) -> tuple[int, ...]:
-    """What a message is, as checked on arrival with ``--pipeline-check-messages``."""
-    return (int(msg.kind == GRAD), msg.src_stage, msg.dst_stage, msg.microbatch, msg.seq)
+            deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)
 
 
 def _next_op(program: Sequence[Compute | Exchange], index: int) -> Op | None:

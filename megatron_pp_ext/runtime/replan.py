@@ -108,6 +108,15 @@ class ProfilingTracer(NullTracer):
     def add_held_bytes(self, nbytes: int) -> None:
         self.inner.add_held_bytes(nbytes)
 
+    def add_comm_bytes(self, nbytes: int) -> None:
+        self.inner.add_comm_bytes(nbytes)
+
+    def add_send_bytes(self, nbytes: int) -> None:
+        self.inner.add_send_bytes(nbytes)
+
+    def protocol(self, event: str, what: str, **info: Any) -> None:
+        self.inner.protocol(event, what, **info)
+
     @contextmanager
     def saving(self, op: Op) -> Iterator[None]:
         with self.inner.saving(op):

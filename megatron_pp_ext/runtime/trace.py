@@ -4,7 +4,14 @@ Live activation bytes are measured, not estimated: while a forward op runs, a
 ``saved_tensors_hooks`` pack hook records the storages autograd saves for the
 backward (parameters excluded); they count as live from that F until the
 backward op of the same (stage, micro-batch) released them. Weight-gradient
-closures held between B and W are added by the weight-gradient store.
+closures held between B and W are added by the weight-gradient store, receive
+buffers posted ahead of their consumer (prefetch) by :mod:`.channels` from their
+posting until their consumer takes them. Bytes of sends still pending are
+measured apart (``peak_pending_send_bytes``): the lowering bounds their number.
+
+The p2p protocol's events (receive posted / waited, send posted / completed, with
+the op count at that moment) are kept for the last iteration
+(``last_iteration_protocol``), so tests can check the protocol's order from a real run.
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ class NullTracer:
     def released(self, op: Op) -> None: ...
     def collective(self, collective: Collective) -> None: ...
     def add_held_bytes(self, nbytes: int) -> None: ...
+    def add_comm_bytes(self, nbytes: int) -> None: ...
+    def add_send_bytes(self, nbytes: int) -> None: ...
+    def protocol(self, event: str, what: str, **info: Any) -> None: ...
 
     @contextlib.contextmanager
     def saving(self, op: Op) -> Iterator[None]:
@@ -66,12 +76,18 @@ class Tracer(NullTracer):
         # bytes held for the whole run (see static_bytes_of); filled by whoever knows the model chunks
         self.static: dict[str, int] = {}
         self._schedule = ""  # the name of the schedule the executor runs (bound per iteration)
+        self._comm = 0  # receive buffers posted, not yet taken by their consumer
+        self._send_bytes = 0  # bytes of sends still pending
+        self._iter_send_peak = 0
+        self._ops_done = 0  # ops ended this iteration: the gap a protocol event happens in
+        self._iter_protocol: list[dict[str, Any]] = []
+        self.last_iteration_protocol: list[dict[str, Any]] = []
 
     def _now(self) -> float:
         return time.perf_counter() - self._t0
 
     def live_bytes(self) -> int:
-        return sum(self._live.values()) + self._held
+        return sum(self._live.values()) + self._held + self._comm
 
     def bind(self, context: dict[str, Any]) -> None:
         self._schedule = str(context.get("schedule", ""))
@@ -84,12 +100,16 @@ class Tracer(NullTracer):
         self._collectives = []
         self._last_backward_end = 0.0
         self._iter_ops = []
+        self._ops_done = 0
+        self._iter_protocol = []
+        self._iter_send_peak = self._send_bytes
 
     def end_iteration(self) -> None:
         end = self._now()
         # every op of the last iteration: [op, start, end] in seconds on the machine's monotonic clock
         # (time.perf_counter: one clock for every process of the machine, so ranks line up)
         self.last_iteration_ops = self._iter_ops
+        self.last_iteration_protocol = self._iter_protocol
         span = (self._last_end - self._first_start) if self._first_start is not None else 0.0
         total = end - self._iter_start
         counts: dict[str, int] = {}
@@ -103,6 +123,7 @@ class Tracer(NullTracer):
                 "span_s": span,
                 "bubble_rate": (total - self._busy) / total if total > 0 else 0.0,
                 "peak_activation_bytes": self._iter_peak,
+                "peak_pending_send_bytes": self._iter_send_peak,
                 "collective_counts": counts,
                 # launches relative to the iteration: "before_last_backward_end" says a reduction
                 # started while backward work of this rank was still to come (overlap)
@@ -142,6 +163,7 @@ class Tracer(NullTracer):
         if op.kind != "F":
             self._last_backward_end = end
         live = self.live_bytes()
+        self._ops_done += 1
         self._iter_ops.append([str(op), self._t0 + self._op_start, self._t0 + end])
         self._iter_peak = max(self._iter_peak, live)
         self.peak_bytes = max(self.peak_bytes, live)
@@ -179,6 +201,18 @@ class Tracer(NullTracer):
         # Counted at the next op boundary: during the B op the held inputs are still counted among
         # the saved tensors (same storages), so sampling here would count them twice.
         self._held += nbytes
+
+    def add_comm_bytes(self, nbytes: int) -> None:
+        self._comm += nbytes
+
+    def add_send_bytes(self, nbytes: int) -> None:
+        self._send_bytes += nbytes
+        self._iter_send_peak = max(self._iter_send_peak, self._send_bytes)
+
+    def protocol(self, event: str, what: str, **info: Any) -> None:
+        """One p2p protocol event (``recv-post``, ``recv-wait``, ``send-post``, ``send-done``) of
+        message ``what``, at gap ``gap`` (ops ended so far this iteration)."""
+        self._iter_protocol.append({"event": event, "what": what, "gap": self._ops_done, "t": self._now(), **info})
 
     def released(self, op: Op) -> None:
         self._live.pop((op.stage, op.microbatch), None)
@@ -230,6 +264,7 @@ class Tracer(NullTracer):
             "peak_bytes": (sum(self.static.values()) + self.peak_bytes) if self.static else None,
             "per_iteration": self.iterations,
             "last_iteration_ops": self.last_iteration_ops,
+            "last_iteration_protocol": self.last_iteration_protocol,
         }
 
     def write(self, directory: str | Path) -> None:

@@ -11,10 +11,13 @@ Data that flows between stages:
 
 When producer and consumer stages sit on the same rank the data is handed over
 locally (no message). Otherwise the producer's rank sends it right after the
-producer op and the consumer's rank receives it just before the consumer op.
-Between two compute ops a rank posts all its pending sends and receives as one
-batched :class:`Exchange` (so no rank blocks on a send queued behind its own
-receive). On every channel ``(src_rank, dst_rank)`` the receiver posts receives
+producer op and the consumer's rank posts the receive ``PREFETCH_OPS`` (one) op
+before the consumer op (prefetch: the message can land while the op before the
+consumer runs, and a sender's transfer is matched sooner); only the consumer waits
+for it (:mod:`megatron_pp_ext.runtime.channels`). Where prefetching would make the
+programs deadlock under rendezvous semantics (below), every receive sits just before
+its consumer instead. Between two compute ops a rank posts what it sends and receives
+there as one :class:`Exchange`. On every channel ``(src_rank, dst_rank)`` the receiver posts receives
 in exactly the order the sender posts sends (FIFO), moving a receive earlier
 when its consumer runs out of order; with NCCL, which ignores tags, this is what
 keeps same-shaped activations and gradients between the same two peers from
@@ -39,11 +42,15 @@ import numpy as np
 from .gc_pause import cyclic_gc_paused
 from .ir import Op, ScheduleError
 from .op_arrays import KIND_B, KIND_BW, KIND_F, OpArrays, op_arrays
+from .progress import run_posted
 from .rendezvous import events_by_rank, run_rendezvous
 from .schedule import Schedule
 
 ACT = "act"
 GRAD = "grad"
+
+#: How many ops before its consumer a receive is posted (prefetch; module doc).
+PREFETCH_OPS = 1
 
 
 class Message(NamedTuple):
@@ -78,7 +85,7 @@ class Compute(NamedTuple):
 
 
 class Exchange(NamedTuple):
-    """A batch of sends and receives posted together and waited on together."""
+    """The sends and receives a rank posts between two compute ops; each one completes on its own."""
 
     sends: tuple[Message, ...]
     recvs: tuple[Message, ...]
@@ -98,7 +105,10 @@ class CommPlan:
     Message ids follow channel order (sender rank, receiver rank, then position on the channel).
     ``send_gap`` / ``recv_gap``: where the message is sent / received on its rank (gap ``i`` is
     just before op ``i``; a send sits right after its producer, a receive before its consumer or
-    earlier). ``consumer``: index of the op that consumes it on the receiving rank.
+    earlier: positions that run to the end under rendezvous semantics). ``post_gap``: where a
+    backend whose transfers progress on their own posts the receive instead (``PREFETCH_OPS``
+    earlier; never later than ``recv_gap``). ``consumer``: index of the op that consumes it on the
+    receiving rank.
     ``stuck_at``: ``None`` when the program runs to the end under rendezvous semantics, else the
     gap every rank reached (see :mod:`.rendezvous`).
     """
@@ -113,6 +123,7 @@ class CommPlan:
     seq: list[int]
     send_gap: list[int]
     recv_gap: list[int]
+    post_gap: list[int]  # where a backend whose transfers progress on their own posts the receive
     consumer: list[int]
     handoffs: tuple[list[int], list[int], list[int], list[int], list[int]]  # kind_grad, src/dst stage, mb, rank
     stuck_at: tuple[int, ...] | None
@@ -153,8 +164,27 @@ class CommPlan:
     def receive_groups(self) -> list[list[tuple[int, ...] | None]]:
         """Per rank, per op: the messages received in the batch just before it (by sender, then
         channel order), or None."""
+        return self._groups(self.recv_gap)
+
+    @cached_property
+    def prefetch_groups(self) -> list[list[tuple[int, ...] | None]]:
+        """:attr:`receive_groups` at the prefetch positions (``post_gap``)."""
+        return self._groups(self.post_gap)
+
+    @cached_property
+    def receive_buffers(self) -> list[list[int]]:
+        """Per rank, per op: message ids whose receive buffer is allocated and not yet handed to its
+        consumer when the op ends (posted at ``post_gap``, taken by the consumer; what prefetching
+        adds to a rank's memory)."""
+        rows: list[list[list[int]]] = [[[] for _ in row] for row in self._per_rank(None)]
+        for mid, (rank, gap, at) in enumerate(zip(self.dst_rank, self.post_gap, self.consumer, strict=True)):
+            for k in range(gap, at):
+                rows[rank][k].append(mid)
+        return rows  # type: ignore[return-value]
+
+    def _groups(self, gaps: list[int]) -> list[list[tuple[int, ...] | None]]:
         groups: list[dict[int, list[int]]] = [{} for _ in range(self.num_ranks)]
-        for mid, (rank, gap) in enumerate(zip(self.dst_rank, self.recv_gap, strict=True)):
+        for mid, (rank, gap) in enumerate(zip(self.dst_rank, gaps, strict=True)):
             if gap >= 0:
                 groups[rank].setdefault(gap, []).append(mid)
         rows = self._per_rank(None)
@@ -194,7 +224,7 @@ class CommPlan:
         columns = [list(column) for column in zip(*fields, strict=True)] if fields else [[] for _ in range(9)]
         lengths = [sum(1 for ins in program if isinstance(ins, Compute)) for program in programs]
         offsets = (0, *accumulate(lengths))
-        return cls(offsets, *columns, consumer, ([], [], [], [], []), None)
+        return cls(offsets, *columns, list(columns[8]), consumer, ([], [], [], [], []), None)
 
     def message(self, mid: int) -> Message:
         return Message(
@@ -230,7 +260,7 @@ class LoweredSchedule:
             raise TypeError("LoweredSchedule needs a plan, or programs, messages and local_handoffs")
         self.schedule = schedule
         self.plan = plan  # None for a hand-made lowering
-        self._built: dict[int, tuple[Instruction, ...]] = {}
+        self._built: dict[tuple[int, bool], tuple[Instruction, ...]] = {}
         if programs is not None:
             self.__dict__["programs"] = tuple(tuple(program) for program in programs)
         if messages is not None:
@@ -262,20 +292,76 @@ class LoweredSchedule:
             for g, s, d, mb, r in zip(kinds, src_stages, dst_stages, microbatches, ranks, strict=True)
         )
 
-    def program(self, rank: int) -> tuple[Instruction, ...]:
+    @cached_property
+    def send_bounds(self) -> tuple[int | None, ...]:
+        """Per rank, the most sends the executor keeps pending (None: no bound).
+
+        A pending send holds one message-sized tensor. An activation's send is completed before
+        that activation's backward, so rank ``r`` never has more activation sends pending than live
+        stage activations: at most its peak count ``L(r)``. A gradient sent to rank ``q`` for
+        ``(s, m)`` is pending until ``q`` posts the receive, before the backward of ``(s - 1, m)``
+        on ``q``, whose forward already ran: while it is pending that activation is live on ``q``,
+        so such sends never outnumber ``L(q)``. The bound ``L(r) + sum of L(q)`` over the ranks
+        ``q`` that ``r`` sends gradients to is therefore never reached by a matched protocol; it
+        caps the send buffers by counts the memory model already has, each buffer far smaller than
+        a stage activation. Checked with :func:`~.progress.run_posted` on the prefetching
+        programs: a bound that could deadlock is lifted (sends then complete by the end of the
+        iteration at the latest)."""
+        plan = self.timing_plan
+        live_peak: list[int] = []
+        for row in self.schedule.ops:
+            live = peak = 0
+            for op in row:
+                live += 1 if op.kind == "F" else -1 if op.kind in ("B", "BW") else 0
+                peak = max(peak, live)
+            live_peak.append(peak)
+        grads_to: list[set[int]] = [set() for _ in live_peak]
+        for grad, src, dst in zip(plan.kind_grad, plan.src_rank, plan.dst_rank, strict=True):
+            if grad:
+                grads_to[src].add(dst)
+        bounds: list[int | None] = [
+            max(1, live_peak[r] + sum(live_peak[q] for q in grads_to[r])) for r in range(len(live_peak))
+        ]
+        lengths = [len(row) for row in self.schedule.ops]
+        fields = (plan.src_rank, plan.dst_rank, plan.send_gap, plan.post_gap, plan.consumer)
+        if run_posted(lengths, *fields, bounds) is not None:
+            return (None,) * len(bounds)
+        return tuple(bounds)
+
+    @cached_property
+    def buffer_counts(self) -> tuple[int, ...]:
+        """Per rank, the most message-sized p2p buffers it holds at once beyond its activations: the
+        receive buffers posted ahead of their consumer (``CommPlan.receive_buffers``) plus the sends
+        it may keep pending (:attr:`send_bounds`, at most all its sends)."""
+        plan = self.timing_plan
+        sends = [0] * self.schedule.num_ranks
+        for src in plan.src_rank:
+            sends[src] += 1
+        out = []
+        for rank, row in enumerate(plan.receive_buffers):
+            bound = self.send_bounds[rank]
+            pending = sends[rank] if bound is None else min(bound, sends[rank])
+            out.append(max((len(mids) for mids in row), default=0) + pending)
+        return tuple(out)
+
+    def program(self, rank: int, prefetch: bool = False) -> tuple[Instruction, ...]:
+        """Rank ``rank``'s instructions; with ``prefetch`` its receives sit at the prefetch positions
+        (``CommPlan.post_gap``: for backends whose transfers progress on their own; a hand-made
+        lowering has only its own positions)."""
         if "programs" in self.__dict__:
             return self.__dict__["programs"][rank]
-        built = self._built.get(rank)
+        built = self._built.get((rank, prefetch))
         if built is None:
-            built = self._built[rank] = self._build_program(rank)
+            built = self._built[(rank, prefetch)] = self._build_program(rank, prefetch)
         return built
 
-    def _build_program(self, rank: int) -> tuple[Instruction, ...]:
+    def _build_program(self, rank: int, prefetch: bool) -> tuple[Instruction, ...]:
         plan = self.plan
         assert plan is not None
         messages = self.messages
         row = self.schedule.ops[rank]
-        sends, recvs = plan.sends_after_ops[rank], plan.receive_groups[rank]
+        sends = plan.sends_after_ops[rank]
+        recvs = (plan.prefetch_groups if prefetch else plan.receive_groups)[rank]
         program: list[Instruction] = []
         for i, op in enumerate(row):
             sent = sends[i - 1] if i else -1
@@ -330,12 +416,18 @@ def _plan(schedule: Schedule) -> CommPlan:
     order = np.lexsort((send_gap, dst, src))  # channel order: sender, receiver, send position
     producer, consumer, grad, src, dst = producer[order], consumer[order], grad[order], src[order], dst[order]
     send_gap, recv_gap = send_gap[order], recv_gap[order]
-    seq, recv_gap = _fifo_channels(src * schedule.num_ranks + dst, recv_gap)
+    channel = src * schedule.num_ranks + dst
+    # Where a backend whose transfers progress on their own (gloo) posts each receive: PREFETCH_OPS
+    # ops before its consumer (or before its overlap pair), in channel order, or earlier where the
+    # rendezvous repair below moves it.
+    prefetch = _fifo_channels(channel, np.maximum(recv_gap - PREFETCH_OPS, 0))[1]
+    seq, recv_gap = _fifo_channels(channel, recv_gap)
 
     # The rendezvous run that repairs wait-for cycles (moves receives earlier, in recv_list).
     events = events_by_rank(schedule.num_ranks, src, dst, send_gap, recv_gap)
     grad_list, send_list, recv_list = grad.tolist(), send_gap.tolist(), recv_gap.tolist()
     stuck = run_rendezvous(events, recv_list, is_grad=grad_list, repair=True)
+    post_list = np.minimum(prefetch, np.asarray(recv_list, dtype=np.int64)).tolist()
     return CommPlan(
         offsets=arrays.offsets,
         kind_grad=grad_list,
@@ -347,6 +439,7 @@ def _plan(schedule: Schedule) -> CommPlan:
         seq=seq.tolist(),
         send_gap=send_list,
         recv_gap=recv_list,
+        post_gap=post_list,
         consumer=index[consumer].tolist(),
         handoffs=handoffs,  # type: ignore[arg-type]
         stuck_at=None if stuck is None else tuple(stuck),

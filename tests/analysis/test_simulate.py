@@ -292,3 +292,18 @@ def test_costs_per_stage() -> None:
         Costs(t_b=-1.0)
     with pytest.raises(ValueError, match="the schedule has 3 stages"):
         sim(generate("1f1b", 3, 2), Costs((1.0, 2.0), 1, 1))
+
+
+def test_prefetched_receive_buffers_count_in_the_byte_peak() -> None:
+    """With ``message_bytes`` the byte peak holds the receive buffers posted ahead of their consumer
+    (``CommPlan.receive_buffers``), as the tracer counts them; without it, activations only."""
+    from megatron_pp_ext.schedules import generate, lower
+
+    schedule = generate("zb-h2", 2, 4)
+    plan = lower(schedule).plan
+    assert plan is not None
+    alone = simulate(schedule, activation_bytes=0.0).peak_activation_bytes
+    with_buffers = simulate(schedule, activation_bytes=0.0, message_bytes=10.0).peak_activation_bytes
+    assert alone == [0.0, 0.0]
+    assert with_buffers == [10.0 * max(len(mids) for mids in row) for row in plan.receive_buffers]
+    assert max(with_buffers) > 0

@@ -117,5 +117,69 @@ def test_replan_ping_pong_has_a_bounded_wait() -> None:
     assert elapsed < 12  # the 2 s bound, not a hang until the peer comes back
 
 
+def _pending_send_main(rank: int, init_method: str, out: Any, mode: str = "dies") -> None:
+    """Rank 0 posts a send to rank 1 and a receive from it, as the executor's protocol does, then
+    reaches the end of its iteration. Rank 1 dies without posting anything (``dies``), or stays
+    alive and never answers (``silent``)."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    from megatron_pp_ext.runtime import p2p
+    from megatron_pp_ext.runtime.channels import Channels
+    from megatron_pp_ext.runtime.trace import NullTracer
+    from megatron_pp_ext.schedules.lowering import ACT, GRAD, Message
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    dist.barrier()
+    if rank == 1:
+        if mode == "dies":
+            time.sleep(0.5)
+            os._exit(17)  # dies with rank 0's send to it pending
+        time.sleep(20)  # alive, never posts the receive nor the send
+        os._exit(0)
+    channels = Channels(group=None, global_ranks=[0, 1], timeout_s=3.0 if mode == "silent" else 300.0,
+                        use_tags=True, send_bound=None, tracer=NullTracer(), free=lambda t: None)  # fmt: skip
+    sent = Message(ACT, 0, 1, 3, 0, 1, 0)
+    expected = Message(GRAD, 1, 0, 2, 1, 0, 0)
+    start = time.monotonic()
+    try:
+        channels.post(
+            [(sent, torch.ones(4), False)], [(expected, torch.empty(4))], "pipeline rank 0, exchange before F0.4"
+        )
+        channels.finish()
+        out.put(("no error", time.monotonic() - start))
+    except p2p.PipelineCommError as exc:
+        out.put((str(exc), time.monotonic() - start))
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+def _pending_send_to_dead_peer(rank: int, init_method: str, out: Any) -> None:
+    _pending_send_main(rank, init_method, out, "dies")
+
+
+def _pending_send_to_silent_peer(rank: int, init_method: str, out: Any) -> None:
+    _pending_send_main(rank, init_method, out, "silent")
+
+
+def test_pending_send_to_a_dead_peer_fails_at_once_naming_it() -> None:
+    message, elapsed = _run_two(_pending_send_to_dead_peer)
+    assert "pipeline rank 0, exchange before F0.4, at the end of the iteration: " in message, message
+    assert "send act[0->1 mb3 r0->r1] to rank 1 failed: a peer closed the connection" in message, message
+    assert "pending on this rank: " in message and "recv grad[1->0 mb2 r1->r0] from rank 1" in message, message
+    assert elapsed < 60  # seconds, not the 300 s timeout
+
+
+def test_pending_send_to_a_silent_peer_fails_after_the_timeout() -> None:
+    message, elapsed = _run_two(_pending_send_to_silent_peer)
+    assert "pipeline rank 0, exchange before F0.4, at the end of the iteration: " in message, message
+    assert "send act[0->1 mb3 r0->r1] to rank 1 did not complete within 3s" in message, message
+    assert "pending on this rank: " in message and "recv grad[1->0 mb2 r1->r0] from rank 1" in message, message
+    assert elapsed < 15
+
+
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__])

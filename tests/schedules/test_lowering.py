@@ -202,3 +202,54 @@ def test_lowering_equals_reference_on_random_orders() -> None:
         placement = rng.choice([loop_placement(rng.randint(2, 4), rng.randint(1, 3)), v_placement(rng.randint(2, 3))])
         schedule = random_serial_schedule(rng, placement, rng.randint(1, 5), rng.random() < 0.5)
         assert lower(schedule).programs == reference_programs(schedule)[0]
+
+
+@pytest.mark.parametrize(
+    "schedule", _all_small_schedules(), ids=lambda s: f"{s.name}-p{s.num_ranks}-m{s.num_microbatches}"
+)
+def test_receives_are_prefetched_one_op_ahead_in_channel_order(schedule: Schedule) -> None:
+    """Each receive is posted (``post_gap``) before the op preceding its consumer, never after its
+    rendezvous position, and per channel in send order; the prefetching program holds exactly
+    those receives there, and the send bound never deadlocks the protocol."""
+    from megatron_pp_ext.schedules.lowering import PREFETCH_OPS
+    from megatron_pp_ext.schedules.progress import run_posted
+
+    lowered = lower(schedule)
+    plan = lowered.plan
+    assert plan is not None
+    channels: dict[tuple[int, int], list[int]] = {}
+    for mid in range(plan.num_messages):
+        assert plan.post_gap[mid] <= max(plan.consumer[mid] - PREFETCH_OPS, 0)
+        assert plan.post_gap[mid] <= plan.recv_gap[mid]
+        channels.setdefault((plan.src_rank[mid], plan.dst_rank[mid]), []).append(mid)
+    for mids in channels.values():
+        ordered = sorted(mids, key=lambda mid: plan.seq[mid])
+        gaps = [plan.post_gap[mid] for mid in ordered]
+        assert gaps == sorted(gaps)
+    for rank in range(schedule.num_ranks):
+        gap, found = 0, {}
+        for ins in lowered.program(rank, prefetch=True):
+            if isinstance(ins, Compute):
+                gap += 1
+            else:
+                found.update({msg: gap for msg in ins.recvs})
+        assert found == {plan.message(mid): plan.post_gap[mid] for mid in range(plan.num_messages)
+                         if plan.dst_rank[mid] == rank}  # fmt: skip
+    lengths = [len(row) for row in schedule.ops]
+    fields = (plan.src_rank, plan.dst_rank, plan.send_gap, plan.post_gap, plan.consumer)
+    assert run_posted(lengths, *fields, lowered.send_bounds) is None
+
+
+def test_a_send_bound_can_deadlock_where_no_bound_does() -> None:
+    """Rank 0 sends b to rank 1, then y to rank 2; rank 2 turns y into x for rank 1, which consumes x
+    before it posts b's receive. Unbounded, everything completes; with no send allowed to stay
+    pending, rank 0 waits for b's receive before sending y: a deadlock the check must see (and
+    ``LoweredSchedule.send_bounds`` then lifts the bound)."""
+    from megatron_pp_ext.schedules.progress import run_posted
+
+    lengths = [2, 2, 1]
+    src, dst = [0, 0, 2], [1, 2, 1]  # messages b, y, x
+    send_gap, post_gap, consumer = [1, 2, 1], [1, 0, 0], [1, 0, 0]
+    assert run_posted(lengths, src, dst, send_gap, post_gap, consumer, [None, None, None]) is None
+    assert run_posted(lengths, src, dst, send_gap, post_gap, consumer, [1, 1, 1]) is None
+    assert run_posted(lengths, src, dst, send_gap, post_gap, consumer, [0, None, None]) is not None

@@ -1,0 +1,7 @@
+"""The executor's own error (its own module, so the executor's helpers raise it without importing it)."""
+
+from __future__ import annotations
+
+
+class ExecutorError(RuntimeError):
+    """The executor cannot run this schedule with these arguments."""
