@@ -77,9 +77,7 @@ def main() -> None:
                 size = p * dp
                 if size not in pools:
                     pools[size] = RankPool(size)
-                model = TinyGPTSpec(
-                    num_layers=schedule.placement.stages_per_replica, tied_embeddings=mode != "fsdp"
-                )
+                model = TinyGPTSpec(num_layers=schedule.placement.stages_per_replica, tied_embeddings=mode != "fsdp")
                 try:
                     report = verify_schedule(
                         schedule,
