@@ -145,9 +145,12 @@ class PaddedTracer(Tracer):
         if parent is not None:
             parent(event, what, **info)
         now = time.perf_counter()
-        blocked = bool(info.get("blocked"))
-        part = {"recv-wait": "recv_wait", "send-done": "send_wait"}.get(event) if blocked else None
-        self._current[part or "between"] += now - self._cursor
+        elapsed = now - self._cursor
+        part = {"recv-wait": "recv_wait", "send-done": "send_wait"}.get(event)
+        waited = min(float(info.get("waited_s") or 0.0), elapsed) if part else 0.0  # the wait the event reports
+        if part:
+            self._current[part] += waited
+        self._current["between"] += elapsed - waited
         self._cursor = now
 
     def end_iteration(self) -> None:
