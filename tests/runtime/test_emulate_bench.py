@@ -64,8 +64,8 @@ def test_padded_tracer_pads_every_op_and_accounts_for_the_gaps() -> None:
     tracer.begin_iteration()
     for op in ops:
         time.sleep(0.003)  # waiting for the op's input
-        if op.kind == OpKind.BW:  # an executor that reports its protocol's events: a blocked receive wait
-            tracer.protocol("recv-wait", "act", blocked=True)
+        if op.kind == OpKind.BW:  # the executor reports its protocol's events: a receive wait that blocked 3 ms
+            tracer.protocol("recv-wait", "act", waited_s=0.003)
         tracer.begin_op(op)
         tracer.end_op(op)  # no real compute: the op lasts its pad
         tracer.begin_comm()

@@ -22,11 +22,12 @@ def test_verify_reports_progress_on_stderr() -> None:
     err = proc.stderr
     for line in (
         "megatron-pp verify: starting 2 rank process(es)",
-        "megatron-pp verify: reference: rank 0 of 1 started",
-        "megatron-pp verify: reference: iteration 3 of 3",
+        "megatron-pp verify: exact reference (float64): rank 0 of 1 started",
+        "megatron-pp verify: megatron's fp32 reference: iteration 3 of 3",
         "megatron-pp verify: 1f1b on 2 ranks: rank 1 of 2 started",
         "megatron-pp verify: 1f1b on 2 ranks: iteration 1 of 3",
-        "megatron-pp verify: comparing losses and every gradient with the reference",
+        "megatron-pp verify: megatron's own 1F1B on 2 ranks: iteration 3 of 3",
+        "megatron-pp verify: comparing losses and every gradient with the references",
     ):
         assert line in err, err[-3000:]
     assert "Apex is not installed" not in err and "Transformer Engine and Apex" not in err, err[-3000:]
