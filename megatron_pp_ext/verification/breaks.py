@@ -135,8 +135,8 @@ def _dp_reduction_early() -> contextlib.AbstractContextManager[None]:
     from ..schedules.lowering import Compute
 
     def make(original: Any) -> Any:
-        def plan_for(lowered: Any, rank: int, policy: Any) -> Any:
-            plan = original(lowered, rank, policy)
+        def plan_for(lowered: Any, *args: Any, **kwargs: Any) -> Any:
+            plan = original(lowered, *args, **kwargs)
             placement = lowered.schedule.placement
             first_backward: dict[int, int] = {}  # chunk -> gap after its first backward
             gap = 0
