@@ -118,21 +118,14 @@ def test_a_missing_peer_times_out_naming_rank_and_op(pool):
 def live_chunks_and_gloo_threads(_payload: object, _rank: int, _init_method: str) -> dict[str, int]:
     """In a pool worker, after its runs: ShardedChunk objects still alive and gloo threads still running."""
     import gc
-    import os
 
     from megatron_pp_ext.runtime.fsdp import ShardedChunk
 
+    from .thread_helpers import gloo_threads
+
     gc.collect()
-    tasks = f"/proc/{os.getpid()}/task"
-    comms = []
-    for tid in os.listdir(tasks):
-        try:
-            with open(f"{tasks}/{tid}/comm") as f:
-                comms.append(f.read().strip())
-        except OSError:  # the thread ended meanwhile
-            pass
     chunks = sum(isinstance(o, ShardedChunk) for o in gc.get_objects())
-    return {"chunks": chunks, "gloo_threads": sum(c == "gloo_tcp_loop" for c in comms)}
+    return {"chunks": chunks, "gloo_threads": gloo_threads()}
 
 
 def test_finished_runs_release_their_chunks_and_process_groups(pool):

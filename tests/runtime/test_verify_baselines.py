@@ -146,18 +146,9 @@ def test_trace_keeps_the_last_iterations_ops_on_one_clock(pool):
 
 
 def _gloo_threads(_payload: object, _rank: int, _init_method: str) -> int:
-    """In a pool worker: gloo's network threads still alive (one pair per live process group context)."""
-    import os
+    from .thread_helpers import gloo_threads
 
-    tasks = f"/proc/{os.getpid()}/task"
-    names = []
-    for tid in os.listdir(tasks):
-        try:
-            with open(f"{tasks}/{tid}/comm") as f:
-                names.append(f.read().strip())
-        except OSError:  # the thread ended meanwhile
-            pass
-    return sum(name == "gloo_tcp_loop" for name in names)
+    return gloo_threads()
 
 
 def test_finished_megatron_ddp_runs_release_their_process_groups(pool):
