@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import criterion
 from .verify import OURS, RankPool, RunSpec, _check_errors
 
 
@@ -52,6 +53,7 @@ def run_pair(
     tp: int = 1,
     distributed_optimizer: bool = False,
     lr: float = 1e-3,
+    adam_eps: float = criterion.ADAM_EPS,
     model: Any = None,
     timeout_s: float = 60.0,
     fn: Any = None,
@@ -59,7 +61,10 @@ def run_pair(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(synchronous run, post-validated run) results. ``fn`` replaces the rank entry point of the
     post-validated run (tests use it to break the rollback on purpose). ``late``: validate after the next
-    iteration's forward-backward (run again when validation changed weights) instead of before it."""
+    iteration's forward-backward (run again when validation changed weights) instead of before it.
+    ``adam_eps`` defaults to verification's (see :mod:`.criterion`): with it Adam's update is a
+    Lipschitz function of the gradient, so a last-bit difference in a clip coefficient stays a
+    last-bit difference in the weights instead of being amplified by 1/eps near zero gradients."""
     from .tiny_gpt import TinyGPTSpec
 
     common: dict[str, Any] = {
@@ -73,6 +78,7 @@ def run_pair(
         "iterations": iterations,
         "split_backward": schedule.splits_backward,
         "lr": lr,
+        "adam_eps": adam_eps,
         "timeout_s": timeout_s,
         "megatron_optimizer": True,
         "distributed_optimizer": distributed_optimizer,

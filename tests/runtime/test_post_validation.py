@@ -44,8 +44,7 @@ def _assert_matches_synchronous(report, clip: float) -> None:
     """Every stage validated against the synchronous norm of each step, up to the association of
     the partial sums (megatron all-reduces them in the backend's order, we add them in pipeline order:
     equal for two terms; otherwise at most a float32 ulp or two of the norm squared). Weights: bitwise
-    when no step clipped with a norm that differs; else within 1e-6 (the clip coefficient moves by
-    ~1e-7 relative)."""
+    when no step clipped with a norm that differs; else within :func:`_weight_allowance`."""
     clipped_differently = False
     for stats in report.stats:
         for mine, theirs in zip(stats["complete_norms"], report.sync_norms, strict=True):
@@ -55,9 +54,30 @@ def _assert_matches_synchronous(report, clip: float) -> None:
             assert abs(mine**2 - theirs**2) <= 2 * 2.0**-23 * theirs**2, (mine, theirs)
             clipped_differently |= mine != theirs and clip > 0 and theirs > clip
     if clipped_differently:
-        assert report.max_abs_weight_diff <= 1e-6, report
+        assert report.max_abs_weight_diff <= _weight_allowance(report, clip), report
     else:
         assert report.bitwise_equal, report
+
+
+LR = 1e-3  # run_pair's learning rate
+
+
+def _weight_allowance(report, clip: float) -> float:
+    """How far the weights may move when both runs clip with norms that differ in the last bits.
+
+    Derived, not measured: the norms agree to ``2 * 2**-23`` relative in the square (asserted above),
+    so the clip coefficients ``clip / norm`` differ by ``delta <= 2**-23`` relative, and so does every
+    clipped gradient element (each at most ``clip`` in size: an element is bounded by the norm). With
+    Adam's eps = 1 (run_pair's default, the verification criterion's) the update ``m / (sqrt(v) + 1)``
+    is Lipschitz in the gradient with constant ``(1 - beta1) / (1 - beta1**t) <= 1``, so one step moves
+    a weight by at most ``lr * delta * clip`` more in one run than in the other. Later steps see weights
+    that already differ, which a smooth loss amplifies by ``1 + lr * curvature`` per step; allowing
+    :data:`criterion.GROWTH` per step covers curvature up to ``3 / lr``. A fault (a rollback that
+    restores nothing, a redo skipped) moves weights by a whole update, ``~lr``: ~1e5x beyond this."""
+    from megatron_pp_ext.verification import criterion
+
+    steps = report.iterations
+    return steps * LR * 2.0**-23 * clip * criterion.GROWTH**steps
 
 
 @pytest.mark.parametrize("p", [2, 4])
@@ -91,7 +111,8 @@ def test_a_rollback_that_restores_nothing_is_caught(pool):
     sync, post = run_pair(schedule, pool, inject_inf=((1, 1),), fn=helpers.run_with_broken_rollback)
     report = compare_weights(schedule.name, sync, post)
     assert report.rollbacks == 1
-    assert not report.bitwise_equal and report.max_abs_weight_diff > 0
+    # the fault lands far outside what a last-bit clip difference may cause (so the allowance is sharp)
+    assert report.max_abs_weight_diff > 1000 * _weight_allowance(report, max(CLIP.values())), report
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -120,7 +141,7 @@ def test_no_collective_crosses_stages_inside_the_step(pool, tp):
     if tp == 1:
         assert report.bitwise_equal, report
     else:  # megatron sums TP x PP partial norms in one all-reduce, we nest TP then the pipeline
-        assert report.max_abs_weight_diff <= 1e-6, report
+        assert report.max_abs_weight_diff <= _weight_allowance(report, CLIP[p]), report
 
 
 def test_megatrons_step_crosses_stages(pool):
