@@ -9,8 +9,6 @@ from megatron_pp_ext.verification.verify import RankPool, _check_errors
 
 pytestmark = pytest.mark.gloo
 
-TOL = 1e-6
-
 
 @pytest.fixture(scope="module")
 def pool():
@@ -27,39 +25,45 @@ def _run(pool: RankPool, case: FsdpCase) -> list[dict]:
     return results
 
 
+def _assert_exact_as_fp32(results: list[dict]) -> None:
+    """The verification criterion (gradients, their squared norm and trained parameters against the
+    float64 run, allowance GROWTH x the fp32 run's own distance), on every rank."""
+    for r in results:
+        assert r["verdict_cells"] > 0 and r["verdict_problems"] == [], r
+        assert r["verdict_ok"], r["verdict"]
+
+
 def test_breadth_first_sweeps_reduce_to_the_reference_average(pool):
     results = _run(pool, FsdpCase(microbatches=3, iterations=2))
+    _assert_exact_as_fp32(results)  # local_grad_sq_norm summed over DP judged too ("grad norm^2")
     for r in results:
-        assert max(r["grad_rel"]) <= TOL, r["grad_rel"]
         assert r["storage_freed"]
-        assert r["grad_norm_rel"] <= TOL  # local_grad_sq_norm summed over DP = reference norm^2
         assert "sharded (call unshard)" in r["sharded_forward_error"]
 
 
 def test_split_backward_w_after_reshard_and_regather(pool):
     results = _run(pool, FsdpCase(microbatches=3, split_backward=True))
+    _assert_exact_as_fp32(results)
     for r in results:
-        assert max(r["grad_rel"]) <= TOL, r["grad_rel"]
         assert r["unshard_calls"] == [[3, 3]]  # F, B and W sweeps of each chunk
 
 
 def test_split_backward_w_while_sharded(pool):
     """megatron linears' W needs only the saved input and output gradient, not the weights."""
     results = _run(pool, FsdpCase(microbatches=3, split_backward=True, w_while_sharded=True))
+    _assert_exact_as_fp32(results)
     for r in results:
-        assert max(r["grad_rel"]) <= TOL, r["grad_rel"]
         assert r["unshard_calls"] == [[2, 2]]
 
 
 def test_three_adam_steps_match_the_reference(pool):
     results = _run(pool, FsdpCase(microbatches=2, iterations=3, adam=True))
+    _assert_exact_as_fp32(results)  # trained parameters included
     for r in results:
         assert len(r["param_rel"]) == 3
-        assert max(r["param_rel"]) <= TOL, r["param_rel"]
-        assert max(r["grad_rel"]) <= TOL, r["grad_rel"]
-        # A reference trained on its own gradients differs only where a gradient is fp32 noise (the
-        # attention key bias: softmax is shift-invariant), which Adam amplifies; a wrong step is ~1 lr.
-        assert max(r["independent_drift_in_lr"]) <= 0.01, r["independent_drift_in_lr"]
+        # the sharded step alone, given the same gradients: Adam's own rounding (fsdp_check)
+        for got, bound in zip(r["param_rel"], r["param_step_bound"], strict=True):
+            assert got <= bound, (r["param_rel"], r["param_step_bound"])
 
 
 def test_counters_and_peak_memory(pool):
@@ -81,8 +85,8 @@ def test_counters_and_peak_memory(pool):
 
 def test_async_prefetch_of_the_next_chunk(pool):
     results = _run(pool, FsdpCase(microbatches=2, prefetch=True))
+    _assert_exact_as_fp32(results)
     for r in results:
-        assert max(r["grad_rel"]) <= TOL, r["grad_rel"]
         assert r["counters"] == [[(2, 1), (2, 1)]]
         assert r["memory_peak"]["full_params"] == sum(r["full_param_bytes"])  # both chunks gathered at once
 
@@ -90,16 +94,16 @@ def test_async_prefetch_of_the_next_chunk(pool):
 def test_extra_grad_reduction_sums_over_the_other_group_first(pool):
     name = "output_layer.weight"
     results = _run(pool, FsdpCase(microbatches=2, extra_reduce_param=name))
-    for r in results:
-        assert max(r["grad_rel"]) <= TOL, r["grad_rel"]
+    _assert_exact_as_fp32(results)
 
 
 def test_tied_embedding_with_both_ends_on_one_rank(pool):
     """V-shape's case: the two copies of the word embedding get the summed gradient and stay equal."""
     results = _run(pool, FsdpCase(microbatches=2, iterations=2, adam=True, tied=True))
+    _assert_exact_as_fp32(results)
     for r in results:
-        assert max(r["grad_rel"]) <= TOL, r["grad_rel"]
-        assert max(r["param_rel"]) <= TOL, r["param_rel"]
+        for got, bound in zip(r["param_rel"], r["param_step_bound"], strict=True):
+            assert got <= bound, (r["param_rel"], r["param_step_bound"])
 
 
 def test_backward_of_a_resharded_chunk_fails_clearly(pool):
