@@ -26,6 +26,7 @@ class LinearCase:
     ffn: int = 32
     seed: int = 7
     device: str = "cpu"  # "cuda": the layer and its tensors on the current GPU (the GPU check)
+    float64: bool = False  # the same weights and data widened exactly: the GPU check's exact reference
 
 
 def _layer(case: LinearCase, config: Any) -> Any:
@@ -69,11 +70,12 @@ def _run(case: LinearCase, config: Any, split: bool) -> dict[str, Any]:
 
     torch.manual_seed(case.seed)
     model_parallel_cuda_manual_seed(case.seed)
-    layer = _layer(case, config).to(case.device)
+    dtype = torch.float64 if case.float64 else torch.float32
+    layer = _layer(case, config).to(case.device, dtype)
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     external = None
     if case.layer == "output":
-        external = torch.nn.Parameter(torch.randn(case.ffn // tp, case.hidden).to(case.device))
+        external = torch.nn.Parameter(torch.randn(case.ffn // tp, case.hidden).to(case.device, dtype))
     gen = torch.Generator().manual_seed(case.seed + 100)
     in_features = case.ffn // tp if case.layer == "row" else case.hidden
     seq_in = case.seq // tp if (case.sequence_parallel and case.layer != "row") else case.seq
@@ -86,12 +88,12 @@ def _run(case: LinearCase, config: Any, split: bool) -> dict[str, Any]:
             x = full[tp_rank * seq_in : (tp_rank + 1) * seq_in].clone()
         else:
             x = full
-        xs.append(x.to(case.device).requires_grad_())
+        xs.append(x.to(case.device, dtype).requires_grad_())
     outs = []
     for x in xs:
         out, _ = layer(x, weight=external) if external is not None else layer(x)
         outs.append(out)
-        gos.append(torch.randn(out.shape, generator=gen).to(case.device))
+        gos.append(torch.randn(out.shape, generator=gen).to(case.device, dtype))
     store = get_weight_grad_store()
     if not split:
         for out, go in zip(outs, gos, strict=True):

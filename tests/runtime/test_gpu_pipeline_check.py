@@ -59,4 +59,4 @@ def test_pipeline_check_dry_run_passes_through_host_staging(pool):
     assert result["status"] == "pass", result
     zb = result["details"]["zb-h1"]
     assert zb["ok"] and zb["problems"] == []
-    assert zb["max_abs_loss_diff"] <= 1e-6 and zb["max_rel_grad_diff"] <= 1e-6
+    assert zb["verdict"].startswith("derived criterion: "), zb["verdict"]  # not a fixed tolerance
