@@ -252,7 +252,8 @@ def generate(name: str, p: int, m: int, **kwargs: object) -> Schedule:
         return info.build(p, m, **kwargs)
     checked = info.check(p, m, **kwargs)
     info.check_size(p, m, checked.get("v", kwargs.get("v")))
-    if any(value is not None for key, value in checked.items() if key not in ("v", "unit_size", "costs", "memory_limit")):
+    generator_keywords = ("v", "unit_size", "costs", "memory_limit")
+    if any(value is not None for key, value in checked.items() if key not in generator_keywords):
         # the generator refuses an unknown keyword before it looks at the unit size
         return info.build(p, m, **kwargs)
     check_int("m", m, 1)
