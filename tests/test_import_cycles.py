@@ -193,3 +193,32 @@ def test_imports_first_in_a_fresh_interpreter(module: str) -> None:
     command = [sys.executable, "-c", f"import {module}"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+LAYERS = ("schedules", "analysis", "planner")  # each imports only the ones before it (and the leaf modules)
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_no_upward_import(layer: str) -> None:
+    """Function-level imports included: a pure layer never imports a later one, ``cli`` or the torch side."""
+    above = [*LAYERS[LAYERS.index(layer) + 1 :], "cli", "runtime", "megatron", "verification"]
+    prefix = f"megatron_pp_ext.{layer}"
+    bad = sorted(
+        f"{module} -> {dep}"
+        for module, deps in import_graph(top_level=False).items()
+        if module == prefix or module.startswith(prefix + ".")
+        for dep in deps
+        if any(dep == f"megatron_pp_ext.{up}" or dep.startswith(f"megatron_pp_ext.{up}.") for up in above)
+    )
+    assert not bad, "\n".join(bad)
+
+
+def test_nothing_imports_the_cli() -> None:
+    bad = sorted(
+        f"{module} -> {dep}"
+        for module, deps in import_graph(top_level=False).items()
+        if not module.startswith("megatron_pp_ext.cli")
+        for dep in deps
+        if dep.startswith("megatron_pp_ext.cli")
+    )
+    assert not bad, "\n".join(bad)

@@ -46,6 +46,7 @@ def _add_emulate_arguments(bench: argparse.ArgumentParser) -> None:
 
 
 def add_parser(subparsers: Any) -> None:
+    """Adds ``bench`` to ``megatron-pp``'s sub-commands (its parser, with ``func`` set)."""
     bench = subparsers.add_parser("bench", help="torch.distributed.pipelining's schedules vs ours in the simulator")
     bench.add_argument("-p", dest="p_list", default=None, help="pipeline sizes, comma-separated (default 4,8,16,32)")
     bench.add_argument("--m-factors", default=None, help="m = factor * p for each factor (default 1,2,3,4)")

@@ -13,6 +13,7 @@ from ..planner.collect_report import to_csv, to_markdown, write_outputs
 
 
 def add_parser(subparsers: Any) -> None:
+    """Adds ``collect`` to ``megatron-pp``'s sub-commands (its parser, with ``func`` set)."""
     p = subparsers.add_parser(
         "collect",
         help="parse Megatron logs of a grid into CSV + markdown + plot (predicted vs measured)",

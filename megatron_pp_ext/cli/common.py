@@ -16,6 +16,7 @@ def step_times(text: str) -> float | list[float]:
 
 
 def int_list(text: str) -> list[int]:
+    """``bench -p/--m-factors``, ``draw --html-p/--html-m-factors``: comma-separated integers in 1..256."""
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:

@@ -125,6 +125,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers: Any) -> None:
+    """Adds ``compare`` to ``megatron-pp``'s sub-commands (its parser, with ``func`` set)."""
     cmp_ = subparsers.add_parser("compare", help="every applicable schedule side by side")
     cmp_.add_argument("-p", type=argtypes.positive_int, required=True, help="pipeline-parallel size (ranks)")
     cmp_.add_argument("-m", type=argtypes.positive_int, required=True, help="micro-batches per iteration")

@@ -49,6 +49,7 @@ def cmd_draw(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers: Any) -> None:
+    """Adds ``draw`` to ``megatron-pp``'s sub-commands (its parser, with ``func`` set)."""
     drw = subparsers.add_parser("draw", help="Gantt chart of a simulated schedule")
     add_source_args(drw)
     drw.add_argument("-o", "--output", required=True, help="output file, .png or .svg (.html with --html)")

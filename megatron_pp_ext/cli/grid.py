@@ -18,8 +18,8 @@ from .plan import add_top_argument
 from .planned import load_or_plan
 
 
-# ---- command line ---------------------------------------------------------------------------------
 def add_parser(subparsers: Any) -> None:
+    """Adds ``grid`` to ``megatron-pp``'s sub-commands (its parser, with ``func`` set)."""
     p = subparsers.add_parser(
         "grid",
         help="write a Slurm job array (sbatch + config table) running planned configurations",

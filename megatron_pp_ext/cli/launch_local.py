@@ -21,6 +21,7 @@ from .planned import load_or_plan
 
 
 def add_parser(subparsers: Any) -> None:
+    """Adds ``launch-local`` to ``megatron-pp``'s sub-commands (its parser, with ``func`` set)."""
     p = subparsers.add_parser(
         "launch-local",
         help="run planned configurations on this machine (CPU / gloo, tiny model) and collect their logs",

@@ -7,7 +7,6 @@ from typing import Any
 
 from ..schedules import registry
 
-# ---- subcommands ---------------------------------------------------------------------------
 LIST_WIDTH = 100  # `megatron-pp list` fits a 100-column terminal
 
 
@@ -30,4 +29,5 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers: Any) -> None:
+    """Adds ``list`` to ``megatron-pp``'s sub-commands (its parser, with ``func`` set)."""
     subparsers.add_parser("list", help="registered schedules").set_defaults(func=cmd_list)

@@ -80,6 +80,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers: Any) -> None:
+    """Adds ``simulate`` to ``megatron-pp``'s sub-commands (its parser, with ``func`` set)."""
     sim = subparsers.add_parser("simulate", help="generate (or load), validate and simulate a schedule")
     add_source_args(sim)
     sim.add_argument("--json", action="store_true", help="print the result as JSON")

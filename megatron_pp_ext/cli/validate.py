@@ -49,6 +49,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers: Any) -> None:
+    """Adds ``validate`` to ``megatron-pp``'s sub-commands (its parser, with ``func`` set)."""
     val = subparsers.add_parser("validate", help="check a schedule CSV (dependencies, placement, deadlock freedom)")
     val.add_argument("file", help="schedule CSV")
     val.add_argument(

@@ -17,13 +17,8 @@ from ..schedule_args import PROG
 from .common import EXIT_USAGE
 
 
-# ---- verify (added by the runtime) ---------------------------------------------------------
-# >>> verify subcommand hook >>>
-# The runtime (torch + megatron-core) provides `megatron_pp_ext.verification.verify_cli` with
-#     add_verify_parser(subparsers) -> None
-# which adds the `verify` parser and sets `func=<callable(args) -> int exit code>` as its default.
-# It is imported only when the command line asks for `verify`, so no other subcommand imports torch.
 def add_parser(subparsers: Any, load_runtime: bool) -> None:
+    """The runtime's ``verify`` parser when ``load_runtime`` and the runtime imports, else the stub."""
     reason = "not requested"
     if load_runtime:
         try:
@@ -41,6 +36,7 @@ def add_parser(subparsers: Any, load_runtime: bool) -> None:
 
 
 def verify_unavailable(reason: str) -> int:
+    """The stub's answer: one line naming what is missing, exit code 2."""
     print(
         f"{PROG}: error: verify needs the megatron_pp_ext runtime (torch + megatron-core), not installed: {reason}",
         file=sys.stderr,
@@ -49,5 +45,6 @@ def verify_unavailable(reason: str) -> int:
 
 
 def wants_verify(argv: Sequence[str]) -> bool:
+    """Whether the command line's first positional word is ``verify`` (only then is the runtime loaded)."""
     positional = [a for a in argv if not a.startswith("-")]
     return bool(positional) and positional[0] == "verify"

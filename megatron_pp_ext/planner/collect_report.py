@@ -9,6 +9,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .collect_plot import plot_throughput  # imports matplotlib only when it draws
+
 __all__ = ["COLUMNS", "MD_COLUMNS", "to_csv", "to_markdown", "write_outputs"]
 
 COLUMNS = (
@@ -91,8 +93,6 @@ def write_outputs(rows: Sequence[Mapping[str, Any]], out_dir: str | Path, plot: 
     paths["csv"].write_text(to_csv(rows))
     paths["markdown"].write_text(to_markdown(rows) + "\n")
     if plot:
-        from .collect_plot import plot_throughput  # matplotlib: only when a plot is asked for
-
         png = plot_throughput(rows, out / "throughput.png")
         if png is not None:
             paths["plot"] = png
