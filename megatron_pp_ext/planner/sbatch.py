@@ -180,6 +180,7 @@ def _under_submit_dir(path: str) -> str:
 
 
 def _lines(lines: Iterable[str]) -> str:
+    """Whole lines for a line field of the template: each ends in a newline; none is the empty text."""
     return "".join(f"{line}\n" for line in lines)
 
 
