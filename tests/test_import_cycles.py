@@ -1,7 +1,9 @@
-"""Import layering: no import cycle at module load time anywhere in the package, and none at all
-(function-level imports included) between ``cli`` and ``runtime`` or between ``planner.memory`` and
-``planner.models`` (issue 12). The graph is read statically from the source (``ast``): pure and fast;
-imports under ``if TYPE_CHECKING:`` never run and are left out."""
+"""Import layering: no import cycle at module load time anywhere in the package; with function-level
+imports included, exactly one circle (the schedule registry's self-registration: ``registry`` loads
+``generators``, whose modules register with it), none between ``cli`` and ``runtime`` or between
+``planner.memory`` and ``planner.models``, and no import from a pure layer up to a later one. The graph
+is read statically from the source (``ast``): pure and fast; imports under ``if TYPE_CHECKING:`` never
+run and are left out."""
 
 from __future__ import annotations
 
