@@ -45,15 +45,16 @@ def fsdp_plan(name: str) -> dict[str, Any]:
     Megatron-LM reduced gradients before 2023: ``"sps_reduce_after"``)."""
     from dataclasses import replace
 
-    from megatron_pp_ext.planner.plan import plan_document, planner_from_args
-    from megatron_pp_ext.planner.specs import _planner_args, load_spec
+    from megatron_pp_ext.planner.options import planner_from_args
+    from megatron_pp_ext.planner.report import plan_document
+    from megatron_pp_ext.planner.specs import load_spec, planner_args
 
     spec = load_spec(REPO / "scripts" / "slurm" / "specs" / f"{name}.json")
     spec = replace(spec, plan_flags=(*spec.plan_flags, "--fsdp", "both", "--untie-embeddings-and-output-weights"))
     doc: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
     for batch in spec.global_batches:
-        planner = planner_from_args(_planner_args(spec, batch))
+        planner = planner_from_args(planner_args(spec, batch))
         result = planner.run(progress=False)
         best: dict[tuple[str, bool], Any] = {}
         for row in result.rows:

@@ -33,11 +33,12 @@ from dataclasses import dataclass
 
 from megatron_pp_ext.analysis.simulate import Costs
 from megatron_pp_ext.analysis.zeropp_auto import choose_unit_size, measure_schedule
+from megatron_pp_ext.planner import Planner, PlanRow, SearchSpace
 from megatron_pp_ext.planner.auto import decide
 from megatron_pp_ext.planner.costs import CostModel, get_device
 from megatron_pp_ext.planner.memory import GIB, TrainingSetup, layer_activation_bytes, parameter_counts
 from megatron_pp_ext.planner.models import get_model
-from megatron_pp_ext.planner.plan import Planner, PlanRow, SearchSpace, row_label
+from megatron_pp_ext.planner.report import row_label
 from megatron_pp_ext.schedules import generate
 from megatron_pp_ext.schedules.schedule import Schedule
 

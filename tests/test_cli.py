@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_pp_ext.cli import main, parse_memory_limit
+from megatron_pp_ext.cli import main
+from megatron_pp_ext.schedule_args import parse_memory_limit
 from megatron_pp_ext.schedules import generate, names
 
 JSON_KEYS = {

@@ -83,7 +83,7 @@ def test_list_fits_100_columns(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_planner_leaves_v_block_out_unless_asked() -> None:
     """Without a block file v-block is v-half's block: the default search would list the same schedule twice."""
-    from megatron_pp_ext.planner.plan import default_schedules
+    from megatron_pp_ext.planner.space import default_schedules
 
     assert "v-block" not in default_schedules() and "v-half" in default_schedules()
 
@@ -102,7 +102,7 @@ def test_readme_commands_run_from_the_checkout_root() -> None:
 def test_readme_auto_flags_exist_and_the_example_parses() -> None:
     """The README's auto flags are the megatron flags and plan's (the example's pretrain flags parse)."""
     from megatron_pp_ext.megatron.arguments import add_arguments
-    from megatron_pp_ext.planner.plan import add_plan_arguments
+    from megatron_pp_ext.planner.options import add_plan_arguments
 
     text = README.read_text()
     example = next(line for line in text.splitlines() if "run_tiny_cpu.sh auto 4" in line)

@@ -128,7 +128,7 @@ def no_search(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the search started")
 
-    monkeypatch.setattr(search.Planner, "_build", refuse)
+    monkeypatch.setattr(search.Planner, "build", refuse)
 
 
 def test_large_global_batch_is_refused_before_the_search(capsys: pytest.CaptureFixture[str], no_search) -> None:

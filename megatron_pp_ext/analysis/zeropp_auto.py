@@ -10,6 +10,9 @@ gathered chunks (``fsdp_max_unsharded`` full chunks of ``param_bytes``). Candida
 forward waits for memory) and are dropped if they still exceed it (a unit of ``U`` needs ``U`` M_a, so
 larger units are skipped); the fastest remaining one wins,
 ties to the smaller memory. :meth:`UnitChoice.table` prints the choice and the alternatives.
+
+:func:`generate` is :func:`megatron_pp_ext.schedules.registry.generate` with ``unit_size="auto"``
+resolved here: the generator takes a number, as the schedules package never simulates.
 """
 
 from __future__ import annotations
@@ -17,14 +20,24 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..schedules import registry
 from ..schedules.collectives import CollectiveKind, declared_fsdp_limit, policy_for
-from ..schedules.generators.common import ScheduleParameterError
+from ..schedules.gc_pause import cyclic_gc_paused
+from ..schedules.generators.common import ScheduleParameterError, check_int
 from ..schedules.generators.zeropp import FSDP_MAX_UNSHARDED, zeropp
 from ..schedules.schedule import Schedule
 from .simulate import Costs, simulate
 from .validate import validate
 
-__all__ = ["Measurement", "UnitCandidate", "UnitChoice", "choose_unit_size", "evaluate_unit_size", "measure_schedule"]
+__all__ = [
+    "Measurement",
+    "UnitCandidate",
+    "UnitChoice",
+    "choose_unit_size",
+    "evaluate_unit_size",
+    "generate",
+    "measure_schedule",
+]
 
 
 @dataclass(frozen=True)
@@ -227,3 +240,29 @@ def choose_unit_size(
     schedule, best = min(fitting, key=lambda sc: (round(sc[1].iteration_time, 9), sc[1].peak_activations))
     schedule.params["unit_size_auto"] = True
     return UnitChoice(schedule, best, tuple(c for _, c in built), tuple(skipped), cap)
+
+
+def generate(name: str, p: int, m: int, **kwargs: object) -> Schedule:
+    """Schedule ``name`` as :func:`~megatron_pp_ext.schedules.registry.generate` builds it, except that
+    zeropp's ``unit_size="auto"`` is chosen here with :func:`choose_unit_size` (after the registry's
+    checks of the request, as the generator would have been called)."""
+    info = registry.get(name)
+    unit = kwargs.get("unit_size")
+    if info.name != "zeropp" or not (isinstance(unit, str) and unit.strip().lower() == "auto"):
+        return info.build(p, m, **kwargs)
+    checked = info.check(p, m, **kwargs)
+    info.check_size(p, m, checked.get("v", kwargs.get("v")))
+    generator_keywords = ("v", "unit_size", "costs", "memory_limit")
+    if any(value is not None for key, value in checked.items() if key not in generator_keywords):
+        # the generator refuses an unknown keyword before it looks at the unit size
+        return info.build(p, m, **kwargs)
+    check_int("m", m, 1)
+    with cyclic_gc_paused():
+        choice = choose_unit_size(
+            p,
+            m,
+            v=checked.get("v"),  # type: ignore[arg-type]
+            costs=checked.get("costs"),
+            memory_limit=checked.get("memory_limit"),  # type: ignore[arg-type]
+        )
+    return choice.schedule

@@ -1,7 +1,25 @@
 """Planner: grid search over TP/PP/DP/micro-batch/schedule with the simulator and a memory model;
 Slurm job arrays, a log collector and a local (CPU) launcher for the planned configurations.
 
-Pure Python (no torch) except where a launcher starts ``scripts/pretrain_gpt.py``.
+Pure Python (no torch) except where a launcher starts ``scripts/pretrain_gpt.py``. One module a job,
+each using the others' public names only:
+
+* the search: :mod:`.space` (``SearchSpace``, one point ``Config``), :mod:`.search` (``Planner``: the
+  shapes that divide, the ranking), :mod:`.variants` (a schedule's variants at a shape, or why it does
+  not apply), :mod:`.evaluate` (one candidate's memory and time; ``estimate_memory``), :mod:`.extrapolate`
+  (short anchor runs extrapolated), :mod:`.memo` (``PlannerMemo``: built schedules and simulations kept
+  across planners), :mod:`.schedule_cache` (slow generators' output on disk);
+* the models: :mod:`.models`, :mod:`.memory`, :mod:`.costs`, :mod:`.timing`, :mod:`.dp_stream`, :mod:`.fsdp`;
+* the output: :mod:`.result` (``PlanRow``, ``PlanResult``), :mod:`.megatron_args`, :mod:`.report` (table,
+  summary, JSON document, CSV), :mod:`.auto` (the ``--pipeline-schedule auto`` decision), :mod:`.options`
+  (the planner's flags and the ``Planner`` they describe);
+* running the plan: :mod:`.grid` (a Slurm grid's files), :mod:`.sbatch` (its job script, from one
+  template), :mod:`.driver_flags` (the driver accepts every flag), :mod:`.specs` (checked-in plan
+  specifications), :mod:`.local` (runs on this machine), :mod:`.children` (child processes);
+* reading the runs: :mod:`.log_parse` (one log), :mod:`.collect` (the rows, next to the plan),
+  :mod:`.collect_report` (CSV, markdown), :mod:`.collect_plot`, :mod:`.paper` (the paper-style table).
+
+The commands (``plan``, ``grid``, ``collect``, ``launch-local``) are in :mod:`megatron_pp_ext.cli`.
 """
 
 from .costs import DEVICES, CostModel, Device, LayerTimes, get_device, model_flops_per_iteration

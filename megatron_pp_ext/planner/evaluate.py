@@ -161,7 +161,7 @@ def fsdp_time(
 
 def exact_builds(planner: Planner, var: Variant, p: int, m: int) -> list[tuple[int, Built, tuple[Any, ...]]] | str:
     key = build_key(var.name, p, m, var.v, var.limit, var.costs_key, var.unit_arg)
-    built = planner._build(var.name, p, m, var.v, var.limit, var.costs_key, var.unit_arg)
+    built = planner.build(var.name, p, m, var.v, var.limit, var.costs_key, var.unit_arg)
     if built.schedule is None:
         return short(built.error)
     planner.stats["exact fallbacks"] += 1
@@ -184,7 +184,7 @@ def variant_memory(
     mems = []
     for _, built, key in builds:
         assert built.schedule is not None
-        prof = planner._profile(key, built.schedule, layout)
+        prof = planner.profile(key, built.schedule, layout)
         mems.append(
             rank_memory(
                 planner.model,
@@ -207,7 +207,7 @@ def variant_times(
     planner: Planner, builds: Sequence[tuple[int, Built, tuple[Any, ...]]], costs: Costs, m: int, force: bool = False
 ) -> tuple[float, float, float] | None:
     """``(makespan, busy, span)`` at ``m`` (extrapolated; ``None`` if not affine)."""
-    sims = [planner._simulate(key, built, costs) for _, built, key in builds]
+    sims = [planner.simulated_times(key, built, costs) for _, built, key in builds]
     if len(sims) == 1:
         return sims[0]
     ms = [mm for mm, _, _ in builds]

@@ -171,7 +171,7 @@ class Planner:
         return (None, *self.space.memory_limits) if p > 1 else (None,)
 
     # ---- schedules ------------------------------------------------------------------------------
-    def _build(
+    def build(
         self,
         name: str,
         p: int,
@@ -181,6 +181,8 @@ class Planner:
         costs_key: tuple[float, ...] | None,
         unit: int | None = None,
     ) -> Built:
+        """Schedule ``name`` at this shape, validated (or why not), built once per planner memo (and read
+        from the disk cache when its generator is slow)."""
         key = build_key(name, p, m, v, memory_limit, costs_key, unit)
         w_memory = self.w_memory if self.w_memory is not None and registry.get(name).takes("w_memory") else None
         if w_memory is not None:
@@ -230,7 +232,8 @@ class Planner:
         self._built[key] = built
         return built
 
-    def _profile(self, key: tuple[Any, ...], schedule: Schedule, layout: Sequence[StageInfo]) -> ActivationProfile:
+    def profile(self, key: tuple[Any, ...], schedule: Schedule, layout: Sequence[StageInfo]) -> ActivationProfile:
+        """The activation profile of a built schedule over a layer layout, computed once per memo."""
         pkey = (key, tuple(i.layers for i in layout), self.setup.w_retained_fraction)
         prof = self._profiles.get(pkey)
         if prof is None:
@@ -238,7 +241,7 @@ class Planner:
             self._profiles[pkey] = prof
         return prof
 
-    def _simulate(self, key: tuple[Any, ...], built: Built, costs: Costs) -> tuple[float, float, float]:
+    def simulated_times(self, key: tuple[Any, ...], built: Built, costs: Costs) -> tuple[float, float, float]:
         """``(makespan, busy_max, span_max)`` in seconds."""
         assert built.schedule is not None and built.lowered is not None
         scale, ckey = normalise(costs, built.schedule.num_stages)

@@ -61,9 +61,9 @@ def schedule_variants(
     def build_all(v: int | None) -> list[tuple[int, Built, tuple[Any, ...]]] | str:
         out = []
         for mm in anchors:
-            built = planner._build(name, p, mm, v, limit, costs_key)
+            built = planner.build(name, p, mm, v, limit, costs_key)
             if built.schedule is None and mm != m:  # an anchor refused: judge (and name) the real m
-                built, mm = planner._build(name, p, m, v, limit, costs_key), m
+                built, mm = planner.build(name, p, m, v, limit, costs_key), m
                 if built.schedule is not None:
                     return [(m, built, (name, p, m, v, limit, costs_key))]
             if built.schedule is None:
@@ -133,7 +133,7 @@ def unit_variants(
             if unit == m:
                 out.append(replace(var, unit=m))
                 continue
-            built = planner._build(name, p, m, var.v, limit, costs_key, unit)
+            built = planner.build(name, p, m, var.v, limit, costs_key, unit)
             if built.schedule is None:
                 out.append(short(built.error))
                 continue

@@ -69,9 +69,9 @@ CASES = (
 
 def ours(case: Case) -> dict[str, float]:
     """Our model, rank 0 (first stage), in MiB."""
+    from megatron_pp_ext.planner.evaluate import estimate_memory
     from megatron_pp_ext.planner.memory import TrainingSetup
     from megatron_pp_ext.planner.models import get_model
-    from megatron_pp_ext.planner.plan import estimate_memory
 
     setup = TrainingSetup(
         precision="bf16",

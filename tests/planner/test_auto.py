@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_pp_ext.planner import Planner, SearchSpace
 from megatron_pp_ext.planner.auto import AUTO_MEMORY_LIMITS, auto_space, decide
 from megatron_pp_ext.planner.costs import CostModel, get_device
 from megatron_pp_ext.planner.memory import GIB, TrainingSetup
 from megatron_pp_ext.planner.models import get_model
-from megatron_pp_ext.planner.plan import Planner, SearchSpace
 from megatron_pp_ext.schedules import names
 
 PRESETS = [  # model, GPUs, global batch, pp, micro-batch, device
@@ -72,7 +72,7 @@ def test_planner_times_overlap_pairs_as_the_simulator_does() -> None:
     serially, so it must not be used when F > 0)."""
     from megatron_pp_ext.analysis.simulate import Costs, simulate
     from megatron_pp_ext.analysis.validate import validate
-    from megatron_pp_ext.planner.plan import COMPILE_AFTER
+    from megatron_pp_ext.planner.memo import COMPILE_AFTER
     from megatron_pp_ext.schedules import registry
 
     schedule = registry.generate("dualpipev", 4, 16)
@@ -81,11 +81,11 @@ def test_planner_times_overlap_pairs_as_the_simulator_does() -> None:
     for overlap in (0.0, 0.5, 1.0):
         planner = _planner(*PRESETS[0])
         planner.overlap = overlap
-        built = planner._build("dualpipev", 4, 16, None, None, None)
+        built = planner.build("dualpipev", 4, 16, None, None, None)
         for i in range(COMPILE_AFTER + 3):  # distinct costs (3 digits: the planner's key): new simulations
             f, b, w = 1.0, 1.1 + i / 10, 0.9
             costs = Costs((f,) * 8, (b,) * 8, (w,) * 8, None, 0.05)
-            makespan, busy, _ = planner._simulate(("dualpipev", 4, 16, None, None, None), built, costs)
+            makespan, busy, _ = planner.simulated_times(("dualpipev", 4, 16, None, None, None), built, costs)
             expected = simulate(schedule, costs, lowered=lowered, overlap=overlap)
             assert makespan == pytest.approx(expected.makespan, rel=1e-9), (overlap, i)
             assert busy == pytest.approx(max(expected.busy), rel=1e-9), (overlap, i)

@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from megatron_pp_ext.cli import main
-from megatron_pp_ext.planner.collect import collect, parse_log, to_csv, to_markdown, write_outputs
+from megatron_pp_ext.planner.collect import collect
+from megatron_pp_ext.planner.collect_report import to_csv, to_markdown, write_outputs
+from megatron_pp_ext.planner.log_parse import parse_log
 
 DATA = Path(__file__).parent / "data"
 OK = "zb-h1-t1p8d1-b3m32-v1-none"

@@ -53,10 +53,10 @@ def test_estimate_is_an_upper_bound(name: str, p: int, m: int, v: int | None) ->
 def test_planner_rows_use_the_stream() -> None:
     """In a plan, a one-chunk schedule pays its whole reduction after the pipeline (as before) and
     breadth-first with v chunks hides all but its last chunk's (chunks split by layers)."""
+    from megatron_pp_ext.planner import Planner, SearchSpace
     from megatron_pp_ext.planner.costs import CostModel, get_device
     from megatron_pp_ext.planner.memory import TrainingSetup
     from megatron_pp_ext.planner.models import get_model
-    from megatron_pp_ext.planner.plan import Planner, SearchSpace
 
     spec = get_model("zb-1.5b")
     cost = CostModel(spec, get_device("A100-80GB"), TrainingSetup())

@@ -7,12 +7,13 @@ from dataclasses import replace
 import pytest
 
 from megatron_pp_ext.analysis import Costs, simulate
+from megatron_pp_ext.planner import Planner, PlanRow, SearchSpace
 from megatron_pp_ext.planner.auto import AUTO_MEMORY_LIMITS, decide
 from megatron_pp_ext.planner.costs import CostModel, get_device
 from megatron_pp_ext.planner.fsdp import fsdp_options
+from megatron_pp_ext.planner.megatron_args import config_args
 from megatron_pp_ext.planner.memory import TrainingSetup, bytes_per_parameter, stage_layout, stage_parameters
 from megatron_pp_ext.planner.models import ModelSpec
-from megatron_pp_ext.planner.plan import Planner, PlanRow, SearchSpace, config_args
 from megatron_pp_ext.schedules import generate, names
 from megatron_pp_ext.schedules.collectives import declared_fsdp_limit, derive_collectives, policy_for
 

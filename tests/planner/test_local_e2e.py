@@ -12,7 +12,7 @@ import pytest
 
 from megatron_pp_ext.cli import main
 from megatron_pp_ext.planner.collect import collect
-from megatron_pp_ext.planner.slurm import DEFAULT_SCRIPT
+from megatron_pp_ext.planner.grid import DEFAULT_SCRIPT
 
 pytestmark = [
     pytest.mark.gloo,

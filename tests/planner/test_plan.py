@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from megatron_pp_ext.cli import main
-from megatron_pp_ext.planner import extrapolate
+from megatron_pp_ext.planner import Planner, SearchSpace, extrapolate
 from megatron_pp_ext.planner.costs import DEVICES, CostModel, get_device, model_flops_per_iteration
 from megatron_pp_ext.planner.megatron_args import config_args
 from megatron_pp_ext.planner.memory import GIB, TrainingSetup
 from megatron_pp_ext.planner.models import get_model
-from megatron_pp_ext.planner.plan import Planner, SearchSpace, row_label
+from megatron_pp_ext.planner.report import row_label
 from megatron_pp_ext.schedules import registry
 
 FAST_SCHEDULES = tuple(n for n in ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zb-h2") if n in registry.names())

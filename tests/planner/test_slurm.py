@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from megatron_pp_ext.cli import main
-from megatron_pp_ext.planner.slurm import DEFAULT_SCRIPT, driver_flags, flags_in_grid, unknown_flags
+from megatron_pp_ext.planner.driver_flags import driver_flags, flags_in_grid, unknown_flags
+from megatron_pp_ext.planner.grid import DEFAULT_SCRIPT
 from megatron_pp_ext.schedules import registry
 
 FAST = ",".join(n for n in ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-auto") if n in registry.names())

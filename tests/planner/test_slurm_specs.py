@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_pp_ext.cli import main
-from megatron_pp_ext.planner.plan import PlannerMemo
+from megatron_pp_ext.planner.memo import PlannerMemo
 from megatron_pp_ext.planner.specs import load_spec, spec_files, write_spec_grid
 
 REPO = Path(__file__).resolve().parents[2]

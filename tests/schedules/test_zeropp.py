@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megatron_pp_ext.analysis import zeropp_auto
 from megatron_pp_ext.analysis.simulate import Costs, simulate
 from megatron_pp_ext.analysis.validate import validate
 from megatron_pp_ext.analysis.zeropp_auto import choose_unit_size
@@ -190,8 +191,10 @@ def test_auto_picks_the_fastest_that_fits_and_lists_the_alternatives() -> None:
     )
     with pytest.raises(ScheduleParameterError, match="--pipeline-memory-limit"):
         choose_unit_size(4, 8, v=4, costs=costs, memory_limit=0.5)
-    # through the registry
-    assert generate("zeropp", 4, 8, unit_size="auto").params["unit_size_auto"] is True
+    # by name, as the CLI and --pipeline-unit-size auto ask for it; the generator itself takes a number
+    assert zeropp_auto.generate("zeropp", 4, 8, unit_size="auto").params["unit_size_auto"] is True
+    with pytest.raises(ScheduleParameterError, match=r"zeropp_auto\.generate"):
+        generate("zeropp", 4, 8, unit_size="auto")
 
 
 @pytest.mark.parametrize("t_w", [0.5, 1.0, 3.0])

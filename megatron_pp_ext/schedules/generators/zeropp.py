@@ -198,16 +198,16 @@ def zeropp(
     **unused: object,
 ) -> Schedule:
     """ZeroPP with ``v`` chunks per rank (default 2) and scheduling units of ``unit_size`` micro-batches
-    (default ``m``, or the largest that ``memory_limit`` holds; ``"auto"``:
-    :func:`megatron_pp_ext.analysis.zeropp_auto.choose_unit_size` picks it with the simulator for ``costs``).
-    ``memory_limit``: live activations per rank in ``M_a`` (>= 1): a forward waits until it fits (running
-    queued ``W`` passes first)."""
+    (default ``m``, or the largest that ``memory_limit`` holds). ``"auto"`` needs the simulator, which
+    sits above this package: :func:`megatron_pp_ext.analysis.zeropp_auto.generate` resolves it and calls
+    this generator with a number. ``memory_limit``: live activations per rank in ``M_a`` (>= 1): a forward
+    waits until it fits (running queued ``W`` passes first)."""
     reject_unsupported("zeropp", unused)
     if isinstance(unit_size, str) and unit_size.strip().lower() == "auto":
-        from ...analysis.zeropp_auto import choose_unit_size  # the one upward import: auto needs the simulator
-
-        check_int("m", m, 1)
-        return choose_unit_size(p, m, v=v, costs=costs, memory_limit=memory_limit).schedule
+        raise ScheduleParameterError(
+            "zeropp: unit_size 'auto' is chosen with the simulator: generate through "
+            "megatron_pp_ext.analysis.zeropp_auto.generate (as the CLI and --pipeline-unit-size auto do)"
+        )
     if isinstance(unit_size, str) and unit_size.strip().isdigit():
         unit_size = int(unit_size)
     if memory_limit is not None and (

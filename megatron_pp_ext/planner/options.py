@@ -1,45 +1,28 @@
-"""``megatron-pp plan``: the model / cluster / search flags (shared with ``grid`` and ``launch-local``),
-the planner they describe, and the command that prints its table, JSON or CSV."""
+"""The planner's flags: model, cluster and search space (``megatron-pp plan``, ``grid`` and ``launch-local``,
+and the plan specifications under ``scripts/slurm/specs``, which are written in them), and the
+:class:`~.search.Planner` they describe."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from dataclasses import replace
-from pathlib import Path
-from typing import Any
 
-from ..argtypes import (
-    fraction,
-    int_in,
-    nonnegative_float,
-    nonnegative_int,
-    output_file,
-    positive_float,
-    positive_fraction,
-    positive_int,
-)
+from ..argtypes import fraction, int_in, nonnegative_float, positive_float, positive_fraction, positive_int
 from .costs import CostModel
 from .memo import SIM_OVERLAP, PlannerMemo
-from .memory import GIB, TrainingSetup, w_memory_fraction
-from .report import TABLE_HEADER, csv_text, format_table, plan_document, select_rows, summary_lines, table_rows
-from .result import PlanResult
+from .memory import TrainingSetup, w_memory_fraction
 from .schedule_cache import default_cache_dir
 from .search import Planner
 from .space import SearchSpace
 
+__all__ = ["GLOBAL_BATCH", "GPUS", "add_plan_arguments", "planner_from_args"]
+
 # Upper bounds of the cluster flags, far beyond real runs, so that a typo is one line instead of a search
 # that never ends (the shapes come from the divisors of both numbers, the micro-batch counts from the batch).
 GPUS = int_in(1, 1 << 20, "the largest clusters have ~10^5 GPUs")
+
+
 GLOBAL_BATCH = int_in(1, 1 << 20, "published global batches are at most a few thousand sequences")
-
-
-def add_top_argument(parser: Any, default: int) -> None:
-    """``--top``: how many of the best configurations (``plan``, ``grid``, ``launch-local``); 0 = all."""
-    parser.add_argument(
-        "--top", type=nonnegative_int, default=default, help=f"the N best configurations (default {default}; 0 = all)"
-    )
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -236,97 +219,3 @@ def _w_memory_arg(text: str) -> str | float:
     if text.strip().lower() == "auto":
         return "auto"
     return positive_fraction(text)
-
-
-def add_parser(subparsers: Any) -> None:
-    """Adds ``plan`` to ``megatron-pp``'s sub-commands."""
-    p = subparsers.add_parser(
-        "plan",
-        help="grid search over TP/PP/DP/micro-batch/schedule/recompute under a memory budget",
-        description="Enumerate every valid (TP, PP, DP, micro-batch, virtual stages, schedule, recompute) "
-        "configuration, drop those over the memory budget and rank the rest by estimated throughput.",
-    )
-    add_plan_arguments(p)
-    o = p.add_argument_group("output")
-    add_top_argument(o, 20)
-    o.add_argument("--best-per-schedule", action="store_true", help="only each schedule's best configuration")
-    o.add_argument("--json", action="store_true", help="print the plan as JSON")
-    o.add_argument("--csv", action="store_true", help="print the ranked rows as CSV")
-    o.add_argument(
-        "--save", type=output_file, metavar="PLAN.json", help="also write the plan (every fitting row) to this file"
-    )
-    o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar on stderr")
-    p.set_defaults(func=cmd_plan)
-
-
-def print_models() -> None:
-    import textwrap
-
-    from .models import models_table
-
-    rows = models_table()
-    header = [k for k in rows[0] if k not in ("assumed", "source")]  # long texts: on their own lines
-    table = format_table(header, [[str(r[k]) for k in header] for r in rows]).splitlines()
-    print("\n".join(table[:2]))
-    for line, row in zip(table[2:], rows, strict=True):
-        print(line)
-        for key in ("source", "assumed"):
-            if row[key] != "-":
-                print(textwrap.fill(f"{key}: {row[key]}", 100, initial_indent="    ", subsequent_indent="      "))
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    """Print (and save) the plan; exit status 1, with the reason on stderr, when no configuration fits."""
-    if args.list_models:
-        print_models()
-        return 0
-    planner = planner_from_args(args)
-    result = planner.run(progress=args.progress)
-    top = None if args.top == 0 else args.top
-    rows = select_rows(result, args.best_per_schedule, top)
-    if args.save:
-        doc = plan_document(result, planner, result.rows)
-        Path(args.save).write_text(json.dumps(doc, indent=1) + "\n")
-    if args.json:
-        doc = plan_document(result, planner, rows)
-        doc["summary"] = summary_lines(result, planner)
-        print(json.dumps(doc))
-        return _nothing_fits(result)
-    if args.csv:
-        print(csv_text(rows), end="")
-        return _nothing_fits(result)
-    if tuple(args.schedules or ()) == ("auto",):
-        from .auto import AutoDecision
-
-        print(AutoDecision(result).table())
-        print()
-    if rows:
-        print(format_table(TABLE_HEADER, table_rows(rows)))
-    else:
-        print("no configuration fits (see below)")
-    print()
-    print("\n".join(summary_lines(result, planner)))
-    if args.save:
-        print(f"wrote {args.save} ({len(result.rows)} configurations)")
-    return _nothing_fits(result)
-
-
-def _nothing_fits(result: PlanResult) -> int:
-    """0 when some configuration fits; else 1 and one line on stderr saying why (the summary has the detail)."""
-    if result.rows:
-        return 0
-    why = []
-    if result.over_budget:
-        best = min(result.over_budget_best.values(), default=0.0) / GIB
-        why.append(
-            f"{result.over_budget} over the memory budget of {result.budget_bytes / GIB:.3g} GiB "
-            f"(the smallest needs {best:.3g} GiB: raise --memory-budget, add GPUs or recompute)"
-        )
-    inapplicable = sum(sum(c.values()) for c in result.inapplicable.values())
-    if inapplicable:
-        why.append(f"{inapplicable} schedule/shape pairs not applicable (reasons in the summary)")
-    print(
-        f"megatron-pp: error: no configuration fits: {'; '.join(why) or 'nothing was searched'}",
-        file=sys.stderr,
-    )
-    return 1

@@ -1,0 +1,135 @@
+"""``megatron-pp simulate``: generate (or load), validate and simulate a schedule, and print what it does."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import TYPE_CHECKING, Any
+
+from .. import argtypes
+from ..schedule_args import CliError, add_source_args, dp_options, parse_costs, schedule_from_args
+from ..schedules.schedule import Schedule
+from .common import step_times
+from .formatting import building_block_of, data_parallel_summary, num, summary
+
+if TYPE_CHECKING:
+    from ..analysis.simulate import Costs, SimResult
+    from ..schedules.lowering import LoweredSchedule
+
+
+def simulated(schedule: Schedule, costs: Costs | None, lowered: LoweredSchedule | None = None) -> SimResult:
+    """The simulated run of ``schedule`` (validated here unless ``lowered`` is given)."""
+    from ..analysis.simulate import simulate
+    from ..analysis.validate import validate
+
+    if lowered is None:
+        lowered = validate(schedule)
+    return simulate(schedule, costs, lowered=lowered)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from ..analysis.simulate import simulate
+    from ..analysis.validate import validate
+
+    schedule = schedule_from_args(args)
+    options = dp_options(args, schedule)
+    if not 0.0 <= args.overlap <= 1.0:
+        raise CliError(f"--overlap must be in [0, 1], got {args.overlap}")
+    if isinstance(args.step_time, list) and len(args.step_time) != schedule.num_ranks:
+        raise CliError(
+            f"--step-time lists {len(args.step_time)} times: give one, or one per rank ({schedule.num_ranks})"
+        )
+    repeat = {"iterations": args.iterations, "post_validation": args.post_validation, "step_time": args.step_time}
+    if options and (args.iterations > 1 or args.post_validation or args.step_time != 0.0):
+        raise CliError("--iterations / --post-validation / --step-time are simulated without --dp only")
+    w_retained = 1.0 if args.w_memory is None else args.w_memory
+    if options:
+        result = simulate(
+            schedule, parse_costs(args.costs), lowered=validate(schedule), w_retained_fraction=w_retained, **options
+        )
+    else:
+        result = simulate(
+            schedule,
+            parse_costs(args.costs),
+            lowered=validate(schedule),
+            overlap=args.overlap,
+            w_retained_fraction=w_retained,
+            **repeat,  # type: ignore[arg-type]
+        )
+    if args.json:
+        data = result.to_json_dict()
+        block = building_block_of(schedule)
+        if block is not None:
+            data["building_block"] = block
+        print(json.dumps(data))
+        return 0
+    print(summary(schedule, result))
+    if result.data_parallel is not None:
+        print()
+        print(data_parallel_summary(result))
+    if result.iterations is not None:
+        it = result.iterations
+        sync = "optimizer post-validation (no step synchronisation)" if it.post_validation else "synchronous step"
+        note = "" if it.count > 1 else " (one iteration: give --iterations >= 2 for the steady state)"
+        print()
+        print(f"iterations      {it.count} back to back, {sync}; per iteration {num(it.time)}{note}")
+    if args.show:
+        print()
+        print(schedule.table())
+    return 0
+
+
+def add_parser(subparsers: Any) -> None:
+    """Adds ``simulate`` to ``megatron-pp``'s sub-commands (its parser, with ``func`` set)."""
+    sim = subparsers.add_parser("simulate", help="generate (or load), validate and simulate a schedule")
+    add_source_args(sim)
+    sim.add_argument("--json", action="store_true", help="print the result as JSON")
+    sim.add_argument("--show", action="store_true", help="also print every rank's op list")
+    sim.add_argument(
+        "--overlap",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="overlap factor of the schedule's forward-and-backward pairs (dualpipev): a pair takes "
+        "max + (1-F) x min; 0 (default) = one after the other",
+    )
+    sim.add_argument(
+        "--iterations",
+        type=argtypes.positive_int,
+        default=1,
+        metavar="N",
+        help="simulate N back-to-back iterations and report the time per iteration in steady state",
+    )
+    sim.add_argument(
+        "--post-validation",
+        action="store_true",
+        help="no global synchronisation before the optimizer step (the zero-bubble paper's optimizer "
+        "post-validation): a rank begins its next iteration once its own ops and its inputs allow",
+    )
+    sim.add_argument(
+        "--step-time",
+        type=step_times,
+        default=0.0,
+        metavar="T[,T...]",
+        help="optimizer step time between iterations: one for every rank or one per rank (default 0)",
+    )
+    dp = sim.add_argument_group("data parallelism (a collective stream per rank; --costs then read as ms)")
+    dp.add_argument("--dp", type=int, default=None, metavar="N", help="data-parallel size (ranks per stage), >= 2")
+    dp.add_argument("--dp-bandwidth", metavar="GBPS", help="data-parallel bus bandwidth per rank, GB/s")
+    dp.add_argument(
+        "--param-bytes",
+        metavar="BYTES",
+        help="parameter (and gradient) bytes of one rank's 1/p of the model, e.g. 300M; split evenly over its chunks",
+    )
+    dp.add_argument("--fsdp", action="store_true", help="fully sharded: gather each chunk before use (FSDP)")
+    dp.add_argument(
+        "--fsdp-max-unsharded",
+        type=int,
+        default=None,
+        metavar="K",
+        help="chunks gathered at once (default: the schedule's)",
+    )
+    dp.add_argument(
+        "--distributed-optimizer", action="store_true", help="reduce-scatter gradients, gather parameters per chunk"
+    )
+    sim.set_defaults(func=cmd_simulate)
