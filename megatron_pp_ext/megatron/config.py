@@ -81,8 +81,8 @@ class Flag:
     loader refuses this project's classes), and the configuration holds the parsed value. ``needs``:
     ``"schedule"`` (a plugin schedule, named or from a file) or ``"auto"`` (``--pipeline-schedule auto``).
     ``agree``: the field of the agreement fingerprint the value enters (flags sharing one are joined by
-    ``/``), shown by ``show``. ``values``: the valid values, for ``docs/flags.md``. ``{schedules}`` in
-    ``help`` is replaced by the registered schedule names.
+    ``/``), shown by ``show``. ``values`` and ``notes``: the valid values and more detail, for
+    ``docs/flags.md``. ``{schedules}`` in ``help`` is replaced by the registered schedule names.
     """
 
     name: str
@@ -94,6 +94,7 @@ class Flag:
     agree: str | None = None
     show: Callable[[Any], str] = str
     values: str = ""
+    notes: str = ""  # docs/flags.md only: what the help line has no room for
 
     @property
     def switch(self) -> bool:
@@ -149,6 +150,11 @@ class PipelineConfig:
         default=None,
         metadata=_flag(
             name="--pipeline-schedule",
+            notes="auto evaluates every registered schedule and parameter (chunks per rank, memory limits p and 2p, "
+            "costs) with the simulator and the memory model at the run's TP / PP / DP / micro-batch size, as "
+            "`megatron-pp plan --schedules auto`, and runs the fastest that fits --pipeline-memory-budget; rank"
+            " 0 prints the decision table. The decision runs in `install()`, which then checks the chosen "
+            "schedule as it checks a named one.",
             metavar="NAME",
             parse=parse_schedule_name,
             agree="schedule",
@@ -185,6 +191,8 @@ class PipelineConfig:
         default=False,
         metadata=_flag(
             name="--pipeline-replan",
+            notes="The measured costs decide among the schedules of the running placement (the model chunks are "
+            "built); rank 0 prints the new decision table.",
             needs="auto",
             help="With --pipeline-schedule auto: after --pipeline-profile-iters training iterations (default 3), "
             "decide again with the measured costs and switch schedule if another one is faster and fits.",
@@ -219,6 +227,9 @@ class PipelineConfig:
         default=None,
         metadata=_flag(
             name="--pipeline-costs",
+            notes="With auto: milliseconds of one 1F1B stage (L/p layers) for one micro-batch; COMM is not used there"
+            " (the device model's hop time is), and a profile file is refused. Without it auto uses the "
+            "device's cost model.",
             metavar="F,B,W[,COMM]|FILE",
             parse=parse_costs,
             keep_text=True,
@@ -281,6 +292,8 @@ class PipelineConfig:
         default=False,
         metadata=_flag(
             name="--pipeline-check-grads",
+            notes="The first training iteration is always checked; the flag extends the check to every iteration (two"
+            " reductions per parameter per backward op).",
             needs="schedule",
             help="Check every training iteration (not only the first) that each trainable parameter received its "
             "gradient for every micro-batch and that no deferred weight gradient is left; raises naming them.",
@@ -300,6 +313,7 @@ class PipelineConfig:
         default=False,
         metadata=_flag(
             name="--pipeline-fsdp",
+            notes="megatron_pp_ext/megatron/fsdp_flags.py lists the megatron flags it refuses (one line each).",
             needs="schedule",
             agree="fsdp",
             help="Shard each model chunk's parameters, gradients and optimizer state over its data-parallel group "
@@ -337,6 +351,9 @@ class PipelineConfig:
         default=False,
         metadata=_flag(
             name="--pipeline-post-validation",
+            notes="Needs megatron DDP (not --pipeline-fsdp). Validation is late by default: after the next "
+            "iteration's forward-backward, which runs again on every stage when validation changed some stage's"
+            " weights.",
             needs="schedule",
             agree="post_validation",
             help="Optimizer post-validation: no pipeline-wide reduction before the optimizer step; each stage steps "

@@ -118,7 +118,7 @@ def markdown() -> str:
         value = "switch" if spec.switch else f"`{_cell(spec.metavar or '')}`"
         lines.append(
             f"| `{spec.name}` | {value} | {_cell(spec.values) or '-'} | {spec.needs or '-'} | "
-            f"{spec.agree or '-'} | {_cell(_help(spec))} |"
+            f"{spec.agree or '-'} | {_cell(' '.join(filter(None, (_help(spec), spec.notes))))} |"
         )
     lines += [
         "",
