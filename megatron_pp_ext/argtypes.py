@@ -91,7 +91,7 @@ def _shared(parse: Callable[[str], T], name: str) -> Callable[[str], T]:
 
 # ``--pipeline-unit-size`` (zeropp's scheduling unit): micro-batches >= 1, or ``auto``.
 unit_size = _shared(values.parse_unit_size, "unit_size")
-# ``N`` or ``Np`` activations (a :class:`~.schedules.values.MemoryLimit`).
+# ``N`` or ``Np`` activations (a :class:`~.schedules.values.ActivationLimit`).
 memory_limit = _shared(values.parse_memory_limit, "memory_limit")
 # ``F,B,W[,COMM]`` as a tuple of four floats.
 costs = _shared(values.parse_costs, "costs")

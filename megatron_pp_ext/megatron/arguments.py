@@ -30,7 +30,7 @@ from ..schedules.schedule import Schedule
 from . import fsdp_flags
 from .config import (
     AUTO,
-    MemoryLimit,
+    ActivationLimit,
     PipelineArgumentError,
     PipelineConfig,
     as_costs,
@@ -45,7 +45,7 @@ __all__ = [
     "AUTO",
     "CPU_ARGV",
     "GROUP_TITLE",
-    "MemoryLimit",
+    "ActivationLimit",
     "PipelineArgumentError",
     "PipelineConfig",
     "add_arguments",

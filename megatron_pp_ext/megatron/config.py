@@ -19,12 +19,12 @@ from .. import argtypes
 from ..schedules import registry
 from ..schedules.ir import ScheduleError
 from ..schedules.schedule import Schedule
-from ..schedules.values import COSTS_RULE, MEMORY_LIMIT_RULE, UNIT_SIZE_RULE, MemoryLimit
+from ..schedules.values import COSTS_RULE, MEMORY_LIMIT_RULE, UNIT_SIZE_RULE, ActivationLimit
 
 __all__ = [
     "AUTO",
+    "ActivationLimit",
     "Flag",
-    "MemoryLimit",
     "PipelineArgumentError",
     "PipelineConfig",
     "as_costs",
@@ -47,7 +47,7 @@ class PipelineArgumentError(ValueError):
 
 
 # ---- value parsers (argparse types: a bad value is one ``argument --flag: ...`` line) -------------------
-parse_memory_limit = argtypes.memory_limit  # N or Np activations -> MemoryLimit
+parse_memory_limit = argtypes.memory_limit  # N or Np activations -> ActivationLimit
 
 
 def parse_costs(text: str) -> Any:
@@ -209,7 +209,7 @@ class PipelineConfig:
             help="Run a schedule from a file (megatron_pp_ext CSV format; validated before training).",
         ),
     )
-    memory_limit: MemoryLimit | float | None = field(
+    memory_limit: ActivationLimit | float | None = field(
         default=None,
         metadata=_flag(
             name="--pipeline-memory-limit",
@@ -413,7 +413,7 @@ class PipelineConfig:
             kwargs["unit_size"] = self.unit_size
         if self.memory_limit is not None:
             limit = self.memory_limit
-            kwargs["memory_limit"] = limit.resolve(p) if isinstance(limit, MemoryLimit) else limit
+            kwargs["memory_limit"] = limit.resolve(p) if isinstance(limit, ActivationLimit) else limit
         if self.costs is not None and info.takes("costs"):
             kwargs["costs"] = as_costs(self.costs)
         if self.block_file is not None:  # a schedule without blocks rejects it, naming block_file

@@ -31,7 +31,7 @@ __all__ = [
     "MAX_VALUE",
     "MEMORY_LIMIT_RULE",
     "UNIT_SIZE_RULE",
-    "MemoryLimit",
+    "ActivationLimit",
     "parse_costs",
     "parse_memory_limit",
     "parse_unit_size",
@@ -53,8 +53,9 @@ _MEMORY_RE = re.compile(rf"^\s*({_NUMBER})?\s*(p?)\s*$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
-class MemoryLimit:
-    """A parsed memory limit: ``value`` activations, or ``value * p`` when ``per_rank_count``."""
+class ActivationLimit:
+    """A parsed memory limit: ``value`` activations, or ``value * p`` when ``per_rank_count`` (what a
+    schedule may be given; :class:`.capabilities.MemoryLimit` is what a schedule declares it accepts)."""
 
     value: float
     per_rank_count: bool = False
@@ -69,7 +70,7 @@ class MemoryLimit:
         return text + "p" if self.per_rank_count else text
 
 
-def parse_memory_limit(text: str) -> MemoryLimit:
+def parse_memory_limit(text: str) -> ActivationLimit:
     """``"12"``, ``"1.5"``, ``"2p"``, ``"p"`` (= ``1p``); case and spaces do not matter."""
     match = _MEMORY_RE.match(str(text))
     if match is None or not (match.group(1) or match.group(2)):
@@ -77,7 +78,7 @@ def parse_memory_limit(text: str) -> MemoryLimit:
     value = float(match.group(1)) if match.group(1) else 1.0
     if not (0 < value <= MAX_VALUE):
         raise ValueError(f"memory limit must be {MEMORY_LIMIT_RULE}, got {text!r}")
-    return MemoryLimit(value, bool(match.group(2)))
+    return ActivationLimit(value, bool(match.group(2)))
 
 
 def parse_costs(text: str) -> tuple[float, float, float, float]:
