@@ -13,6 +13,7 @@ from megatron_pp_ext.analysis.simulate import Costs
 from megatron_pp_ext.megatron import flags
 from megatron_pp_ext.megatron.arguments import add_arguments, config_from_args
 from megatron_pp_ext.megatron.config import PipelineArgumentError, PipelineConfig
+from megatron_pp_ext.planner.plan_cli import add_plan_arguments
 from megatron_pp_ext.planner.variants import resolve_limit
 from megatron_pp_ext.schedule_args import CliError, add_source_args, parse_memory_limit
 
@@ -99,6 +100,22 @@ def test_unit_size_means_the_same_everywhere(text: str) -> None:
     except argparse.ArgumentError:
         cli = "refused"
     assert cli == _megatron("--pipeline-unit-size", text), text
+
+
+@pytest.mark.parametrize("text", ["4", "0.5", "1e12", "0", "-1", "nan", "inf", "1e13", "x", ""])
+def test_memory_budget_means_the_same_for_plan_and_auto(text: str) -> None:
+    planner = argparse.ArgumentParser(exit_on_error=False)
+    add_plan_arguments(planner)
+    try:
+        plan: object = planner.parse_args([f"--memory-budget={text}"]).memory_budget
+    except argparse.ArgumentError:
+        plan = "refused"
+    parser = add_arguments(argparse.ArgumentParser(exit_on_error=False))
+    try:
+        auto: object = parser.parse_args([f"--pipeline-memory-budget={text}"]).pipeline_memory_budget
+    except argparse.ArgumentError:
+        auto = "refused"
+    assert plan == auto, text
 
 
 def test_every_pipeline_flag_is_declared_on_the_config() -> None:

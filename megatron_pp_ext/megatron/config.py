@@ -19,7 +19,7 @@ from .. import argtypes
 from ..schedules import registry
 from ..schedules.ir import ScheduleError
 from ..schedules.schedule import Schedule
-from ..schedules.values import COSTS_RULE, MEMORY_LIMIT_RULE, UNIT_SIZE_RULE, ActivationLimit
+from ..schedules.values import COSTS_RULE, MAX_VALUE, MEMORY_LIMIT_RULE, UNIT_SIZE_RULE, ActivationLimit
 
 __all__ = [
     "AUTO",
@@ -169,9 +169,9 @@ class PipelineConfig:
         metadata=_flag(
             name="--pipeline-memory-budget",
             metavar="GIB",
-            parse=float,
+            parse=argtypes.positive_float,
             needs="auto",
-            values="GiB > 0; required on CPU",
+            values=f"GiB, finite in (0, {MAX_VALUE:g}]; required on CPU",
             help="Memory per rank (GiB) that --pipeline-schedule auto must fit (default: the GPU's memory).",
         ),
     )
