@@ -422,7 +422,7 @@ class PipelineConfig:
 
     @property
     def cost_aware(self) -> bool:
-        return bool(self.schedule) and registry.get(self.schedule).takes("costs")
+        return bool(self.schedule) and registry.get(self.schedule or "").takes("costs")
 
     @property
     def replan_iterations(self) -> int:

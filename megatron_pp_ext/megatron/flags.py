@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             group.add_argument(spec.name, action="store_true", default=False, help=_help(spec))
             continue
         kind = _checked_text(spec.parse) if spec.keep_text else spec.parse
-        extra = {} if kind is None else {"type": kind}
+        extra: dict[str, Any] = {} if kind is None else {"type": kind}
         group.add_argument(spec.name, default=None, metavar=spec.metavar, help=_help(spec), **extra)
     return parser
 
