@@ -11,10 +11,12 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
-# The largest cost, time or size a command takes: far beyond any real value, small enough that sums
-# and products over a whole schedule stay finite (1e308 overflowed to inf and raised a traceback).
-MAX_VALUE = 1e12
+from .schedules import values
+from .schedules.values import MAX_VALUE
+
+T = TypeVar("T")
 
 
 def _number(text: str, kind: type) -> float:
@@ -74,17 +76,33 @@ fraction = float_in(0.0, 1.0)  # a share, 0..1
 positive_fraction = float_in(0.0, 1.0, low_open=True)
 
 
-def unit_size(text: str) -> int | str:
-    """``--pipeline-unit-size`` (zeropp's scheduling unit): a number of micro-batches >= 1, or ``auto``."""
-    if str(text).strip().lower() == "auto":
-        return "auto"
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of micro-batches >= 1 or 'auto', got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 or 'auto', got {value}")
-    return value
+def _shared(parse: Callable[[str], T], name: str) -> Callable[[str], T]:
+    """An argparse type from a shared value parser of :mod:`.schedules.values` (its ValueError -> one argparse line)."""
+
+    def check(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    check.__name__ = name
+    return check
+
+
+# ``--pipeline-unit-size`` (zeropp's scheduling unit): micro-batches >= 1, or ``auto``.
+unit_size = _shared(values.parse_unit_size, "unit_size")
+# ``N`` or ``Np`` activations (a :class:`~.schedules.values.ActivationLimit`).
+memory_limit = _shared(values.parse_memory_limit, "memory_limit")
+# ``F,B,W[,COMM]`` as a tuple of four floats.
+costs = _shared(values.parse_costs, "costs")
+
+
+def memory_limit_list(text: str) -> tuple[str, ...]:
+    """Comma-separated memory limits (``p,2p,12``), each checked by the shared parser and kept as written."""
+    items = tuple(x.strip() for x in str(text).split(",") if x.strip())
+    for item in items:
+        memory_limit(item)
+    return items
 
 
 def output_file(text: str) -> str:

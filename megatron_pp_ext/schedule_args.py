@@ -12,7 +12,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from . import argtypes
-from .schedules import registry
+from .schedules import registry, values
 from .schedules.schedule import Schedule
 
 if TYPE_CHECKING:
@@ -38,20 +38,14 @@ class CliError(ValueError):
 
 
 # ---- argument parsing helpers --------------------------------------------------------------
-_MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(p?)\s*$", re.IGNORECASE)
-
-
 def parse_memory_limit(text: str | None, p: int) -> int | float | None:
-    """``"12"`` -> 12, ``"2p"`` -> 2*p, ``"1.5p"`` -> 1.5*p (activations; integral values as int)."""
+    """``"12"`` -> 12, ``"2p"`` -> 2*p, ``"p"`` -> p, ``"1.5p"`` -> 1.5*p (activations; integral values as int)."""
     if text is None:
         return None
-    match = _MEMORY_RE.match(text)
-    if match is None:
-        raise CliError(f"--memory-limit must be a number or a multiple of p such as 2p, got {text!r}")
-    value = float(match.group(1)) * (p if match.group(2) else 1)
-    if value <= 0:
-        raise CliError(f"--memory-limit must be > 0, got {text!r}")
-    return int(value) if value.is_integer() else value
+    try:
+        return values.parse_memory_limit(text).resolve(p)
+    except ValueError as exc:
+        raise CliError(f"argument --memory-limit: {exc}") from None
 
 
 def parse_costs(text: str | None) -> Costs | None:

@@ -51,7 +51,7 @@ from megatron_pp_ext.megatron.arguments import (  # noqa: E402
     microbatch_counts,
     validate_arguments_or_exit,
 )
-from megatron_pp_ext.megatron.fsdp_training import check_argv as check_fsdp_argv  # noqa: E402
+from megatron_pp_ext.megatron.fsdp_flags import check_argv as check_fsdp_argv  # noqa: E402
 
 
 def _cpu_requested(argv: list[str]) -> bool:

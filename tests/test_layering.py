@@ -4,8 +4,9 @@
   subprocess; torch and megatron stay loaded between modules, our own modules do not), so an import cycle
   between two of our modules, which only bites when one of them is imported first, fails here.
 * ``schedules``, ``analysis`` and ``planner`` (pure planning) import nothing from ``runtime`` or ``megatron``,
-  not even lazily inside a function; ``megatron/arguments.py`` (the flags) does not import the planner: the
-  auto decision runs from the install path (``megatron/auto_schedule.py``).
+  not even lazily inside a function; the flag modules (``megatron/arguments.py``, ``config.py``, ``flags.py``,
+  ``fsdp_flags.py``) do not import the planner: the auto decision runs from the install path
+  (``megatron/auto_schedule.py``).
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ def test_pure_layers_do_not_import_runtime_or_megatron(layer: str) -> None:
     assert not bad, "\n".join(bad)
 
 
-def test_flag_validation_does_not_import_the_planner() -> None:
-    bad = [m for _, m in _imports(PACKAGE / "megatron" / "arguments.py") if m.startswith("megatron_pp_ext.planner")]
+@pytest.mark.parametrize("module", ["arguments.py", "config.py", "flags.py", "fsdp_flags.py"])
+def test_flag_validation_does_not_import_the_planner(module: str) -> None:
+    bad = [m for _, m in _imports(PACKAGE / "megatron" / module) if m.startswith("megatron_pp_ext.planner")]
     assert not bad, bad

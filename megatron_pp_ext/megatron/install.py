@@ -283,33 +283,10 @@ def install(args_or_config: Any = None, *, layout_hooks: bool | None = None) -> 
 
 
 def config_fields(config: PipelineConfig) -> list[tuple[str, str]]:
-    """What every rank's plugin configuration must agree on, field by field (files by content, not by name)."""
-    import hashlib
+    """What every rank's plugin configuration must agree on, field by field (from the flag metadata)."""
+    from .flags import agreement_fields
 
-    def content(path: str | None) -> str:
-        if path is None:
-            return "-"
-        try:
-            return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
-        except OSError as exc:
-            return f"unreadable ({exc.strerror})"
-
-    return [
-        ("schedule", config.schedule or "-"),
-        ("file", content(config.schedule_file)),
-        ("block", content(config.block_file)),
-        ("memory_limit", str(config.memory_limit)),
-        ("costs", repr(config.costs)),
-        ("v", str(config.num_virtual_stages)),
-        ("layers", str(config.num_layers)),
-        ("p", str(config.pipeline_parallel_size)),
-        ("mb_group", str(config.microbatch_group_size)),
-        ("unit_size", str(config.unit_size)),
-        ("fsdp", f"{config.fsdp}/{config.fsdp_max_unsharded}"),
-        ("post_validation", f"{config.post_validation}/{config.post_validation_early}"),
-        ("profile_iters", str(config.profile_iterations)),
-        ("check_messages", str(config.check_messages)),
-    ]
+    return agreement_fields(config)
 
 
 def config_text(config: PipelineConfig) -> str:

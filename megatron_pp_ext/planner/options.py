@@ -7,7 +7,15 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from ..argtypes import fraction, int_in, nonnegative_float, positive_float, positive_fraction, positive_int
+from ..argtypes import (
+    fraction,
+    int_in,
+    memory_limit_list,
+    nonnegative_float,
+    positive_float,
+    positive_fraction,
+    positive_int,
+)
 from .costs import CostModel
 from .memo import SIM_OVERLAP, PlannerMemo
 from .memory import TrainingSetup, w_memory_fraction
@@ -108,7 +116,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--micro-batch", type=_int_list, help="default 1,2,4,8,16 (and the preset's)")
     s.add_argument("--virtual", type=_int_list, default=(1, 2, 3, 4), help="chunks per rank for loop placements")
     s.add_argument("--recompute", type=_str_list, default=("none", "selective", "full"))
-    s.add_argument("--schedule-memory-limits", type=_str_list, default=(), help="also try these (e.g. p,2p)")
+    s.add_argument("--schedule-memory-limits", type=memory_limit_list, default=(), help="also try these (e.g. p,2p)")
     s.add_argument(
         "--fsdp",
         choices=("off", "on", "both"),

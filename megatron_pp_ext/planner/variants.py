@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..schedules import registry
 from ..schedules.schedule import Schedule
+from ..schedules.values import parse_memory_limit
 from .extrapolate import anchor_counts
 from .memo import Built, build_key
 from .memory import split_layers
@@ -165,11 +166,8 @@ def quantise_comm(ratio: float) -> float:
 
 
 def resolve_limit(limit: str | None, p: int) -> float | int | None:
-    if limit is None:
-        return None
-    text = str(limit).strip().lower()
-    value = float(text[:-1] or 1) * p if text.endswith("p") else float(text)
-    return int(value) if value.is_integer() else value
+    """A memory limit's text (``"2p"``, ``"12"``) as activations at pipeline size ``p``."""
+    return None if limit is None else parse_memory_limit(limit).resolve(p)
 
 
 def first_line(exc: BaseException) -> str:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from .capabilities import ScheduleParameterError
+from .values import parse_costs
 
 __all__ = ["Cost", "Costs", "PerStage", "StageCosts", "expand_cost", "per_stage_cost", "stage_costs"]
 
@@ -41,9 +42,6 @@ def check_cost(name: str, value: object) -> Cost:
         if not math.isfinite(x) or x < 0:
             raise ValueError(f"cost {name} must be finite and >= 0, got {x}")
     return result
-
-
-MAX_COST = 1e12  # per op or hop: beyond any real time, small enough that a schedule's sums stay finite
 
 
 @dataclass(frozen=True)
@@ -75,18 +73,9 @@ class Costs:
 
     @classmethod
     def parse(cls, text: str) -> Costs:
-        """``"F,B,W"`` or ``"F,B,W,COMM"``, e.g. ``"1,1,1,0.05"``."""
-        parts = [x.strip() for x in str(text).split(",")]
-        if len(parts) not in (3, 4):
-            raise ValueError(f"costs must be 3 or 4 comma-separated numbers F,B,W[,COMM], got {text!r}")
-        try:
-            numbers = [float(x) for x in parts]
-        except ValueError:
-            raise ValueError(f"costs must be 3 or 4 comma-separated numbers F,B,W[,COMM], got {text!r}") from None
-        if any(not (0 <= x <= MAX_COST) for x in numbers):  # finite and bounded: 1e308 overflowed sums to inf
-            raise ValueError(f"costs F,B,W[,COMM] must be finite numbers in [0, {MAX_COST:g}], got {text!r}")
-        f, b, w = numbers[:3]
-        return cls(f, b, w, None, numbers[3] if len(numbers) == 4 else 0.0)
+        """``"F,B,W"`` or ``"F,B,W,COMM"``, e.g. ``"1,1,1,0.05"`` (rules: :func:`.values.parse_costs`)."""
+        f, b, w, comm = parse_costs(text)
+        return cls(f, b, w, None, comm)
 
     def per_stage(self, num_stages: int) -> tuple[list[float], list[float], list[float], list[float]]:
         """``(t_f, t_b, t_w, t_bw)`` expanded to one value per global stage."""

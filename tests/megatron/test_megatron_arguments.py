@@ -10,7 +10,7 @@ import pytest
 from megatron_args_helpers import make_args, make_parser
 
 from megatron_pp_ext.megatron.arguments import (
-    MemoryLimit,
+    ActivationLimit,
     PipelineArgumentError,
     parse_costs,
     parse_memory_limit,
@@ -190,7 +190,7 @@ def test_cpu_flag_checks_cpu_settings() -> None:
 
 
 def test_memory_limit_and_costs_parsing() -> None:
-    assert parse_memory_limit("2p") == MemoryLimit(2.0, True)
+    assert parse_memory_limit("2p") == ActivationLimit(2.0, True)
     assert parse_memory_limit("2P").resolve(4) == 8
     assert parse_memory_limit("p").resolve(3) == 3
     assert parse_memory_limit("12").resolve(4) == 12

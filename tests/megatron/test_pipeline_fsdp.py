@@ -20,7 +20,7 @@ import pytest
 from megatron_args_helpers import make_args
 
 from megatron_pp_ext.megatron.arguments import validate_arguments, validate_arguments_or_exit
-from megatron_pp_ext.megatron.fsdp_training import check_argv
+from megatron_pp_ext.megatron.fsdp_flags import check_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "pretrain_gpt.py"

@@ -1,0 +1,112 @@
+"""The textual values a user gives a schedule, each read by exactly one parser.
+
+The same value reaches the project through several doors: ``megatron-pp simulate --memory-limit``,
+megatron's ``--pipeline-memory-limit``, the planner's ``--schedule-memory-limits``; ``--costs`` and
+``--pipeline-costs``; ``--pipeline-unit-size`` on both command lines. Every door calls the parser
+here, so a value means the same thing everywhere and is accepted or refused everywhere alike. The
+parsers raise :class:`ValueError` with a message that names the valid range; each door adds its
+flag name (argparse's ``argument --flag:``, the CLI's error line, megatron's error line).
+
+The meanings (also in ``docs/flags.md``):
+
+* memory limit: ``N`` activations of one stage for one micro-batch, or ``Np`` = N times the
+  pipeline size p; ``p`` alone is ``1p``. N is a finite number in (0, 1e12].
+* costs: ``F,B,W`` or ``F,B,W,COMM``: the times of one stage's forward, input-gradient backward,
+  weight-gradient backward and of one p2p hop. All finite in [0, 1e12]; F and B must be > 0 (the
+  planner and the simulator's cost ratios divide by them), W and COMM may be 0 (W = 0: weight
+  gradients cost nothing, e.g. folded into B).
+* unit size: ``zeropp``'s scheduling unit, an integer number of micro-batches >= 1, or ``auto``.
+
+Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+__all__ = [
+    "COSTS_RULE",
+    "MAX_VALUE",
+    "MEMORY_LIMIT_RULE",
+    "UNIT_SIZE_RULE",
+    "ActivationLimit",
+    "parse_costs",
+    "parse_memory_limit",
+    "parse_unit_size",
+]
+
+# The largest cost, time, size or memory limit a command takes: far beyond any real value, small enough
+# that sums and products over a whole schedule stay finite (1e308 overflowed to inf).
+MAX_VALUE = 1e12
+
+MEMORY_LIMIT_RULE = (
+    f"a number of activations in (0, {MAX_VALUE:g}] or a multiple of the pipeline size p like 2p (p = 1p)"
+)
+COSTS_RULE = f"F,B,W or F,B,W,COMM: finite numbers in [0, {MAX_VALUE:g}], F and B > 0"
+UNIT_SIZE_RULE = "an integer number of micro-batches >= 1, or auto"
+
+# A plain decimal number (no sign, no underscores, no hexadecimal, no inf / nan), then an optional ``p``.
+_NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?"
+_MEMORY_RE = re.compile(rf"^\s*({_NUMBER})?\s*(p?)\s*$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class ActivationLimit:
+    """A parsed memory limit: ``value`` activations, or ``value * p`` when ``per_rank_count`` (what a
+    schedule may be given; :class:`.capabilities.MemoryLimit` is what a schedule declares it accepts)."""
+
+    value: float
+    per_rank_count: bool = False
+
+    def resolve(self, num_ranks: int) -> int | float:
+        """Activations at pipeline size ``num_ranks`` (an int when integral, as generators print it)."""
+        total = self.value * num_ranks if self.per_rank_count else self.value
+        return int(total) if float(total).is_integer() else total
+
+    def __str__(self) -> str:
+        text = f"{self.value:g}"
+        return text + "p" if self.per_rank_count else text
+
+
+def parse_memory_limit(text: str) -> ActivationLimit:
+    """``"12"``, ``"1.5"``, ``"2p"``, ``"p"`` (= ``1p``); case and spaces do not matter."""
+    match = _MEMORY_RE.match(str(text))
+    if match is None or not (match.group(1) or match.group(2)):
+        raise ValueError(f"expected {MEMORY_LIMIT_RULE}, got {text!r}")
+    value = float(match.group(1)) if match.group(1) else 1.0
+    if not (0 < value <= MAX_VALUE):
+        raise ValueError(f"memory limit must be {MEMORY_LIMIT_RULE}, got {text!r}")
+    return ActivationLimit(value, bool(match.group(2)))
+
+
+def parse_costs(text: str) -> tuple[float, float, float, float]:
+    """``"F,B,W"`` or ``"F,B,W,COMM"`` as ``(F, B, W, COMM)`` (COMM 0 when left out)."""
+    cells = [c.strip() for c in str(text).split(",")]
+    if len(cells) not in (3, 4):
+        raise ValueError(f"costs must be 3 or 4 comma-separated numbers F,B,W[,COMM], got {text!r}")
+    try:
+        values = [float(c) for c in cells]
+    except ValueError:
+        raise ValueError(f"costs must be 3 or 4 comma-separated numbers F,B,W[,COMM], got {text!r}") from None
+    if any(not (math.isfinite(v) and 0 <= v <= MAX_VALUE) for v in values) or values[0] <= 0 or values[1] <= 0:
+        raise ValueError(
+            f"costs F,B,W[,COMM] must be finite numbers in [0, {MAX_VALUE:g}] with F and B > 0, got {text!r}"
+        )
+    if len(values) == 3:
+        values.append(0.0)
+    return values[0], values[1], values[2], values[3]
+
+
+def parse_unit_size(text: str) -> int | str:
+    """``zeropp``'s scheduling unit: a number of micro-batches >= 1, or ``"auto"``."""
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"expected a number of micro-batches >= 1 or 'auto', got {text!r}") from None
+    if value < 1:
+        raise ValueError(f"must be >= 1 or 'auto', got {value}")
+    return value
