@@ -1,4 +1,4 @@
-"""torch.distributed.pipelining's schedules next to ours, in our validator and simulator (issue 20).
+"""torch.distributed.pipelining's schedules next to ours, in our validator and simulator.
 
 Imports torch's orders (Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS,
 ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV, and ScheduleGPipe) from their

@@ -1,4 +1,4 @@
-"""Rough edges a new user hit trying the README (issue 19, item 4): each example works as written."""
+"""Rough edges a new user hit trying the README: each example works as written."""
 
 from __future__ import annotations
 

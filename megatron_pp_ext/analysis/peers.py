@@ -250,7 +250,7 @@ def report(ps: Sequence[int], factors: Sequence[int], command: str) -> tuple[str
     )
     text = "\n\n".join(
         [
-            "## Peers: torch.distributed.pipelining's schedules vs ours (simulator, issue 20)",
+            "## Peers: torch.distributed.pipelining's schedules vs ours (simulator)",
             f"Command: `{command}` (regenerates this section).",
             "torch 2.13's orders are imported from each schedule's own `pipeline_order` "
             "(`megatron_pp_ext/analysis/torch_orders.py`: torch `I` = our `B`, torch `B` = our `BW`, DualPipeV's "
