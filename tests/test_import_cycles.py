@@ -1,7 +1,7 @@
 """Import layering: no import cycle at module load time anywhere in the package, and none at all
 (function-level imports included) between ``cli`` and ``runtime`` or between ``planner.memory`` and
-``planner.models`` (each pair once imported the other). The graph is read statically from the source (``ast``): pure and fast;
-imports under ``if TYPE_CHECKING:`` never run and are left out."""
+``planner.models`` (each pair once imported the other). The graph is read statically from the source
+(``ast``): pure and fast; imports under ``if TYPE_CHECKING:`` never run and are left out."""
 
 from __future__ import annotations
 
