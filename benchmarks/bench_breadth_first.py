@@ -1,4 +1,4 @@
-"""Breadth-first pipeline parallelism (issue 13): bubble table and data-parallel exposure (simulator).
+"""Breadth-first pipeline parallelism: bubble table and data-parallel exposure (simulator).
 
 (a) Unit costs (T_F = T_B = T_W = 1 per stage, no communication): bubble rate of ``bfs``,
     ``bfs-zb``, ``interleaved-1f1b`` and ``1f1b`` over p = 4, 8, m = p .. 4p, v = 2, 4, next to

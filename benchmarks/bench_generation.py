@@ -1,4 +1,4 @@
-"""Generation time of the cost-aware and building-block schedules (issue 12: one engine, no slower).
+"""Generation time of the cost-aware and building-block schedules (one engine for all of them must be no slower).
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/bench_generation.py [--repeats 3]
 

@@ -1,4 +1,4 @@
-"""interleaved-zb next to torch's ScheduleInterleavedZeroBubble (ZB1P), interleaved-1f1b and zb-h1 (issue 16).
+"""interleaved-zb next to torch's ScheduleInterleavedZeroBubble (ZB1P), interleaved-1f1b and zb-h1.
 
 Every schedule runs the same model on ``p`` ranks: ``zb-h1`` on ``p`` stages with the costs of one 1F1B
 stage, the 2-chunk schedules on ``2p`` stages costing half each (a hop costs ``T_comm`` either way).
@@ -96,7 +96,7 @@ def main() -> None:
         command = "PYTHONPATH=. python benchmarks/bench_interleaved_zb.py --write benchmarks/RESULTS.md"
         section = "\n\n".join(
             [
-                "## Interleaved zero bubble vs torch's ZB1P (simulator, issue 16)",
+                "## Interleaved zero bubble vs torch's ZB1P (simulator)",
                 f"Command: `{command}` (regenerates this section). "
                 + " ".join(__doc__.split("\n\n")[1:3]).replace("\n", " "),
                 summary,

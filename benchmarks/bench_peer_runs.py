@@ -1,4 +1,4 @@
-"""Real CPU runs: megatron-core's own 1F1B and interleaved 1F1B vs ours, same tiny GPT, same data (issue 20).
+"""Real CPU runs: megatron-core's own 1F1B and interleaved 1F1B vs ours, same tiny GPT, same data.
 
 Every iteration runs megatron's ``forward_backward_func`` and ours back to back on the same gloo ranks,
 model and data, alternating which goes first (verification/verify.py mode AB). Reported per case: the median
@@ -26,7 +26,7 @@ from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
 from megatron_pp_ext.verification.verify import AB, NATIVE, OURS, RankPool, RunSpec, _check_errors
 
 # (our schedule, megatron's, p, m, v). Interleaving at p=2 runs megatron with overlap_p2p_comm (batched p2p
-# would swap the activation and the gradient exchanged with the single peer: DESIGN.md, known trap).
+# would swap the activation and the gradient exchanged with the single peer: the PP = 2 trap, docs/architecture.md).
 CASES = [
     ("1f1b", "1F1B", 2, 8, 1),
     ("1f1b", "1F1B", 4, 8, 1),

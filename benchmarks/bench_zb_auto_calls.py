@@ -1,4 +1,4 @@
-"""zb-auto generation time per call, small to large (issue 12: the engine must not make generation slower).
+"""zb-auto generation time per call, small to large (the shared engine must not make generation slower).
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/bench_zb_auto_calls.py [--label NAME]
 

@@ -1,4 +1,4 @@
-"""zb-auto with v = 2 chunks per rank: W memory fraction and span objective (issue 16 follow-up).
+"""zb-auto with v = 2 chunks per rank: W memory fraction and span objective.
 
 For each shape, zb-auto -v 2 is generated four ways: objective ``makespan`` / ``span`` with whole
 activations until W (``w_memory`` 1) and with the given fraction. Every figure comes from
@@ -101,7 +101,7 @@ def section() -> str:
     return "\n".join(
         [
             BEGIN,
-            "### zb-auto with v = 2: W memory fraction and span objective (simulator, issue 16 follow-up)",
+            "### zb-auto with v = 2: W memory fraction and span objective (simulator)",
             "",
             f"Command: `{COMMAND}` (regenerates this section). zb-auto -v 2 under each objective, with whole "
             "activations until W (w_memory 1) and with the shape's fraction w; the limit is in stage activations. "

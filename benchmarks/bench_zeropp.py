@@ -1,4 +1,4 @@
-"""ZeroPP (issue 15): simulated iteration time, bubble, exposed FSDP time, gathers and memory of ``zeropp``
+"""ZeroPP: simulated iteration time, bubble, exposed FSDP time, gathers and memory of ``zeropp``
 vs ``bfs``, ``bfs-zb``, ``1f1b`` and ``zb-h1`` with FSDP, for a GPT preset on 8-32 GPUs; U swept.
 
 Cost assumptions (all from megatron_pp_ext.planner, no measurement):

@@ -1,4 +1,4 @@
-"""ZeroPP on real gloo ranks: measured peak bytes per rank against the memory models (issue 15).
+"""ZeroPP on real gloo ranks: measured peak bytes per rank against the memory models.
 
 p=2 x dp=2 (4 CPU ranks), FSDP with one gathered chunk, the verify harness's tiny GPT (4 layers, untied
 embeddings, fp32), 2 iterations; every run is also checked against the unpartitioned reference (``ok``).

@@ -1,4 +1,4 @@
-"""Exact timing figures over a grid, to compare the timing core before and after a change (issue 12).
+"""Exact timing figures over a grid, to compare the timing core before and after a change.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/compare_timing.py --write /tmp/before.json
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/compare_timing.py --check /tmp/before.json

@@ -1,5 +1,5 @@
 """Every v-zb candidate (each policy of ``zbv.POLICIES``, not only the winner the golden test pins),
-to compare its op lists and engine timing before and after a change (issue 12).
+to compare its op lists and engine timing before and after a change.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/compare_vzb_candidates.py --write /tmp/before.json
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/compare_vzb_candidates.py --check /tmp/before.json

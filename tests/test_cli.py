@@ -314,7 +314,7 @@ def test_bench_writes_the_peers_section_and_replaces_it(capsys: pytest.CaptureFi
     assert "| 4 | 8 | 1F1B | **torch:1F1B** |" in text and "repaired F numbering on rank(s) [3]" in text
     assert "| 4 | 8 | InterleavedZeroBubble | interleaved-zb | 25.500 |" in text  # our counterpart of torch's ZB1P
     better = text.split("### Where torch's order is better")[1].split("###")[0]
-    assert "InterleavedZeroBubble" not in better  # interleaved-zb ties ZB1P at its memory (issue 16)
+    assert "InterleavedZeroBubble" not in better  # interleaved-zb ties ZB1P at its memory
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Rough edges a new user hit trying the README (issue 19, item 4): each example works as written."""
+"""Rough edges a new user hit trying the README: each example works as written."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ import pytest
 from megatron_pp_ext.cli import main
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+DOCS = README.parent / "docs"
+PAGES = (README, *sorted(DOCS.glob("*.md")))  # the README and the pages it links to
 
 
-def _readme_commands(prefix: str) -> list[str]:
-    lines = [line.split("#", 1)[0].strip() for line in README.read_text().splitlines()]
+def _readme_commands(prefix: str, pages: tuple[Path, ...] = (README,)) -> list[str]:
+    lines = [line.split("#", 1)[0].strip() for page in pages for line in page.read_text().splitlines()]
     return [line for line in lines if line.startswith(prefix)]
 
 
@@ -26,7 +28,8 @@ def _variants(command: str) -> list[list[str]]:
 
 
 def test_readme_simulate_and_compare_examples_run(capsys: pytest.CaptureFixture[str]) -> None:
-    commands = _readme_commands("megatron-pp simulate") + _readme_commands("megatron-pp compare")
+    pages = (README, DOCS / "cli.md")  # the README's one screen and the full command reference
+    commands = _readme_commands("megatron-pp simulate", pages) + _readme_commands("megatron-pp compare", pages)
     assert any("--memory-limit 2p" in c for c in commands)
     for command in commands:
         for argv in _variants(command):
@@ -92,19 +95,20 @@ def test_readme_commands_run_from_the_checkout_root() -> None:
     """Every command block is run from the checkout's root (scripts/..., scripts/slurm/...): none changes into a
     directory of the checkout first (the Slurm section once began with `cd megatron_pp_ext`, the package)."""
     root = README.parent
-    for line in README.read_text().splitlines():
-        command = line.split("#", 1)[0].strip()
-        if command.startswith("cd "):
-            target = shlex.split(command)[1]
-            assert not (root / target).is_dir(), f"README: {line.strip()!r} enters {target}/ of the checkout"
+    for page in PAGES:
+        for line in page.read_text().splitlines():
+            command = line.split("#", 1)[0].strip()
+            if command.startswith("cd "):
+                target = shlex.split(command)[1]
+                assert not (root / target).is_dir(), f"{page.name}: {line.strip()!r} enters {target}/ of the checkout"
 
 
 def test_readme_auto_flags_exist_and_the_example_parses() -> None:
-    """The README's auto flags are the megatron flags and plan's (the example's pretrain flags parse)."""
+    """The auto flags of the schedules page are the megatron flags and plan's (the example's pretrain flags parse)."""
     from megatron_pp_ext.megatron.arguments import add_arguments
     from megatron_pp_ext.planner.options import add_plan_arguments
 
-    text = README.read_text()
+    text = (DOCS / "schedules.md").read_text()
     example = next(line for line in text.splitlines() if "run_tiny_cpu.sh auto 4" in line)
     flags = shlex.split(example.split("run_tiny_cpu.sh auto 4", 1)[1].split("`", 1)[0])
     import argparse
@@ -118,11 +122,11 @@ def test_readme_auto_flags_exist_and_the_example_parses() -> None:
 
 
 def test_readme_torchrun_commands_are_complete() -> None:
-    """A torchrun command in the README can be pasted as is: written out in full (the ZeroPP example once
-    elided its middle with '...'), and every flag of ours in it is one of our flags."""
+    """A torchrun command in the README or the docs can be pasted as is: written out in full (the ZeroPP example
+    once elided its middle with '...'), and every flag of ours in it is one of our flags."""
     from megatron_pp_ext.megatron.arguments import add_arguments
 
-    text = README.read_text().replace("\\\n", " ")
+    text = "\n".join(page.read_text() for page in PAGES).replace("\\\n", " ")
     commands = [line.strip() for line in text.splitlines() if line.strip().startswith("torchrun ")]
     commands += re.findall(r"`(torchrun [^`]+)`", text)
     assert len(commands) >= 4

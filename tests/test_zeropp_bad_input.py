@@ -1,4 +1,4 @@
-"""ZeroPP's bad input (issue 15): one error line naming the flag and the valid range, before any rank process
+"""ZeroPP's bad input: one error line naming the flag and the valid range, before any rank process
 starts; what is *not* an error (U not dividing m, FSDP off) is accepted and runs as documented."""
 
 from __future__ import annotations

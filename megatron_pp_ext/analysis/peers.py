@@ -240,9 +240,6 @@ def _pairs(rows: Sequence[PeerRow]) -> list[tuple[tuple[str, str, int], PeerRow,
     return out
 
 
-BEGIN, END = "<!-- peers:begin -->", "<!-- peers:end -->"
-
-
 def report(ps: Sequence[int], factors: Sequence[int], command: str) -> tuple[str, list[PeerRow]]:
     rows = [r for model in COST_MODELS for p, m in shapes(ps, factors) for r in rows_for(p, m, model)]
     models = "; ".join(
@@ -250,7 +247,7 @@ def report(ps: Sequence[int], factors: Sequence[int], command: str) -> tuple[str
     )
     text = "\n\n".join(
         [
-            "## Peers: torch.distributed.pipelining's schedules vs ours (simulator, issue 20)",
+            "## Peers: torch.distributed.pipelining's schedules vs ours (simulator)",
             f"Command: `{command}` (regenerates this section).",
             "torch 2.13's orders are imported from each schedule's own `pipeline_order` "
             "(`megatron_pp_ext/analysis/torch_orders.py`: torch `I` = our `B`, torch `B` = our `BW`, DualPipeV's "
@@ -273,20 +270,6 @@ def report(ps: Sequence[int], factors: Sequence[int], command: str) -> tuple[str
         ]
     )
     return text, rows
-
-
-def write_section(path: str, text: str) -> None:
-    """Replace the peers section of ``path`` (between the markers), or append it."""
-    target = Path(path)
-    old = target.read_text() if target.exists() else ""
-    block = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in old and END in old:
-        head, _, rest = old.partition(BEGIN)
-        _, _, tail = rest.partition(END)
-        new = head + block + tail
-    else:
-        new = old.rstrip("\n") + "\n\n" + block + "\n"
-    target.write_text(new)
 
 
 def plot_rows(rows: Sequence[PeerRow], directory: str, memory_shape: tuple[int, int] | None = None) -> list[Path]:

@@ -5,7 +5,7 @@ active in a CUDA run: :func:`enable_cpu_mode` refuses to patch when CUDA is
 available unless ``force=True``. Import this module and call
 :func:`enable_cpu_mode` on every rank *before* importing megatron.
 
-What it does (see DESIGN.md, "CPU / gloo mode"):
+What it does (docs/architecture.md, "CPU / gloo mode"):
 
 1. stubs ``megatron.core.transformer.moe.ops.paged_stash`` (an unconditional
    ``import triton``);

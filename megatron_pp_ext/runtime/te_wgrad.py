@@ -35,7 +35,7 @@ What each piece follows in TE's source (``transformer_engine/pytorch/...``):
   :func:`te_backward_dw` calls the first ``backward_dw`` of the class hierarchy not defined by megatron.
 
 Verified on CPU against the stand-in in ``tests/runtime/te_standin.py`` (which mirrors those functions)
-under megatron DDP; verified on real TE only where ``tests/gpu`` has run (see the README).
+under megatron DDP; verified on real TE only where ``tests/gpu`` has run (docs/megatron.md, "The B/W split").
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Saved under ``1f1b`` after 2 of 3 iterations in each format megatron offers that runs on CPU
 (``torch``, ``torch_dist``), then loaded under other schedules for the third iteration (:data:`LOADS`):
 
-* every load the README claims is exact: the loss of every micro-batch of the loaded run's first
+* every load docs/megatron.md ("Failure modes") claims is exact: the loss of every micro-batch of the loaded run's first
   iteration is bitwise the saving run's third-iteration loss (same data, same weights). ``torch_dist``
   under any placement; ``torch`` under the same placement (megatron's own load) or, with
   ``--no-load-optim``, under another one (its weights moved onto this run's chunks, said in one line);

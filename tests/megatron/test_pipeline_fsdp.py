@@ -1,6 +1,6 @@
 """``--pipeline-fsdp``: megatron's ``pretrain()`` trains with per-chunk FSDP; bad flag combinations are refused.
 
-The training run is the README's (bfs, PP=2 x DP=2 on 4 CPU ranks, FSDP) cut to 4 iterations: megatron's
+The training run is docs/megatron.md's (bfs, PP=2 x DP=2 on 4 CPU ranks, FSDP) cut to 4 iterations: megatron's
 logged loss must fall and match the same command without ``--pipeline-fsdp`` (plain megatron DDP, measured
 on this pinned environment: the values below) to 1e-5 relative (measured: equal in all 7 logged digits).
 The refusals are checked on the plugin's validation (one line, exit 2, naming the flag) and through the

@@ -1,4 +1,4 @@
-"""`plan --post-validation` and `plan --w-memory auto` (issue 16): the planner times an iteration with the
+"""`plan --post-validation` and `plan --w-memory auto`: the planner times an iteration with the
 simulator's back-to-back notion and hands zb-auto the span objective and the derived W share."""
 
 from __future__ import annotations

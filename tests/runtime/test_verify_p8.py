@@ -1,4 +1,4 @@
-"""The V-shape schedules at p=8 on real gloo ranks (issue 6: "p=8 if it fits the test budget").
+"""The V-shape schedules at p=8 on real gloo ranks (p=8 is the largest shape that fits the test budget).
 
 One pool of 8 rank processes for this module (the session pool has 4); on two cores the module
 takes about two minutes.
@@ -32,7 +32,7 @@ def test_v_schedules_at_p8_match_reference(pool8, name):
     ("dist_opt", "fsdp"), [(False, False), (True, False), (False, True)], ids=["ddp", "distributed-optimizer", "fsdp"]
 )
 def test_bfs_p4_dp2_matches_reference(pool8, dist_opt, fsdp):
-    """Breadth-first at p=4, v=2 on 4 x 2 data-parallel ranks (issue 13's second shape)."""
+    """Breadth-first at p=4, v=2 on 4 x 2 data-parallel ranks (the second data-parallel shape)."""
     schedule = generate("bfs", 4, 8, v=2)
     model = TinyGPTSpec(num_layers=8, tied_embeddings=not fsdp)
     report = verify_schedule(
@@ -49,7 +49,7 @@ def test_bfs_p4_dp2_matches_reference(pool8, dist_opt, fsdp):
 @pytest.mark.parametrize("unit", [1, 2, 8])
 def test_zeropp_p4_dp2_fsdp_matches_reference(pool8, unit):
     """ZeroPP at p=4, v=2 on 4 x 2 ranks with FSDP, one gathered chunk (so the per-unit gathers show):
-    gathers and gradient reduce-scatters per iteration as the lowering derives (issue 15's second shape;
+    gathers and gradient reduce-scatters per iteration as the lowering derives (the second FSDP shape;
     U = 1, 2, m)."""
     from megatron_pp_ext.schedules.collectives import CollectiveKind, derive_collectives, policy_for
 

@@ -1,4 +1,4 @@
-"""zb-auto's span objective and W memory fraction, and back-to-back iterations (issue 16).
+"""zb-auto's span objective and W memory fraction, and back-to-back iterations.
 
 Pure and fast: schedules up to p=8, m=32 with the zero-bubble paper's profiled 1.5B costs.
 """
