@@ -53,7 +53,10 @@ def parse_costs(text: str | None) -> Costs | None:
         return None
     from .analysis.simulate import Costs
 
-    return Costs.parse(text)
+    try:
+        return Costs.parse(text)
+    except ValueError as exc:  # the shared parser's line, with the flag it came from
+        raise CliError(f"--costs: {exc}") from None
 
 
 def generate_schedule(

@@ -7,6 +7,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from .. import argtypes
+from ..argtypes import fraction
 from ..schedule_args import CliError, add_source_args, dp_options, parse_costs, schedule_from_args
 from ..schedules.schedule import Schedule
 from .common import step_times
@@ -33,8 +34,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     schedule = schedule_from_args(args)
     options = dp_options(args, schedule)
-    if not 0.0 <= args.overlap <= 1.0:
-        raise CliError(f"--overlap must be in [0, 1], got {args.overlap}")
     if isinstance(args.step_time, list) and len(args.step_time) != schedule.num_ranks:
         raise CliError(
             f"--step-time lists {len(args.step_time)} times: give one, or one per rank ({schedule.num_ranks})"
@@ -87,7 +86,7 @@ def add_parser(subparsers: Any) -> None:
     sim.add_argument("--show", action="store_true", help="also print every rank's op list")
     sim.add_argument(
         "--overlap",
-        type=float,
+        type=fraction,
         default=0.0,
         metavar="F",
         help="overlap factor of the schedule's forward-and-backward pairs (dualpipev): a pair takes "
