@@ -7,7 +7,7 @@ import datetime
 from typing import Any
 
 from megatron_pp_ext.verification.gpu_check import pipeline
-from megatron_pp_ext.verification.verify import _check_errors
+from megatron_pp_ext.verification.rank_pool import check_errors
 
 
 def exchange(payload: Any, rank: int, init_method: str) -> dict[str, Any]:
@@ -47,7 +47,7 @@ def exchange(payload: Any, rank: int, init_method: str) -> dict[str, Any]:
 
 def test_staged_messages_arrive(pool):
     results = pool.run_fn(exchange, None, 2, 300)
-    _check_errors(results)
+    check_errors(results)
     for rank, result in enumerate(results):
         assert result["kinds"] == ["_StagedSend", "_StagedRecv"]  # the staging path, not gloo's own
         assert result["received"] == [float(x + 10 * (1 - rank)) for x in range(6)]

@@ -39,14 +39,14 @@ def test_bad_input_is_one_line_before_any_rank(capsys, monkeypatch, flags, messa
     def no_ranks(*args, **kwargs):
         raise AssertionError("a rank pool was started")
 
-    monkeypatch.setattr("megatron_pp_ext.verification.verify.RankPool", no_ranks)
+    monkeypatch.setattr("megatron_pp_ext.verification.rank_pool.RankPool", no_ranks)
     assert main(["bench", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("megatron-pp: error: ") and message in err and err.count("\n") == 1, err
 
 
 def test_a_failed_rank_is_one_error_and_exit_status_1(capsys, monkeypatch) -> None:
-    from megatron_pp_ext.verification.verify import VerifyRunError
+    from megatron_pp_ext.verification.rank_pool import VerifyRunError
 
     def fails(settings, pool=None, say=print):
         raise VerifyRunError("rank 1: PipelineCommError: recv timed out")
