@@ -1,7 +1,7 @@
 """Real CPU runs: megatron-core's own 1F1B and interleaved 1F1B vs ours, same tiny GPT, same data (issue 20).
 
 Every iteration runs megatron's ``forward_backward_func`` and ours back to back on the same gloo ranks,
-model and data, alternating which goes first (verification/verify.py mode AB). Reported per case: the median
+model and data, alternating which goes first (verification/ab_timing.py, mode AB). Reported per case: the median
 over iterations of ours / megatron's wall time (slowest rank per iteration, warm-up dropped), the peak
 bytes autograd holds for backward per rank (parameters excluded; one extra iteration of each under
 ``SavedBytesMeter``), and whether every micro-batch loss is equal (bitwise) in every iteration.

@@ -5,7 +5,7 @@ breadth-first, as a looped schedule does on one pipeline rank: all forwards of c
 chunk 1, then all backwards of chunk 1, then of chunk 0, with the chunks sharded between sweeps.
 Each data-parallel rank takes its own micro-batches; the reference is the unpartitioned model on
 one process over all ranks' micro-batches. :func:`fsdp_check` returns measured differences,
-counters and memory; ``tests/runtime/test_fsdp_chunk.py`` asserts on them.
+counters and memory; ``tests/verification/test_fsdp_chunk.py`` asserts on them.
 """
 
 from __future__ import annotations

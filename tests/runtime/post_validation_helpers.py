@@ -19,7 +19,7 @@ POINT_TO_POINT = ("send", "recv", "isend", "irecv")
 
 
 def run_with_broken_rollback(spec: Any, rank: int, init_method: str) -> dict[str, Any]:
-    """:func:`~megatron_pp_ext.verification.verify.run_on_rank` whose snapshots restore nothing."""
+    """:func:`~megatron_pp_ext.verification.rank_run.run_on_rank` whose snapshots restore nothing."""
     from megatron_pp_ext.runtime import post_validation
     from megatron_pp_ext.verification.rank_run import run_on_rank
 
