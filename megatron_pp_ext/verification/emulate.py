@@ -308,7 +308,6 @@ def _run(job: EmulateJob, dist: Any, ps: Any) -> dict[str, Any]:
                 return native(**kwargs)
 
         funcs.append(("megatron", padded_native))
-    multi = len(chunks) > 1
     times: dict[str, list[float]] = {name: [] for name, _ in funcs}
     iteration_calls: list[tuple[float, float]] = []  # ours: (call start, call end) per iteration
     for iteration in range(job.warmup + job.iterations):
@@ -320,15 +319,7 @@ def _run(job: EmulateJob, dist: Any, ps: Any) -> dict[str, Any]:
             batches = tiny_gpt.make_batches(job.model, iteration, job.num_microbatches)
             dist.barrier()  # every rank starts the iteration together: its time is the slowest rank's
             started = time.perf_counter()
-            func(
-                forward_step_func=tiny_gpt.forward_step,
-                data_iterator=[iter(batches) for _ in chunks] if multi else iter(batches),
-                model=chunks if name == "ours" or multi else chunks[0],
-                num_microbatches=job.num_microbatches,
-                seq_length=job.model.seq_length,
-                micro_batch_size=job.model.micro_batch_size,
-                decoder_seq_length=job.model.seq_length,
-            )
+            tiny_gpt.run_forward_backward(func, job.model, chunks, batches, chunk_list=name == "ours")
             ended = time.perf_counter()
             times[name].append(ended - started)
             if name == "ours":
