@@ -19,7 +19,7 @@ from bench_real_runs import measure
 
 from megatron_pp_ext.analysis.simulate import simulate
 from megatron_pp_ext.analysis.validate import validate
-from megatron_pp_ext.verification.verify import RankPool
+from megatron_pp_ext.verification.rank_run import RankPool
 
 
 def main() -> None:

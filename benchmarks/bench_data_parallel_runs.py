@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 
 from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.verification.rank_run import RankPool
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
-from megatron_pp_ext.verification.verify import RankPool, verify_schedule
+from megatron_pp_ext.verification.verify import verify_schedule
 
 CONFIGS = [  # (schedule, p, m, v, mode)
     ("1f1b", 2, 4, None, "ddp"),

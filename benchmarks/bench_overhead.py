@@ -15,8 +15,10 @@ import argparse
 import statistics
 
 from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.verification.rank_pool import check_errors
+from megatron_pp_ext.verification.rank_run import RankPool
+from megatron_pp_ext.verification.run_spec import AB, NATIVE, OURS, RunSpec
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
-from megatron_pp_ext.verification.verify import AB, NATIVE, OURS, RankPool, RunSpec, _check_errors
 
 
 def main() -> None:
@@ -40,7 +42,7 @@ def main() -> None:
     )
     with RankPool(p) as pool:
         results = pool.run(spec, wall_timeout_s=3600)
-    _check_errors(results)
+    check_errors(results)
     assert all(r["losses"][NATIVE] == r["losses"][OURS] for r in results), "same math expected"
     native = [max(r["step_times"][NATIVE][i] for r in results) for i in range(args.iterations)][args.warmup :]
     ours = [max(r["step_times"][OURS][i] for r in results) for i in range(args.iterations)][args.warmup :]

@@ -1,7 +1,7 @@
 """Real CPU runs: megatron-core's own 1F1B and interleaved 1F1B vs ours, same tiny GPT, same data.
 
 Every iteration runs megatron's ``forward_backward_func`` and ours back to back on the same gloo ranks,
-model and data, alternating which goes first (verification/verify.py mode AB). Reported per case: the median
+model and data, alternating which goes first (verification/ab_timing.py, mode AB). Reported per case: the median
 over iterations of ours / megatron's wall time (slowest rank per iteration, warm-up dropped), the peak
 bytes autograd holds for backward per rank (parameters excluded; one extra iteration of each under
 ``SavedBytesMeter``), and whether every micro-batch loss is equal (bitwise) in every iteration.
@@ -22,8 +22,10 @@ from megatron_pp_ext.analysis.plot import draw_plan_vs_measured
 from megatron_pp_ext.analysis.simulate import Costs, simulate
 from megatron_pp_ext.schedules import generate
 from megatron_pp_ext.verification import torch_pipelining
+from megatron_pp_ext.verification.rank_pool import check_errors
+from megatron_pp_ext.verification.rank_run import RankPool
+from megatron_pp_ext.verification.run_spec import AB, NATIVE, OURS, RunSpec
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
-from megatron_pp_ext.verification.verify import AB, NATIVE, OURS, RankPool, RunSpec, _check_errors
 
 # (our schedule, megatron's, p, m, v). Interleaving at p=2 runs megatron with overlap_p2p_comm (batched p2p
 # would swap the activation and the gradient exchanged with the single peer: the PP = 2 trap, docs/architecture.md).
@@ -50,7 +52,7 @@ def gantt(pool: RankPool, path: str) -> str:
         pp=p, num_microbatches=m, schedule_csv=schedule.to_csv(), model=MODEL, iterations=3, trace=True, timeout_s=300.0
     )
     results = pool.run(spec, wall_timeout_s=3600)
-    _check_errors(results)
+    check_errors(results)
     times: dict[str, dict[int, float]] = {}
     for r in results:
         for kind, per_stage in r["trace"]["op_times_s"].items():
@@ -83,7 +85,7 @@ def torch_runtime_rows(pool: RankPool, iterations: int, warmup: int) -> list[str
     for name, _, p, m, v in CASES:
         spec = torch_pipelining.TorchRunSpec(name, p, m, v, MODEL, iterations=iterations)
         results = pool.run_fn(torch_pipelining.run_on_rank, spec, p, wall_timeout_s=3600)
-        _check_errors(results)
+        check_errors(results)
         theirs = [max(r["step_times"]["torch"][i] for r in results) for i in range(iterations)][warmup:]
         ours = [max(r["step_times"]["ours"][i] for r in results) for i in range(iterations)][warmup:]
         ratio = statistics.median(b / a for a, b in zip(theirs, ours, strict=True))
@@ -129,7 +131,7 @@ def main() -> None:
                 megatron_overlap_p2p=p == 2 and v > 1,
             )
             results = sorted(pool.run(spec, wall_timeout_s=3600), key=lambda r: r.get("pp_rank", 0))
-            _check_errors(results)
+            check_errors(results)
             n = args.iterations
             native = [max(r["step_times"][NATIVE][i] for r in results) for i in range(n)][args.warmup :]
             ours = [max(r["step_times"][OURS][i] for r in results) for i in range(n)][args.warmup :]

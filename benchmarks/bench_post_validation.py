@@ -16,7 +16,7 @@ import statistics
 
 from megatron_pp_ext.schedules import registry
 from megatron_pp_ext.verification.post_validation_check import compare_weights, run_pair
-from megatron_pp_ext.verification.verify import RankPool
+from megatron_pp_ext.verification.rank_run import RankPool
 
 
 def _param_bytes(result: dict) -> int:

@@ -25,8 +25,10 @@ import statistics
 from megatron_pp_ext.analysis.simulate import Costs, simulate
 from megatron_pp_ext.analysis.validate import validate
 from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.verification.rank_pool import check_errors
+from megatron_pp_ext.verification.rank_run import RankPool
+from megatron_pp_ext.verification.run_spec import OURS, RunSpec
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
-from megatron_pp_ext.verification.verify import OURS, RankPool, RunSpec, _check_errors
 
 
 def measure(pool: RankPool, name: str, p: int, m: int, iterations: int, warmup: int) -> dict:
@@ -54,7 +56,7 @@ def measure(pool: RankPool, name: str, p: int, m: int, iterations: int, warmup: 
         timeout_s=300.0,
     )
     results = pool.run(spec, wall_timeout_s=3600)
-    _check_errors(results)
+    check_errors(results)
     by_rank = sorted(results, key=lambda r: r["pp_rank"])
     peak = [r["trace"]["per_iteration"][-1]["peak_activation_bytes"] for r in by_rank]
     bubble = [statistics.mean(it["bubble_rate"] for it in r["trace"]["per_iteration"][warmup:]) for r in by_rank]

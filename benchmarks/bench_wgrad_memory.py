@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from megatron_pp_ext.planner.memory import TrainingSetup, layer_activation_bytes, wgrad_held_bytes
 from megatron_pp_ext.planner.models import ModelSpec
+from megatron_pp_ext.verification.rank_pool import check_errors
+from megatron_pp_ext.verification.rank_run import RankPool
 from megatron_pp_ext.verification.selfcheck import LayerMemoryCase, layer_memory_probe
-from megatron_pp_ext.verification.verify import RankPool, _check_errors
 
 
 def model_figures(case: LayerMemoryCase) -> tuple[float, float]:
@@ -42,7 +43,7 @@ def main() -> None:
     with RankPool(2) as pool:
         for case in cases:
             results = pool.run_fn(layer_memory_probe, case, case.tp, 300)
-            _check_errors(results)
+            check_errors(results)
             r = results[0]
             name = "transformer layer" if case.module == "layer" else "MLP"
             held, kept = model_figures(case)

@@ -26,8 +26,10 @@ from pathlib import Path
 from megatron_pp_ext.schedules import registry
 from megatron_pp_ext.schedules.ir import ScheduleError
 from megatron_pp_ext.verification import criterion
+from megatron_pp_ext.verification.rank_pool import VerifyRunError
+from megatron_pp_ext.verification.rank_run import RankPool
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
-from megatron_pp_ext.verification.verify import RankPool, VerifyRunError, verify_schedule
+from megatron_pp_ext.verification.verify import verify_schedule
 
 MODES = ("ddp", "distributed-optimizer", "fsdp")
 

@@ -1,6 +1,6 @@
 """The GPU check's logic on CPU (``scripts/gpu_check.sh --dry-run``), so that a broken script is caught before
 a GPU machine is spent on it: arguments, one line per check, time limits, the JSON summary and the comparison
-with the planner. The pipeline check's dry run is in tests/runtime/test_gpu_pipeline_check.py (it shares the
+with the planner. The pipeline check's dry run is in tests/verification/test_gpu_pipeline_check.py (it shares the
 runtime tests' rank pool)."""
 
 from __future__ import annotations

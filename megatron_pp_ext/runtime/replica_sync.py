@@ -188,34 +188,3 @@ class ReplicaSyncer:
         for work in self.pending:
             work.wait()
         self.pending = []
-
-
-def replica_sync_check(case: tuple[str, int, int], rank: int, init_method: str) -> dict[str, Any]:
-    """Self-check on a ``p``-rank gloo world (one pipeline group): plain modules with known gradients,
-    a :class:`ReplicaSyncer` driven gap by gap as an executor would; returns the summed gradients."""
-    import datetime
-
-    from ..schedules import generate
-
-    name, p, m = case
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=p, timeout=datetime.timedelta(60))
-    try:
-        schedule = generate(name, p, m)
-        group = new_replica_group(dist.group.WORLD)
-        models = []
-        for chunk in range(schedule.chunks_per_rank):
-            module = torch.nn.Linear(3, 2)
-            for i, param in enumerate(module.parameters()):  # gradient = f(rank, chunk), exact in fp32
-                param.grad = torch.full_like(param, float(100 * rank + 10 * chunk + i))
-            models.append(module)
-        syncer = ReplicaSyncer(schedule, rank, models, group)
-        for gap in range(len(schedule.ops[rank]) + 1):
-            syncer.at_gap(gap)
-        syncer.finish()
-        return {
-            "grads": [[param.grad[0].flatten()[0].item() for param in module.parameters()] for module in models],
-            "issued": syncer.issued,
-            "num_ops": len(schedule.ops[rank]),
-        }
-    finally:
-        dist.destroy_process_group()

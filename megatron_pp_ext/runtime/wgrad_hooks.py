@@ -27,7 +27,7 @@ Weight gradients that stay in B (computed by autograd as usual): LayerNorm /
 RMSNorm weights and biases, word and position embeddings, ``RowParallelLinear``'s
 bias (megatron adds it after the reduction, outside the linear's autograd
 function), and any parameter not owned by a megatron linear (e.g. MoE routers).
-``tests/runtime/test_wgrad_split.py`` checks per layer kind which gradients B
+``tests/verification/test_wgrad_split.py`` checks per layer kind which gradients B
 leaves untouched and that each W computes all the others.
 """
 

@@ -1,16 +1,13 @@
 """Megatron's forward-backward function and ours timed on the same ranks, model and data (``RunSpec``
-mode ``AB``), and the run modes of a verification spec."""
+mode ``AB``)."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
+from .run_spec import NATIVE, OURS
 from .saved_bytes import SavedBytesMeter
-
-NATIVE = "native"  # megatron-core's own forward_backward_func
-OURS = "ours"  # megatron_pp_ext's executor
-AB = "ab"  # timing: each iteration runs megatron's function and ours, in alternating order
 
 
 def ab_timing(spec: Any, chunks: list[Any], ours: Any, native: Any) -> dict[str, Any]:
@@ -18,22 +15,11 @@ def ab_timing(spec: Any, chunks: list[Any], ours: Any, native: Any) -> dict[str,
     then one more iteration of each under :class:`SavedBytesMeter` (peak bytes autograd holds for backward)."""
     from . import tiny_gpt
 
-    multi = len(chunks) > 1  # megatron's interleaved schedule takes the chunk and iterator lists, like ours
-
     def step(name: str, func: Any, iteration: int) -> list[float]:
         for c in chunks:
             c.zero_grad_buffer()
         batches = tiny_gpt.make_batches(spec.model, iteration, spec.num_microbatches)
-        out = func(
-            forward_step_func=tiny_gpt.forward_step,
-            data_iterator=[iter(batches) for _ in chunks] if multi else iter(batches),
-            model=chunks if name == OURS or multi else chunks[0],
-            num_microbatches=spec.num_microbatches,
-            seq_length=spec.model.seq_length,
-            micro_batch_size=spec.model.micro_batch_size,
-            decoder_seq_length=spec.model.seq_length,
-        )
-        return [float(d["lm loss"]) for d in out]
+        return tiny_gpt.run_forward_backward(func, spec.model, chunks, batches, chunk_list=name == OURS)
 
     times: dict[str, list[float]] = {NATIVE: [], OURS: []}
     losses: dict[str, list[list[float]]] = {NATIVE: [], OURS: []}

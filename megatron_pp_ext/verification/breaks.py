@@ -1,9 +1,9 @@
 """Deliberate faults for testing the verdict (:mod:`.criterion`): each makes a run silently wrong.
 
 A verification criterion is only as good as the faults it catches. Each break here is a way a
-pipeline runtime can go wrong without raising: it is injected into the run under test (``RunSpec.breaks``)
+pipeline runtime can go wrong without raising: it is injected into the run under test (``RunHooks.breaks``)
 inside the rank process and undone afterwards (rank-pool workers run other specs later). The tests in
-``tests/runtime/test_verify_breaks.py`` run each one and check the verdict fails, printing by how much.
+``tests/verification/test_verify_breaks.py`` run each one and check the verdict fails, printing by how much.
 
 * ``w-skipped``: the first W of chunk 0 drops its weight-gradient closures (micro-batch 0's weight
   gradients are never added; the runtime's own guard, ``runtime/grad_check.py``, is switched off);

@@ -1,72 +1,16 @@
-"""Comparison of a verification run with its references: the report ``megatron-pp verify`` prints.
+"""Comparison of a verification run with its references: the numbers of :class:`~.report.VerifyReport`.
 
-The runs themselves happen in :mod:`.verify`; the verdict's criterion is :mod:`.criterion`.
+The runs themselves happen in :mod:`.rank_run` (driven by :mod:`.verify`); the verdict's criterion is
+:mod:`.criterion`; the report and its text are :mod:`.report`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
 from typing import Any
 
 from . import criterion
-
-
-class VerifyRunError(RuntimeError):
-    """A rank failed while running the schedule."""
-
-
-@dataclass
-class VerifyReport:
-    schedule: str
-    p: int
-    m: int
-    v: int
-    ok: bool
-    max_rel_grad_diff: float  # to megatron's fp32 reference, largest over tensors of max|diff| / max|reference|
-    max_abs_loss_diff: float
-    bitwise_equal: bool  # every loss and gradient bitwise equal to megatron's fp32 reference
-    iterations: int
-    losses: list[float]
-    peak_activation_bytes: list[int] = field(default_factory=list)
-    # per pipeline rank: the measured bytes of one activation of each of its stages ({stage: bytes})
-    stage_activation_bytes: list[dict[int, int]] = field(default_factory=list)
-    measured_bubble_rate: list[float] = field(default_factory=list)
-    # per pipeline rank (data-parallel replica 0): the derived collectives launched in the last
-    # iteration, in order, each with whether it started before the rank's last backward ended
-    collectives: list[list[str]] = field(default_factory=list)
-    # FSDP runs, per pipeline rank: gathers derived vs measured per iteration, peak bytes held
-    fsdp: list[dict[str, Any]] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-    # None: the derived criterion (criterion.py) decided; a number: the explicit fixed bound on max_rel_grad_diff
-    tolerance: float | None = None
-    # the derived criterion's outcome: worst ratio of our error to megatron fp32's (allowed: criterion.GROWTH)
-    worst_ratio: float | None = None
-    margin: float | None = None  # criterion.GROWTH / worst_ratio: > 1 inside the allowance
-    verdict: str = ""  # one line: where the worst tensor is and by how much
-    # schedules running megatron's own 1F1B order: every loss and gradient bitwise equal to megatron's 1F1B on
-    # the same ranks (None: not that order, or not compared)
-    bitwise_megatron_1f1b: bool | None = None
-
-    def to_json_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def describe(self) -> str:
-        """The criterion and its outcome, one line."""
-        if self.tolerance is not None:
-            return f"max rel grad diff {self.max_rel_grad_diff:.2g} (fixed tolerance {self.tolerance:g})"
-        bitwise = "; bitwise equal to megatron's fp32" if self.bitwise_equal else ""
-        if self.bitwise_megatron_1f1b is not None:
-            same = "bitwise equal to" if self.bitwise_megatron_1f1b else "NOT bitwise equal to"
-            bitwise += f"; {same} megatron's own 1F1B on the same ranks (same arithmetic, demanded)"
-        return f"derived criterion: {self.verdict}{bitwise}"
-
-
-def _check_errors(results: list[dict[str, Any]]) -> None:
-    errors = [r for r in results if "error" in r]
-    if errors:
-        first = next((r for r in errors if "killed after" not in r["error"]), errors[0])
-        raise VerifyRunError(first["error"] + "\n" + first.get("tb", ""))
+from .rank_pool import VerifyRunError
+from .report import VerifyReport
 
 
 def _losses(results: list[dict[str, Any]]) -> list[list[float]]:
@@ -272,7 +216,7 @@ def _launches(trace: dict[str, Any]) -> list[str]:
     ]
 
 
-def _check_fsdp_collectives(
+def check_fsdp_collectives(
     report: VerifyReport, schedule: Any, run: list[dict[str, Any]], limit: int, unit: int | None
 ) -> None:
     """FSDP: every rank gathered its chunks and reduce-scattered their gradients exactly as often per

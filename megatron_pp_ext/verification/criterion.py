@@ -46,7 +46,7 @@ applied, a data-parallel reduction missing or early (a replica's share), weights
 optimizer updated them (a step at ``LR = 0.1`` moves the tiny model's weights by 1-10%). These are
 ``>= 1e-3`` relative, while the allowance is ``GROWTH`` times fp32 rounding, ``~1e-6``: a margin of three
 orders of magnitude, which :attr:`Verdict.margin` reports and the deliberate breaks of
-``tests/runtime/test_verify_breaks.py`` show.
+``tests/verification/test_verify_breaks.py`` show.
 
 An explicit tolerance (``--tolerance``) replaces the derived criterion by a fixed bound on the largest
 relative gradient difference to megatron's fp32 reference, for users who want one.

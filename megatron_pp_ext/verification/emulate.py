@@ -19,7 +19,6 @@ waited for), which :mod:`.emulate_bench` reports per schedule and rank.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import statistics
 import time
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ from typing import Any
 
 from ..runtime.trace import Tracer
 from ..schedules.ir import Op
+from .rank_setup import rank_process_group
 from .tiny_gpt import TinyGPTSpec
 
 # megatron-core's schedules compared with ours (our schedule name -> what megatron runs)
@@ -207,23 +207,6 @@ def padded_megatron(pad_forward_s: float, pad_backward_s: float, record: NativeP
 # ------------------------------------------------------------------------------------------------
 # Rank jobs (RankPool.run_fn)
 # ------------------------------------------------------------------------------------------------
-def _init(world_size: int, rank: int, init_method: str, timeout_s: float) -> Any:
-    from ..megatron.cpu import enable_cpu_mode, hide_missing_accelerator_warnings
-
-    hide_missing_accelerator_warnings(announce=False)
-    enable_cpu_mode()
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo",
-        init_method=init_method,
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=max(30.0, timeout_s)),
-    )
-    return dist
-
-
 def measure_p2p_latency(
     payload: tuple[int, tuple[int, ...], int], rank: int, init_method: str
 ) -> tuple[float, float] | None:
@@ -231,10 +214,9 @@ def measure_p2p_latency(
     the shortest round trip over ``rounds``, halved), ``payload = (world_size, shape, rounds)``; None on the
     other ranks. On a loaded machine the median includes the wake-up delays a run sees too."""
     world_size, shape, rounds = payload
-    dist = _init(world_size, rank, init_method, 60.0)
-    import torch
+    with rank_process_group(rank, world_size, init_method, timeout_s=60.0) as dist:
+        import torch
 
-    try:
         tensor = torch.zeros(shape)
         trips: list[float] = []
         for _ in range(rounds + 5):  # 5 unmeasured round trips first
@@ -248,23 +230,16 @@ def measure_p2p_latency(
             trips.append(time.perf_counter() - started)
         dist.barrier()
         return (statistics.median(trips[5:]) / 2, min(trips[5:]) / 2) if rank == 0 else None
-    finally:
-        dist.destroy_process_group()
 
 
 def run_job(job: EmulateJob, rank: int, init_method: str) -> dict[str, Any]:
     """Time ``job`` on this rank: ``warmup + iterations`` iterations of our executor (and of megatron's own
     schedule, alternating which goes first, with ``job.native``), each started after a barrier. Returns the
     per-iteration wall times of the forward-backward call, the tracer's breakdowns and every op's pad."""
-    dist = _init(job.pp, rank, init_method, job.timeout_s)
-    from megatron.core import parallel_state as ps
+    with rank_process_group(rank, job.pp, init_method, timeout_s=max(30.0, job.timeout_s), tp=1, pp=job.pp) as dist:
+        from megatron.core import parallel_state as ps
 
-    try:
-        ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=job.pp)
         return _run(job, dist, ps)
-    finally:
-        ps.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 def _build(job: EmulateJob, ps: Any, schedule: Any) -> tuple[list[Any], Any]:
@@ -333,7 +308,6 @@ def _run(job: EmulateJob, dist: Any, ps: Any) -> dict[str, Any]:
                 return native(**kwargs)
 
         funcs.append(("megatron", padded_native))
-    multi = len(chunks) > 1
     times: dict[str, list[float]] = {name: [] for name, _ in funcs}
     iteration_calls: list[tuple[float, float]] = []  # ours: (call start, call end) per iteration
     for iteration in range(job.warmup + job.iterations):
@@ -345,15 +319,7 @@ def _run(job: EmulateJob, dist: Any, ps: Any) -> dict[str, Any]:
             batches = tiny_gpt.make_batches(job.model, iteration, job.num_microbatches)
             dist.barrier()  # every rank starts the iteration together: its time is the slowest rank's
             started = time.perf_counter()
-            func(
-                forward_step_func=tiny_gpt.forward_step,
-                data_iterator=[iter(batches) for _ in chunks] if multi else iter(batches),
-                model=chunks if name == "ours" or multi else chunks[0],
-                num_microbatches=job.num_microbatches,
-                seq_length=job.model.seq_length,
-                micro_batch_size=job.model.micro_batch_size,
-                decoder_seq_length=job.model.seq_length,
-            )
+            tiny_gpt.run_forward_backward(func, job.model, chunks, batches, chunk_list=name == "ours")
             ended = time.perf_counter()
             times[name].append(ended - started)
             if name == "ours":

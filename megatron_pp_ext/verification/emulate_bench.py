@@ -18,22 +18,18 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from .. import argtypes
+from .emulate_results import BASELINE, P2P_ROUNDS, SECTION, Outcome, Row, Settings
 
 DEFAULT_ITERATIONS, DEFAULT_WARMUP = 5, 2
 KINDS = ("F", "B", "W", "BW")
-BASELINE = "1f1b"
 DEFAULT_COSTS = "20,20,15"  # ms per 1F1B stage: T_F, T_B, T_W (BW = B + W)
 MAX_PAD_MS = 1000.0
 P_RANGE = (2, 8)  # ranks spawned on this machine
 M_MAX = 64
-P2P_ROUNDS = 50
 STARTUP_TIMEOUT_S = 900.0  # the first job waits for the ranks' imports too (minutes on a loaded machine)
-SECTION = "Emulated compute on real ranks"
-BEGIN, END = "<!-- emulated:begin -->", "<!-- emulated:end -->"
 
 
 class EmulateError(ValueError):
@@ -83,24 +79,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 EMULATE_ONLY = ("m", "schedules", "costs", "iterations", "warmup")
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Checked ``--emulate`` input."""
-
-    p: int
-    m: int
-    schedules: tuple[str, ...]
-    iterations: int
-    warmup: int
-    t_f: float
-    t_b: float
-    t_w: float
-    comm_ms: float | None  # None: measured
-    write: str | None = None
-    plots: str | None = None
-    command: str = ""
 
 
 def settings_from(args: argparse.Namespace) -> Settings | None:
@@ -173,34 +151,6 @@ def settings_from(args: argparse.Namespace) -> Settings | None:
 # ------------------------------------------------------------------------------------------------
 # One schedule: its simulation and its measured run
 # ------------------------------------------------------------------------------------------------
-@dataclass
-class Row:
-    """One schedule's figures (times in ms)."""
-
-    name: str
-    v: int
-    simulated: float
-    measured: float = float("nan")
-    sim_gain: float = float("nan")
-    measured_gain: float = float("nan")
-    native: str | None = None
-    native_measured: float = float("nan")
-    ours_vs_native: float = float("nan")  # median over iterations of ours / megatron's
-    ranks: list[dict[str, Any]] = field(default_factory=list)  # per rank: median breakdown (ms)
-    ops: int = 0  # padded ops traced (all ranks, timed iterations)
-    short_ops: int = 0  # ops that ended before their pad (must be 0)
-    over_pad: int = 0  # ops whose real compute exceeded their pad
-    real_ms: dict[str, tuple[float, float]] = field(default_factory=dict)  # per kind: real compute, median and max
-    native_ops: int = 0
-    native_short_ops: int = 0
-    native_over_pad: int = 0
-    native_real_ms: dict[str, tuple[float, float]] = field(default_factory=dict)
-
-    @property
-    def ratio(self) -> float:
-        return self.measured / self.simulated if self.simulated > 0 else float("nan")
-
-
 def stage_costs(settings: Settings, schedule: Any, comm_ms: float) -> Any:
     """The schedule's per-stage costs (ms): a rank holding ``k`` stages per replica gets 1/k of a
     1F1B stage's time per op, as it holds 1/k of the layers."""
@@ -295,17 +245,6 @@ def _real_ms(ops: Any) -> dict[str, tuple[float, float]]:
 # ------------------------------------------------------------------------------------------------
 # The run
 # ------------------------------------------------------------------------------------------------
-@dataclass
-class Outcome:
-    settings: Settings
-    comm_ms: float
-    comm_fastest_ms: float | None  # measured: the fastest of the round trips, halved
-    rows: list[Row]
-    skipped: dict[str, str]
-    load: tuple[float, float]  # 1-minute load average at start and end
-    seconds: float
-
-
 def build_schedules(settings: Settings, comm_ms: float) -> tuple[list[tuple[Any, Any]], dict[str, str]]:
     """The requested schedules that build at ``(p, m)``, validated, each with its per-stage costs."""
     from ..analysis.simulate import Costs
@@ -332,8 +271,8 @@ def run_emulation(settings: Settings, pool: Any = None, say: Any = print) -> Out
     from ..analysis.simulate import simulate
     from ..analysis.validate import validate
     from .emulate import measure_p2p_latency, run_job
+    from .rank_pool import RankPool, check_errors
     from .tiny_gpt import TinyGPTSpec
-    from .verify import RankPool, VerifyRunError
 
     started = time.monotonic()
     load_start = os.getloadavg()[0]
@@ -347,7 +286,7 @@ def run_emulation(settings: Settings, pool: Any = None, say: Any = print) -> Out
         comm_ms, fastest_ms = settings.comm_ms, None
         if comm_ms is None:
             latency = pool.run_fn(measure_p2p_latency, (settings.p, shape, P2P_ROUNDS), settings.p, STARTUP_TIMEOUT_S)
-            _raise_errors(latency, VerifyRunError)
+            check_errors(latency)
             comm_ms, fastest_ms = latency[0][0] * 1000, latency[0][1] * 1000
             say(
                 f"p2p: {comm_ms:.3f} ms one way (median of {P2P_ROUNDS} round trips of a {shape} fp32 tensor; "
@@ -361,7 +300,7 @@ def run_emulation(settings: Settings, pool: Any = None, say: Any = print) -> Out
             row = Row(schedule.name, schedule.chunks_per_rank, sim, native=job.native)
             say(f"{schedule.name}: running {settings.warmup} + {settings.iterations} iterations")
             results = pool.run_fn(run_job, job, settings.p, wall_timeout_s=job.timeout_s * 4 + 120)
-            _raise_errors(results, VerifyRunError)
+            check_errors(results)
             fill_measured(row, results, settings.warmup)
             rows.append(row)
     finally:
@@ -377,16 +316,10 @@ def run_emulation(settings: Settings, pool: Any = None, say: Any = print) -> Out
     )
 
 
-def _raise_errors(results: list[Any], error: type[Exception]) -> None:
-    failed = [r for r in results if isinstance(r, dict) and "error" in r]
-    if failed:
-        raise error(failed[0]["error"] + "\n" + failed[0].get("tb", ""))
-
-
 def run(args: argparse.Namespace) -> int:
     """``megatron-pp bench --emulate``: run, print the report, write and draw on request."""
     from . import emulate_report
-    from .verify import VerifyRunError
+    from .rank_pool import VerifyRunError
 
     settings = settings_from(args)
     assert settings is not None  # called with --emulate

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .emulate_bench import BASELINE, BEGIN, END, P2P_ROUNDS, SECTION, Outcome, Row, Settings
+from .emulate_results import BASELINE, BEGIN, END, P2P_ROUNDS, SECTION, Outcome, Row, Settings
 
 INTRO = (
     "Every registered schedule that builds at (p, m) on p spawned gloo ranks: real megatron-core GPTModel chunks "

@@ -5,7 +5,7 @@ breadth-first, as a looped schedule does on one pipeline rank: all forwards of c
 chunk 1, then all backwards of chunk 1, then of chunk 0, with the chunks sharded between sweeps.
 Each data-parallel rank takes its own micro-batches; the reference is the unpartitioned model on
 one process over all ranks' micro-batches. :func:`fsdp_check` returns measured differences,
-counters and memory; ``tests/runtime/test_fsdp_chunk.py`` asserts on them.
+counters and memory; ``tests/verification/test_fsdp_chunk.py`` asserts on them.
 
 Gradients and trained parameters are judged by the verification criterion (:mod:`.criterion`), not
 by a fixed tolerance: a float64 copy of the unpartitioned model, trained on its own gradients, is the
@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import criterion
+from .rank_setup import rank_process_group
 from .tiny_gpt import TinyGPTSpec
 
 # Adam's update of one element is ~10 rounded fp32 operations (two moment updates, bias corrections,
@@ -70,26 +70,11 @@ def _rel(a: Any, b: Any) -> float:
 
 
 def fsdp_check(case: FsdpCase, rank: int, init_method: str) -> dict[str, Any]:
-    from megatron_pp_ext.megatron.cpu import enable_cpu_mode
+    timeout_s = max(60.0, 2 * case.timeout_s)
+    with rank_process_group(rank, case.dp, init_method, timeout_s=timeout_s, tp=1, pp=1) as dist:
+        import torch
 
-    enable_cpu_mode()
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    dist.init_process_group(
-        "gloo",
-        init_method=init_method,
-        rank=rank,
-        world_size=case.dp,
-        timeout=datetime.timedelta(seconds=max(60.0, 2 * case.timeout_s)),
-    )
-    try:
-        ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
         return _run(case, rank, torch, dist)
-    finally:
-        ps.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 def _run(case: FsdpCase, rank: int, torch: Any, dist: Any) -> dict[str, Any]:

@@ -58,8 +58,10 @@ def pipeline(device: str, dry_run: bool, pool: Any = None) -> dict[str, Any]:
 
     ``pool``: a :class:`RankPool` of at least 2 ranks to run on (tests share theirs); default: a new one."""
     from ..schedules import registry
+    from .rank_run import RankPool
+    from .run_spec import RunHooks
     from .tiny_gpt import TinyGPTSpec
-    from .verify import RankPool, verify_schedule
+    from .verify import verify_schedule
 
     p, m = 2, 4
     names = ("zb-h1",) if dry_run else ("zb-h1", "v-zb")
@@ -76,7 +78,7 @@ def pipeline(device: str, dry_run: bool, pool: Any = None) -> dict[str, Any]:
                 iterations=1 if dry_run else 3,
                 timeout_s=60.0,
                 device=device,
-                stage_p2p_through_host=True,  # on CPU too: the dry run runs the staging code
+                hooks=RunHooks(stage_p2p_through_host=True),  # on CPU too: the dry run runs the staging code
             )
             details[name] = {
                 "ok": report.ok,

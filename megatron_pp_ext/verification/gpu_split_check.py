@@ -17,8 +17,6 @@ the GPU check can run it in a subprocess of its own with a time limit.
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import socket
 from typing import Any
 
 import torch
@@ -28,28 +26,13 @@ TE_RTOL, TE_ATOL = 1e-5, 1e-6  # tests/gpu/test_te_wgrad_gpu.py's criterion
 
 def prepare_single_rank(device: str) -> None:
     """CPU shims (``device="cpu"``) or GPU 0 without TF32, and megatron's parallel state for one rank."""
-    from .host_staging import prepare_rank
+    from .rank_setup import prepare_device, single_rank_group
 
-    prepare_rank(device)
+    prepare_device(device)
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=0,
-            world_size=1,
-            timeout=datetime.timedelta(seconds=60),
-        )
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    single_rank_group(timeout_s=60.0)
 
 
 def layer_config(hidden: int, heads: int, dtype: torch.dtype, dropout: float = 0.0) -> Any:

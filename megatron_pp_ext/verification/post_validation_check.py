@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import criterion
-from .verify import OURS, RankPool, RunSpec, _check_errors
+from .rank_pool import check_errors
+from .rank_run import RankPool
+from .run_spec import OURS, RunHooks, RunSpec
 
 
 @dataclass
@@ -84,18 +86,18 @@ def run_pair(
         "distributed_optimizer": distributed_optimizer,
         "clip_grad": clip_grad,
         "loss_scale": loss_scale,
-        "inject_inf": inject_inf,
+        "hooks": RunHooks(inject_inf=inject_inf),
         "keep_weights": True,
         "keep_grads": False,
     }
     sync = pool.run(RunSpec(**common))
-    _check_errors(sync)
+    check_errors(sync)
     spec = RunSpec(**common, post_validation=True, post_validation_late=late)
     if fn is None:
         post = pool.run(spec)
     else:
         post = pool.run_fn(fn, spec, spec.world_size, spec.timeout_s * 4 + 120)
-    _check_errors(post)
+    check_errors(post)
     return sync, post
 
 

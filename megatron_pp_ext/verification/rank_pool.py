@@ -3,6 +3,7 @@
 ``verify``, the benchmarks and the tests run their gloo ranks here: each job is a picklable function
 called on every rank with ``(payload, rank, init_method)``; a rank's failure comes back as a result
 with the error, a rank that dies or a job that exceeds its wall time is reported and the pool respawns.
+:func:`check_errors` turns a failed rank's result into :class:`VerifyRunError`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,19 @@ import traceback
 from typing import Any
 
 _PROGRESS: tuple[int, Any] | None = None  # (worker index, outbox) inside a pool worker
+
+
+class VerifyRunError(RuntimeError):
+    """A rank failed while running a job."""
+
+
+def check_errors(results: list[Any], error: type[Exception] = VerifyRunError) -> None:
+    """Raise ``error`` with the first failed rank's message and traceback (a rank killed after another
+    failed is reported only when no rank failed by itself)."""
+    errors = [r for r in results if isinstance(r, dict) and "error" in r]
+    if errors:
+        first = next((r for r in errors if "killed after" not in r["error"]), errors[0])
+        raise error(first["error"] + "\n" + first.get("tb", ""))
 
 
 def report_progress(text: str) -> None:

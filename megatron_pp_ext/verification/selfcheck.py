@@ -8,9 +8,10 @@ returns whether every input, weight and bias gradient is bitwise equal.
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 from typing import Any
+
+from .rank_setup import rank_process_group
 
 
 @dataclass(frozen=True)
@@ -117,22 +118,12 @@ def _run(case: LinearCase, config: Any, split: bool) -> dict[str, Any]:
 
 def linear_split_check(case: LinearCase, rank: int, init_method: str) -> dict[str, Any]:
     """Run on every rank of a ``case.tp``-rank world; returns the comparison."""
-    from megatron_pp_ext.megatron.cpu import enable_cpu_mode
+    with rank_process_group(rank, case.tp, init_method, timeout_s=60.0, tp=case.tp, backend="auto"):
+        import torch
+        from megatron.core.model_parallel_config import ModelParallelConfig
 
-    enable_cpu_mode()
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.model_parallel_config import ModelParallelConfig
+        from ..runtime.wgrad_hooks import install_wgrad_hooks, uninstall_wgrad_hooks
 
-    from ..runtime.wgrad_hooks import install_wgrad_hooks, uninstall_wgrad_hooks
-
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=case.tp, timeout=datetime.timedelta(seconds=60)
-    )
-    try:
-        ps.initialize_model_parallel(tensor_model_parallel_size=case.tp)
         config = ModelParallelConfig(
             tensor_model_parallel_size=case.tp,
             sequence_parallel=case.sequence_parallel,
@@ -146,9 +137,6 @@ def linear_split_check(case: LinearCase, rank: int, init_method: str) -> dict[st
         uninstall_wgrad_hooks()
         mismatched = sorted(k for k in fused if not torch.equal(fused[k], split[k]))
         return {"rank": rank, "checked": sorted(fused), "mismatched": mismatched}
-    finally:
-        ps.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 def _deferral_probe(case: LinearCase) -> dict[str, Any]:
@@ -220,29 +208,14 @@ def _deferral_probe(case: LinearCase) -> dict[str, Any]:
 
 def linear_deferral_probe(case: LinearCase, rank: int, init_method: str) -> dict[str, Any]:
     """Which weight gradients a B and a W of a hooked megatron linear changed (B: none; each W: all)."""
-    from megatron_pp_ext.megatron.cpu import enable_cpu_mode
+    with rank_process_group(rank, case.tp, init_method, timeout_s=60.0, tp=case.tp, backend="auto"):
+        from ..runtime.wgrad_hooks import install_wgrad_hooks, uninstall_wgrad_hooks
 
-    enable_cpu_mode()
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from ..runtime.wgrad_hooks import install_wgrad_hooks, uninstall_wgrad_hooks
-
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=case.tp, timeout=datetime.timedelta(seconds=60)
-    )
-    try:
-        ps.initialize_model_parallel(tensor_model_parallel_size=case.tp)
         install_wgrad_hooks()
         try:
             return {"rank": rank, **_deferral_probe(case)}
         finally:
             uninstall_wgrad_hooks()
-    finally:
-        ps.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 @dataclass(frozen=True)
@@ -258,23 +231,16 @@ class LayerMemoryCase:
 
 def layer_memory_probe(case: LayerMemoryCase, rank: int, init_method: str) -> dict[str, Any]:
     """Bytes one transformer layer saves for backward per micro-batch, and what the store holds between B and W."""
-    from megatron_pp_ext.megatron.cpu import enable_cpu_mode
+    with rank_process_group(rank, case.tp, init_method, tp=case.tp):
+        import torch
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    enable_cpu_mode()
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_layer import TransformerLayer
+        from ..runtime.wgrad import get_weight_grad_store
+        from ..runtime.wgrad_hooks import install_wgrad_hooks
+        from .tiny_gpt import TinyGPTSpec, make_config
 
-    from ..runtime.wgrad import get_weight_grad_store
-    from ..runtime.wgrad_hooks import install_wgrad_hooks
-    from .tiny_gpt import TinyGPTSpec, make_config
-
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=case.tp)
-    try:
-        ps.initialize_model_parallel(tensor_model_parallel_size=case.tp)
         model_parallel_cuda_manual_seed(1)
         config = make_config(
             TinyGPTSpec(num_layers=1, hidden_size=case.hidden, num_attention_heads=case.heads),
@@ -338,6 +304,3 @@ def layer_memory_probe(case: LayerMemoryCase, rank: int, init_method: str) -> di
             "all_gather_bytes_unsplit_backward": unsplit_backward,
             "input_bytes": x.numel() * x.element_size(),
         }
-    finally:
-        ps.destroy_model_parallel()
-        dist.destroy_process_group()

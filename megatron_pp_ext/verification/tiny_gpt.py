@@ -167,6 +167,25 @@ def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
     return output, loss_func
 
 
+def run_forward_backward(
+    func: Any, spec: TinyGPTSpec, chunks: list[Any], batches: list[Any], *, chunk_list: bool, forward_only: bool = False
+) -> list[float]:
+    """Call a megatron-style forward-backward function once on this rank's ``chunks`` with ``batches`` (one
+    iterator over them per chunk); the losses this rank computed. ``chunk_list``: pass the chunks as a list
+    even when there is one (our executor takes a list; megatron's non-interleaved schedules one module)."""
+    out = func(
+        forward_step_func=forward_step,  # looked up per call: a test may patch it (verification/breaks.py)
+        data_iterator=[iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches),
+        model=chunks if chunk_list or len(chunks) > 1 else chunks[0],
+        num_microbatches=len(batches),
+        seq_length=spec.seq_length,
+        micro_batch_size=spec.micro_batch_size,
+        decoder_seq_length=spec.seq_length,
+        forward_only=forward_only,
+    )
+    return [float(d["lm loss"]) for d in out]
+
+
 def widen_to_float64(chunks: list[Any], config: Any) -> list[Any]:
     """The exact reference's model (:mod:`.criterion`): the same weights, widened exactly to float64."""
     config.params_dtype = config.pipeline_dtype = torch.float64

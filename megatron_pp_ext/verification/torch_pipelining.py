@@ -6,18 +6,18 @@ drive: the first stage takes token ids, later stages the hidden states ``[s, b, 
 ``set_input_tensor``), the last returns the logits and torch's ``loss_fn`` takes their mean token
 cross-entropy (megatron's loss with an all-ones mask). Every iteration then runs torch's schedule and
 ours on the same chunks, alternating which goes first; both are timed, both losses are kept, and one
-more iteration of each runs under :class:`~megatron_pp_ext.verification.verify.SavedBytesMeter`.
+more iteration of each runs under :class:`~megatron_pp_ext.verification.saved_bytes.SavedBytesMeter`.
 
 No data parallelism, no megatron DDP (plain ``.grad`` on both sides), no optimizer step.
 """
 
 from __future__ import annotations
 
-import datetime
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from .rank_setup import rank_process_group
 from .tiny_gpt import TinyGPTSpec
 
 TORCH_CLASSES = {"1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
@@ -35,25 +35,8 @@ class TorchRunSpec:
 
 
 def run_on_rank(spec: TorchRunSpec, rank: int, init_method: str) -> dict[str, Any]:
-    from megatron_pp_ext.megatron.cpu import enable_cpu_mode
-
-    enable_cpu_mode()
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    dist.init_process_group(
-        "gloo",
-        init_method=init_method,
-        rank=rank,
-        world_size=spec.pp,
-        timeout=datetime.timedelta(seconds=spec.timeout_s),
-    )
-    try:
-        ps.initialize_model_parallel(pipeline_model_parallel_size=spec.pp)
+    with rank_process_group(rank, spec.pp, init_method, timeout_s=spec.timeout_s, pp=spec.pp):
         return _run(spec, rank)
-    finally:
-        ps.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 def _run(spec: TorchRunSpec, rank: int) -> dict[str, Any]:
@@ -65,7 +48,7 @@ def _run(spec: TorchRunSpec, rank: int) -> dict[str, Any]:
     from ..runtime.executor import make_forward_backward_func
     from ..schedules import generate
     from . import tiny_gpt
-    from .verify import SavedBytesMeter
+    from .saved_bytes import SavedBytesMeter
 
     ours_schedule = generate(spec.schedule, spec.pp, spec.num_microbatches, v=spec.chunks if spec.chunks > 1 else None)
     placement = ours_schedule.placement
@@ -120,16 +103,7 @@ def _run(spec: TorchRunSpec, rank: int) -> dict[str, Any]:
 
     def run_ours(iteration: int) -> list[float]:
         batches = tiny_gpt.make_batches(spec.model, iteration, spec.num_microbatches)
-        out = ours(
-            forward_step_func=tiny_gpt.forward_step,
-            data_iterator=[iter(batches) for _ in chunks],
-            model=chunks,
-            num_microbatches=spec.num_microbatches,
-            seq_length=s,
-            micro_batch_size=b,
-            decoder_seq_length=s,
-        )
-        return [float(d["lm loss"]) for d in out]
+        return tiny_gpt.run_forward_backward(ours, spec.model, chunks, batches, chunk_list=True)
 
     runners = {"torch": run_theirs, "ours": run_ours}
     times: dict[str, list[float]] = {"torch": [], "ours": []}

@@ -139,8 +139,10 @@ def run_verify(args: argparse.Namespace) -> int:
     if too_many is not None:
         print(f"{PROG}: {too_many}", file=sys.stderr)
         return 2
+    from .rank_pool import VerifyRunError
+    from .report import report_lines
     from .tiny_gpt import TinyGPTSpec  # torch and megatron-core: imported once the request is known to fit
-    from .verify import VerifyRunError, verify_schedule
+    from .verify import verify_schedule
 
     bad = [f"{i}:{s}" for i, s in args.inject_inf if i >= args.iterations or s >= schedule.num_ranks]
     if bad:
@@ -180,28 +182,7 @@ def run_verify(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.to_json_dict()))
     else:
-        status = "OK" if report.ok else "MISMATCH"
-        print(
-            f"{status}: {report.schedule} p={report.p} m={report.m} v={report.v}, {report.iterations} iterations: "
-            f"{report.describe()}"
-        )
-        print(
-            f"  to megatron's fp32 reference: max rel grad diff {report.max_rel_grad_diff:.3g}, "
-            f"max abs loss diff {report.max_abs_loss_diff:.3g}"
-        )
-        print(f"  losses per iteration: {', '.join(f'{x:.6f}' for x in report.losses)}")
-        print(f"  peak activation bytes per rank: {report.peak_activation_bytes}")
-        print(f"  measured bubble rate per rank: {[round(x, 3) for x in report.measured_bubble_rate]}")
-        for rank, launches in enumerate(report.collectives):
-            print(f"  rank {rank} collectives (last iteration): {launches}")
-        for rank, info in enumerate(report.fsdp):
-            print(
-                f"  rank {rank} FSDP: {info['derived_unshards']} gathers derived, measured per iteration "
-                f"{info['all_gathers_per_iteration']}; {info['derived_reduce_scatters']} gradient reduce-scatters "
-                f"derived, measured {info['reduce_scatters_per_iteration']}; peak bytes {info['peak_bytes']}"
-            )
-        for problem in report.problems:
-            print(f"  problem: {problem}")
+        print("\n".join(report_lines(report)))
     if not report.ok:
         print(f"{PROG}: verify failed for {report.schedule}", file=sys.stderr)
         return 1
@@ -213,7 +194,8 @@ def run_verify(args: argparse.Namespace) -> int:
 def _run_post_validation(args: argparse.Namespace, schedule: Any, model: Any) -> int:
     from ..schedule_args import PROG
     from .post_validation_check import verify_post_validation
-    from .verify import VerifyRunError
+    from .rank_pool import VerifyRunError
+    from .report import post_validation_lines
 
     print(f"{PROG} verify: post-validation against megatron's synchronous step", file=sys.stderr, flush=True)
     try:
@@ -235,20 +217,7 @@ def _run_post_validation(args: argparse.Namespace, schedule: Any, model: Any) ->
     if args.json:
         print(json.dumps(pv.to_json_dict()))
     else:
-        status = "OK" if pv.ok else "MISMATCH"
-        print(
-            f"{status}: post-validation, {pv.compared} parameters after {pv.iterations} steps "
-            f"{'bitwise equal to' if pv.bitwise_equal else 'differ from'} megatron's synchronous step "
-            f"(max abs diff {pv.max_abs_weight_diff:.3g}); rollbacks {pv.rollbacks}, redone steps {pv.redos}, "
-            f"iterations run again {pv.stats[0].get('reruns', 0) if pv.stats else 0}"
-        )
-        for stage, stats in enumerate(pv.stats):
-            print(
-                f"  stage {stage}: eager {stats['eager']}, rollbacks {stats['rollbacks']}, redone {stats['redos']}, "
-                f"snapshot {stats['snapshot_bytes']} bytes"
-            )
-        for problem in pv.problems:
-            print(f"  problem: {problem}")
+        print("\n".join(post_validation_lines(pv)))
     if not pv.ok:
         print(f"{PROG}: post-validation differs from the synchronous step for {schedule.name}", file=sys.stderr)
         return 1

@@ -6,9 +6,9 @@ from typing import Any
 
 
 def run_with_w_that_computes_nothing(spec: Any, rank: int, init_method: str) -> dict[str, Any]:
-    """:func:`~megatron_pp_ext.verification.verify.run_on_rank` with every megatron-linear W closure a no-op."""
+    """:func:`~megatron_pp_ext.verification.rank_run.run_on_rank` with every megatron-linear W closure a no-op."""
     from megatron_pp_ext.runtime import wgrad_hooks
-    from megatron_pp_ext.verification.verify import run_on_rank
+    from megatron_pp_ext.verification.rank_run import run_on_rank
 
     original = wgrad_hooks._weight_grad_closure
 

@@ -19,9 +19,9 @@ POINT_TO_POINT = ("send", "recv", "isend", "irecv")
 
 
 def run_with_broken_rollback(spec: Any, rank: int, init_method: str) -> dict[str, Any]:
-    """:func:`~megatron_pp_ext.verification.verify.run_on_rank` whose snapshots restore nothing."""
+    """:func:`~megatron_pp_ext.verification.rank_run.run_on_rank` whose snapshots restore nothing."""
     from megatron_pp_ext.runtime import post_validation
-    from megatron_pp_ext.verification.verify import run_on_rank
+    from megatron_pp_ext.verification.rank_run import run_on_rank
 
     original = post_validation._Snapshot.restore
     post_validation._Snapshot.restore = lambda self: None  # type: ignore[method-assign]
@@ -39,7 +39,7 @@ def run_recording_step_communication(spec: Any, rank: int, init_method: str) -> 
     from megatron.core.optimizer.optimizer import ChainedOptimizer
 
     from megatron_pp_ext.runtime import post_validation
-    from megatron_pp_ext.verification.verify import run_on_rank
+    from megatron_pp_ext.verification.rank_run import run_on_rank
 
     calls: list[tuple[str, str, tuple[int, ...], int | None]] = []
     phase: list[str] = []

@@ -10,7 +10,6 @@ mismatch, parameters whose ``main_grad`` stayed zero, and how often megatron's g
 
 from __future__ import annotations
 
-import datetime
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -141,18 +140,12 @@ class _Null:
 
 
 def te_ddp_check(case: TEDDPCase, rank: int, init_method: str) -> dict[str, Any]:
-    from megatron_pp_ext.megatron.cpu import enable_cpu_mode
+    from megatron_pp_ext.verification.rank_setup import rank_process_group
 
-    enable_cpu_mode()
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+    world = case.tp * case.dp
+    with rank_process_group(rank, world, init_method, timeout_s=60.0, tp=case.tp):
+        import torch
 
-    dist.init_process_group(
-        "gloo", init_method=init_method, rank=rank, world_size=case.tp * case.dp, timeout=datetime.timedelta(seconds=60)
-    )
-    try:
-        ps.initialize_model_parallel(tensor_model_parallel_size=case.tp)
         ref = _run(case, split=False)
         split = _run(case, split=True)
         mismatched = [
@@ -167,6 +160,3 @@ def te_ddp_check(case: TEDDPCase, rank: int, init_method: str) -> dict[str, Any]
             "ready_counts": split["counts"],
             "ref_ready_counts": ref["counts"],
         }
-    finally:
-        ps.destroy_model_parallel()
-        dist.destroy_process_group()

@@ -11,8 +11,11 @@ from hypothesis import strategies as st
 from megatron_pp_ext.analysis.validate import validate
 from megatron_pp_ext.schedules import Schedule, generate
 from megatron_pp_ext.verification import criterion
+from megatron_pp_ext.verification.compare import compare
+from megatron_pp_ext.verification.rank_pool import VerifyRunError, check_errors
+from megatron_pp_ext.verification.reference import reference_runs
+from megatron_pp_ext.verification.run_spec import RunHooks, RunSpec
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
-from megatron_pp_ext.verification.verify import RunSpec, VerifyRunError, _check_errors, compare, reference_runs
 
 P, M = 2, 4
 MODEL = TinyGPTSpec(num_layers=4)  # 2 layers per stage (loop placements) or 1 (V / interleaved)
@@ -43,12 +46,12 @@ def candidates() -> tuple[str, ...]:
     return tuple(out)
 
 
-def _spec(csv0: str, csv1: str, **kw) -> RunSpec:
+def _spec(csv0: str, csv1: str, check_agreement: bool = True, **kw) -> RunSpec:
     return RunSpec(
         pp=P,
         num_microbatches=M,
         schedule_csv=csv0,
-        schedule_csv_overrides=((1, csv1),),
+        hooks=RunHooks(schedule_csv_overrides=((1, csv1),), check_agreement=check_agreement),
         model=MODEL,
         iterations=2,
         timeout_s=10.0,
@@ -111,7 +114,7 @@ def test_crossed_message_is_caught_where_it_lands_with_check_messages(pool):
 def test_same_schedule_with_check_messages_matches_reference(pool):
     csv = generate("v-half", P, M).to_csv()
     results = _run(pool, csv, csv, check_messages=True)
-    _check_errors(results)
+    check_errors(results)
     exact, reference = _reference(pool)
     report = compare("v-half", P, M, 2, reference, results, exact=exact)
     assert report.ok, report
@@ -135,7 +138,7 @@ def test_any_pair_of_schedules_trains_like_the_reference_or_fails_fast(pool, fir
     csv1 = csv0 if second is None else CANDIDATES[second]
     results = _run(pool, csv0, csv1)
     try:
-        _check_errors(results)
+        check_errors(results)
     except VerifyRunError as exc:
         assert csv0 != csv1
         assert "did not complete within" not in str(exc)  # stopped by the agreement or a checked message, not a wait
@@ -165,7 +168,7 @@ def test_ranks_that_disagree_after_a_replan_stop_there(pool):
         replan_schedule="zb-auto",
         replan_initial_costs="1,1,6,0",
         profile_iterations=1,
-        replan_overrides=((1, "zb-h1"),),
+        hooks=RunHooks(replan_overrides=((1, "zb-h1"),)),
         timeout_s=10.0,
     )
     results = pool.run(spec, wall_timeout_s=90)

@@ -11,8 +11,9 @@ from megatron_pp_ext.runtime import te_wgrad
 from megatron_pp_ext.runtime.grad_check import GradCheckError, GradCheckPolicy, GradWatch
 from megatron_pp_ext.runtime.te_wgrad import enable_te_wgrad
 from megatron_pp_ext.runtime.wgrad import WeightGradStore
+from megatron_pp_ext.verification.rank_pool import VerifyRunError, check_errors
+from megatron_pp_ext.verification.run_spec import RunSpec
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
-from megatron_pp_ext.verification.verify import RunSpec, VerifyRunError, _check_errors
 
 from . import te_standin as te
 from .grad_check_helpers import run_with_w_that_computes_nothing
@@ -106,7 +107,7 @@ def test_guard_runs_in_the_first_iteration_of_a_real_split_pipeline(pool):
     )
     results = pool.run_fn(run_with_w_that_computes_nothing, spec, spec.world_size, 300)
     with pytest.raises(VerifyRunError) as info:
-        _check_errors(results)
+        check_errors(results)
     text = str(info.value)
     assert "GradCheckError" in text and "no gradient for micro-batch(es) [0, 1, 2, 3]" in text
     assert "linear_fc1.weight" in text and "(chunk 0)" in text

@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_pp_ext.schedules import generate, lower
+from megatron_pp_ext.verification.run_spec import OURS, RunSpec
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
-from megatron_pp_ext.verification.verify import OURS, RunSpec
 
 CASES = [("zb-h2", 2, 4), ("v-zb", 2, 4), ("interleaved-1f1b", 2, 4), ("1f1b", 4, 8)]
 

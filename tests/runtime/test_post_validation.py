@@ -146,8 +146,8 @@ def test_no_collective_crosses_stages_inside_the_step(pool, tp):
 
 def test_megatrons_step_crosses_stages(pool):
     """The recorder sees megatron's own cross-stage all-reduces (so the check above can fail)."""
+    from megatron_pp_ext.verification.run_spec import RunSpec
     from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
-    from megatron_pp_ext.verification.verify import RunSpec
 
     schedule = _schedule(2)
     spec = RunSpec(

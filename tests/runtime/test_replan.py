@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from megatron_pp_ext.verification import criterion
+from megatron_pp_ext.verification.compare import compare
+from megatron_pp_ext.verification.rank_pool import check_errors
+from megatron_pp_ext.verification.reference import reference_runs
+from megatron_pp_ext.verification.run_spec import OURS, RunSpec
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
-from megatron_pp_ext.verification.verify import OURS, RunSpec, _check_errors, compare, reference_runs
 
 
 def test_zb_auto_replans_mid_training_with_identical_math(pool):
@@ -28,7 +31,7 @@ def test_zb_auto_replans_mid_training_with_identical_math(pool):
     )
     exact, ref = reference_runs(pool, spec)
     run = pool.run(spec)
-    _check_errors(run)
+    check_errors(run)
     used = run[0]["schedules_used"]
     assert used[0] != used[-1], "the re-planned schedule should differ from the initial one"
     assert all(r["measured_costs"] is not None for r in run)

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_pp_ext.runtime.replica_sync import replica_sync_check
 from megatron_pp_ext.schedules import generate
-from megatron_pp_ext.verification.verify import _check_errors
+from megatron_pp_ext.verification.rank_pool import check_errors
+from megatron_pp_ext.verification.replica_sync_check import replica_sync_check
 
 
 @pytest.mark.parametrize("case", [("bitpipe", 4, 8), ("bitpipe-zb", 2, 4)])
 def test_replica_syncer_sums_mirror_copies_at_the_plan_gaps(pool, case):
     name, p, m = case
     results = pool.run_fn(replica_sync_check, case, p, 120)
-    _check_errors(results)
+    check_errors(results)
     placement = generate(name, p, m).placement
     for rank, result in enumerate(results):
         mirror = p - 1 - rank

@@ -8,11 +8,13 @@ import pytest
 
 from megatron_pp_ext.runtime.wgrad import WeightGradError, WeightGradStore
 from megatron_pp_ext.schedules import Schedule
+from megatron_pp_ext.verification.rank_pool import VerifyRunError, check_errors
+from megatron_pp_ext.verification.run_spec import RunSpec
 from megatron_pp_ext.verification.selfcheck import LinearCase, linear_deferral_probe, linear_split_check
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
-from megatron_pp_ext.verification.verify import RunSpec, VerifyRunError, _check_errors, verify_schedule
+from megatron_pp_ext.verification.verify import verify_schedule
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "runtime" / "data"  # shared with tests/runtime/test_grad_check.py
 
 LAYER_CASES = [
     LinearCase("column", tp=1, bias=True),
@@ -35,7 +37,7 @@ LAYER_CASES = [
 )
 def test_b_now_w_later_is_bitwise_the_fused_backward(pool, case):
     results = pool.run_fn(linear_split_check, case, case.tp, 180)
-    _check_errors(results)
+    check_errors(results)
     for result in results:
         assert result["mismatched"] == [], result
         assert any(name.startswith("x") for name in result["checked"])
@@ -56,7 +58,7 @@ PROBE_CASES = [
 def test_b_defers_every_weight_gradient_and_each_w_computes_them(pool, case):
     """Fails if B falls back to the fused backward (computes a weight gradient) or a W computes nothing."""
     results = pool.run_fn(linear_deferral_probe, case, case.tp, 180)
-    _check_errors(results)
+    check_errors(results)
     # RowParallelLinear adds its bias after the reduction, outside the linear's autograd function: autograd
     # computes that bias gradient in B (wgrad_hooks.py lists it among the gradients that stay in B).
     in_b = ["bias"] if case.layer == "row" and case.bias else []
@@ -85,7 +87,7 @@ def test_missing_w_fails_naming_chunk_and_microbatch(pool):
     )
     results = pool.run(spec)
     with pytest.raises(VerifyRunError) as info:
-        _check_errors(results)
+        check_errors(results)
     message = str(info.value)
     assert "pipeline rank 1" in message
     assert "chunk 0 micro-batch 2" in message

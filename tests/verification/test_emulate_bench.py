@@ -16,7 +16,7 @@ import pytest
 from megatron_pp_ext.cli import main
 from megatron_pp_ext.schedules import generate
 from megatron_pp_ext.schedules.ir import Op, OpKind
-from megatron_pp_ext.verification import emulate_bench, emulate_report
+from megatron_pp_ext.verification import emulate_bench, emulate_report, emulate_results
 from megatron_pp_ext.verification.emulate import PaddedTracer
 
 
@@ -39,14 +39,14 @@ def test_bad_input_is_one_line_before_any_rank(capsys, monkeypatch, flags, messa
     def no_ranks(*args, **kwargs):
         raise AssertionError("a rank pool was started")
 
-    monkeypatch.setattr("megatron_pp_ext.verification.verify.RankPool", no_ranks)
+    monkeypatch.setattr("megatron_pp_ext.verification.rank_pool.RankPool", no_ranks)
     assert main(["bench", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("megatron-pp: error: ") and message in err and err.count("\n") == 1, err
 
 
 def test_a_failed_rank_is_one_error_and_exit_status_1(capsys, monkeypatch) -> None:
-    from megatron_pp_ext.verification.verify import VerifyRunError
+    from megatron_pp_ext.verification.rank_pool import VerifyRunError
 
     def fails(settings, pool=None, say=print):
         raise VerifyRunError("rank 1: PipelineCommError: recv timed out")
@@ -87,12 +87,12 @@ def test_padded_tracer_pads_every_op_and_accounts_for_the_gaps() -> None:
     assert len(tracer.iterations) == 1  # the base tracer's record too
 
 
-def _outcome(rows: list[emulate_bench.Row], settings: emulate_bench.Settings) -> emulate_bench.Outcome:
-    return emulate_bench.Outcome(settings, 0.2, 0.1, rows, {"gpipe": "refused"}, (0.5, 0.6), 1.0)
+def _outcome(rows: list[emulate_results.Row], settings: emulate_results.Settings) -> emulate_results.Outcome:
+    return emulate_results.Outcome(settings, 0.2, 0.1, rows, {"gpipe": "refused"}, (0.5, 0.6), 1.0)
 
 
-def _settings(p: int = 2, m: int = 4) -> emulate_bench.Settings:
-    return emulate_bench.Settings(p, m, ("1f1b",), 2, 1, 2.0, 2.0, 1.0, None, command=f"cmd p={p} m={m}")
+def _settings(p: int = 2, m: int = 4) -> emulate_results.Settings:
+    return emulate_results.Settings(p, m, ("1f1b",), 2, 1, 2.0, 2.0, 1.0, None, command=f"cmd p={p} m={m}")
 
 
 def test_results_block_is_replaced_not_appended(tmp_path: Path) -> None:
@@ -102,16 +102,16 @@ def test_results_block_is_replaced_not_appended(tmp_path: Path) -> None:
         emulate_report.write_block(str(results), _settings(p, m), text)
     out = results.read_text()
     assert out.startswith("# Results\n\nkept\n\n## Later section\n")
-    assert out.count(emulate_bench.BEGIN) == 1 and out.count(f"## {emulate_bench.SECTION}") == 1
+    assert out.count(emulate_results.BEGIN) == 1 and out.count(f"## {emulate_results.SECTION}") == 1
     assert "first" not in out and out.index("### p = 2, m = 4\n\nsecond") < out.index("### p = 2, m = 8\n\nother")
-    assert out.rstrip().endswith(emulate_bench.END)
+    assert out.rstrip().endswith(emulate_results.END)
 
 
 @pytest.mark.gloo
 def test_emulated_run_pads_every_op_and_reports_every_schedule(pool, tmp_path: Path) -> None:
     """p=2, m=4, tiny pads: every op of ours and of megatron's lasted at least its pad, every op was padded
     (counted against the schedule), one table row per schedule, one breakdown row per schedule and rank."""
-    settings = emulate_bench.Settings(
+    settings = emulate_results.Settings(
         p=2,
         m=4,
         schedules=("1f1b", "zb-h1", "interleaved-1f1b"),

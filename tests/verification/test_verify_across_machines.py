@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from megatron_pp_ext.schedules import generate
-from megatron_pp_ext.verification.verify import RankPool, verify_schedule
+from megatron_pp_ext.verification.rank_run import RankPool
+from megatron_pp_ext.verification.verify import verify_schedule
 
 NATIVE = torch.backends.cpu.get_cpu_capability().lower()
 # (capability, threads): kernels other than this machine's, and two threads

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from megatron_pp_ext.schedules import Schedule, generate
+from megatron_pp_ext.verification.rank_pool import VerifyRunError, check_errors
+from megatron_pp_ext.verification.run_spec import NATIVE, OURS, RunHooks, RunSpec
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
-from megatron_pp_ext.verification.verify import NATIVE, OURS, RunSpec, VerifyRunError, _check_errors, verify_schedule
+from megatron_pp_ext.verification.verify import verify_schedule
 
 CASES = [
     ("1f1b", 2, 1, None),  # m < p
@@ -36,7 +38,7 @@ def test_verify_matches_reference(pool, name, p, m, v):
 
 
 def _losses_and_grads(results):
-    _check_errors(results)
+    check_errors(results)
     losses = [r["losses"] for r in results]
     grads = {k: g for r in results for step in r["grads"] for k, g in step.items()}
     return losses, grads
@@ -86,17 +88,19 @@ def test_mismatched_schedule_fails_fast_naming_rank_and_op(pool):
         pp=2,
         num_microbatches=2,
         schedule_csv=good.to_csv(),
-        schedule_csv_overrides=(
-            (1, Schedule.from_csv(longer.to_csv()).to_csv().replace("microbatches=3", "microbatches=2")),
-        ),
         model=TinyGPTSpec(num_layers=2),
         iterations=1,
         timeout_s=5.0,
-        check_agreement=False,
+        hooks=RunHooks(
+            schedule_csv_overrides=(
+                (1, Schedule.from_csv(longer.to_csv()).to_csv().replace("microbatches=3", "microbatches=2")),
+            ),
+            check_agreement=False,
+        ),
     )
     results = pool.run(spec, wall_timeout_s=120)  # a hang guard; the verdict is the message (a 5 s receive timeout)
     with pytest.raises(VerifyRunError) as info:
-        _check_errors(results)
+        check_errors(results)
     message = str(info.value)
     assert "pipeline rank 1" in message
     assert "did not complete within 5s" in message
@@ -109,7 +113,7 @@ def test_mismatched_schedule_fails_fast_naming_rank_and_op(pool):
 def test_ab_mode_runs_megatron_and_ours_with_equal_losses_and_saved_bytes(pool, name, p, m, v):
     """Mode AB (bench_peer_runs.py): megatron's 1F1B / interleaved 1F1B and ours, alternating, same losses;
     the saved-bytes meter sees the same peak for both (same op order, same math)."""
-    from megatron_pp_ext.verification.verify import AB
+    from megatron_pp_ext.verification.run_spec import AB
 
     csv = generate(name, p, m, v=v).to_csv()
     results = pool.run(
@@ -123,7 +127,7 @@ def test_ab_mode_runs_megatron_and_ours_with_equal_losses_and_saved_bytes(pool, 
             megatron_overlap_p2p=p == 2 and v is not None,  # megatron's batched p2p is wrong at PP=2 interleaved
         )
     )
-    _check_errors(results)
+    check_errors(results)
     for r in results:
         assert r["losses"][NATIVE] == r["losses"][OURS] and len(r["losses"][OURS]) == 2
         assert r["peak_saved_bytes"][NATIVE] == r["peak_saved_bytes"][OURS] > 0
@@ -137,7 +141,7 @@ def test_trace_keeps_the_last_iterations_ops_on_one_clock(pool):
         pp=2, num_microbatches=3, schedule_csv=schedule.to_csv(), trace=True, model=TinyGPTSpec(num_layers=2)
     )
     results = pool.run(spec)
-    _check_errors(results)
+    check_errors(results)
     ops = {r["pp_rank"]: r["trace"]["last_iteration_ops"] for r in results}
     for rank, row in ops.items():
         assert [op for op, _, _ in row] == [str(op) for op in schedule.ops[rank]]
@@ -156,9 +160,9 @@ def test_finished_megatron_ddp_runs_release_their_process_groups(pool):
     worker that never collected them kept ~19 more gloo threads per run (spinning once the peers were gone:
     hundreds by the end of a suite). Two further DDP runs leave the worker's gloo threads where they were."""
     spec = RunSpec(pp=1, mode=NATIVE, num_microbatches=2, dp=2, model=TinyGPTSpec(num_layers=2), iterations=1)
-    _check_errors(pool.run(spec))
+    check_errors(pool.run(spec))
     before = pool.run_fn(_gloo_threads, None, 2, 60)
     for _ in range(2):
-        _check_errors(pool.run(spec))
+        check_errors(pool.run(spec))
     after = pool.run_fn(_gloo_threads, None, 2, 60)
     assert after == before, (before, after)

@@ -6,11 +6,11 @@ from typing import Any
 
 
 def run_with_recording_hook(spec: Any, rank: int, init_method: str) -> dict[str, Any]:
-    """:func:`~megatron_pp_ext.verification.verify.run_on_rank` where each chunk's overlap hook records its
+    """:func:`~megatron_pp_ext.verification.rank_run.run_on_rank` where each chunk's overlap hook records its
     calls and runs the pair backward first (a hook may order the two ops as it likes)."""
     from megatron_pp_ext.runtime.overlap import HOOK_ATTRIBUTE, OverlapStep
     from megatron_pp_ext.verification import tiny_gpt
-    from megatron_pp_ext.verification.verify import run_on_rank
+    from megatron_pp_ext.verification.rank_run import run_on_rank
 
     calls: list[tuple[str, str, int, int]] = []
     original = tiny_gpt.build_chunks

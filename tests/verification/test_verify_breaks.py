@@ -13,6 +13,7 @@ import pytest
 from megatron_pp_ext.schedules import generate
 from megatron_pp_ext.verification import criterion
 from megatron_pp_ext.verification.breaks import BREAKS
+from megatron_pp_ext.verification.run_spec import RunHooks
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
 from megatron_pp_ext.verification.verify import verify_schedule
 
@@ -35,7 +36,9 @@ def test_every_break_has_a_case():
 def test_break_is_caught_far_outside_the_bound(pool, fault):
     name, p, m, dp, options = CASES[fault]
     iterations = 2 if fault == "fsdp-stale-shards" else 1  # stale weights show from the second iteration on
-    report = verify_schedule(generate(name, p, m), pool, dp=dp, iterations=iterations, breaks=(fault,), **options)
+    report = verify_schedule(
+        generate(name, p, m), pool, dp=dp, iterations=iterations, hooks=RunHooks(breaks=(fault,)), **options
+    )
     print(f"{fault}: {report.describe()}")
     assert not report.ok
     assert report.worst_ratio is not None and report.worst_ratio >= 100 * criterion.GROWTH, report.describe()
@@ -47,5 +50,7 @@ def test_break_is_caught_by_a_fixed_tolerance_too(pool):
     """``--tolerance`` keeps its meaning (a bound on the max relative gradient difference)."""
     fault = "dp-reduction-missing"
     name, p, m, dp, options = CASES[fault]
-    report = verify_schedule(generate(name, p, m), pool, dp=dp, iterations=1, breaks=(fault,), tol=1e-3, **options)
+    report = verify_schedule(
+        generate(name, p, m), pool, dp=dp, iterations=1, hooks=RunHooks(breaks=(fault,)), tol=1e-3, **options
+    )
     assert not report.ok and report.max_rel_grad_diff > 1e-3

@@ -3,51 +3,48 @@ CUDA tensors over gloo on the GPU machine), and zb-h1 run that way against megat
 
 from __future__ import annotations
 
-import datetime
 from typing import Any
 
 from megatron_pp_ext.verification.gpu_check import pipeline
-from megatron_pp_ext.verification.verify import _check_errors
+from megatron_pp_ext.verification.rank_pool import check_errors
+from megatron_pp_ext.verification.rank_setup import rank_process_group
 
 
 def exchange(payload: Any, rank: int, init_method: str) -> dict[str, Any]:
     """On each of 2 ranks: one staged batch that sends this rank's values and receives the other's."""
     import torch
-    import torch.distributed as dist
 
     from megatron_pp_ext.verification import host_staging
 
-    host_staging.prepare_rank("cpu", stage_p2p_through_host=True)
-    dist.init_process_group(
-        "gloo", init_method=init_method, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
-    )
     try:
-        sent = torch.arange(6, dtype=torch.float32) + 10 * rank
-        received = torch.zeros(6, requires_grad=True)  # like the executor's activation buffers
-        works = dist.batch_isend_irecv(
-            [dist.P2POp(dist.isend, sent, 1 - rank), dist.P2POp(dist.irecv, received, 1 - rank)]
-        )
-        for work in works:
-            work.wait()
-        # megatron DDP's reduction over a data-parallel group of one rank, inside a coalescing manager (gloo
-        # refuses the coalesced all-reduce of CUDA tensors): returns at once, the tensor unchanged
-        solo = [dist.new_group([0]), dist.new_group([1])][rank]
-        grads = torch.full((3,), 2.0)
-        with dist._coalescing_manager(solo):
-            skipped = dist.all_reduce(grads, group=solo) is None
-        return {
-            "kinds": [type(w).__name__ for w in works],
-            "received": received.detach().tolist(),
-            "solo_reduce": (skipped, grads.tolist()),
-        }
+        with rank_process_group(
+            rank, 2, init_method, timeout_s=60.0, device="cpu", stage_p2p_through_host=True
+        ) as dist:
+            sent = torch.arange(6, dtype=torch.float32) + 10 * rank
+            received = torch.zeros(6, requires_grad=True)  # like the executor's activation buffers
+            works = dist.batch_isend_irecv(
+                [dist.P2POp(dist.isend, sent, 1 - rank), dist.P2POp(dist.irecv, received, 1 - rank)]
+            )
+            for work in works:
+                work.wait()
+            # megatron DDP's reduction over a data-parallel group of one rank, inside a coalescing manager (gloo
+            # refuses the coalesced all-reduce of CUDA tensors): returns at once, the tensor unchanged
+            solo = [dist.new_group([0]), dist.new_group([1])][rank]
+            grads = torch.full((3,), 2.0)
+            with dist._coalescing_manager(solo):
+                skipped = dist.all_reduce(grads, group=solo) is None
+            return {
+                "kinds": [type(w).__name__ for w in works],
+                "received": received.detach().tolist(),
+                "solo_reduce": (skipped, grads.tolist()),
+            }
     finally:
-        dist.destroy_process_group()
         host_staging.uninstall()
 
 
 def test_staged_messages_arrive(pool):
     results = pool.run_fn(exchange, None, 2, 300)
-    _check_errors(results)
+    check_errors(results)
     for rank, result in enumerate(results):
         assert result["kinds"] == ["_StagedSend", "_StagedRecv"]  # the staging path, not gloo's own
         assert result["received"] == [float(x + 10 * (1 - rank)) for x in range(6)]

@@ -6,8 +6,12 @@ import pytest
 
 from megatron_pp_ext.schedules import generate
 from megatron_pp_ext.verification import criterion
+from megatron_pp_ext.verification.compare import compare
+from megatron_pp_ext.verification.rank_pool import check_errors
+from megatron_pp_ext.verification.reference import reference_runs
+from megatron_pp_ext.verification.run_spec import OURS, RunSpec
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
-from megatron_pp_ext.verification.verify import OURS, RunSpec, _check_errors, compare, reference_runs, verify_schedule
+from megatron_pp_ext.verification.verify import verify_schedule
 
 from .overlap_helpers import run_with_recording_hook
 
@@ -29,7 +33,7 @@ def test_overlap_hook_runs_every_pair_and_matches_reference(pool, p: int, m: int
     spec = RunSpec(pp=p, num_microbatches=m, mode=OURS, schedule_csv=schedule.to_csv(), split_backward=True, **common)
     exact, ref = reference_runs(pool, spec)
     run = pool.run_fn(run_with_recording_hook, spec, p, 300)
-    _check_errors(run)
+    check_errors(run)
     for rank, result in enumerate(run):
         row = schedule.ops[rank]
         expected = [(str(row[i]), str(row[i + 1])) for i in schedule.overlap_pairs[rank]] * common["iterations"]

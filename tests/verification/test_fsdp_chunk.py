@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_pp_ext.verification.fsdp_check import FsdpCase, fsdp_check
-from megatron_pp_ext.verification.verify import RankPool, _check_errors
+from megatron_pp_ext.verification.rank_pool import check_errors
+from megatron_pp_ext.verification.rank_run import RankPool
 
 pytestmark = pytest.mark.gloo
 
@@ -19,7 +20,7 @@ def pool():
 
 def _run(pool: RankPool, case: FsdpCase) -> list[dict]:
     results = pool.run_fn(fsdp_check, case, case.dp, 240)
-    _check_errors(results)
+    check_errors(results)
     for r in results:
         assert r["problems"] == [], r["problems"]
     return results
@@ -114,7 +115,7 @@ def test_backward_of_a_resharded_chunk_fails_clearly(pool):
 
 def test_a_missing_peer_times_out_naming_rank_and_op(pool):
     results = pool.run_fn(fsdp_check, FsdpCase(skip_unshard_on_rank=1, timeout_s=2.0), 2, 120)
-    _check_errors(results)
+    check_errors(results)
     message = results[0]["timeout_error"]
     assert "rank 0" in message and "all-gather (unshard)" in message and "chunk 0" in message
 

@@ -1,0 +1,70 @@
+"""What ``megatron-pp bench --emulate`` measured, as data: the checked settings, one row of figures per
+schedule and the whole outcome, with the names of its section in a results file. Shared by the run
+(:mod:`.emulate_bench`) and its report (:mod:`.emulate_report`); imports neither."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+BASELINE = "1f1b"  # the schedule every gain is over
+P2P_ROUNDS = 50  # round trips timed for the measured p2p time
+SECTION = "Emulated compute on real ranks"
+BEGIN, END = "<!-- emulated:begin -->", "<!-- emulated:end -->"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Checked ``--emulate`` input."""
+
+    p: int
+    m: int
+    schedules: tuple[str, ...]
+    iterations: int
+    warmup: int
+    t_f: float
+    t_b: float
+    t_w: float
+    comm_ms: float | None  # None: measured
+    write: str | None = None
+    plots: str | None = None
+    command: str = ""
+
+
+@dataclass
+class Row:
+    """One schedule's figures (times in ms)."""
+
+    name: str
+    v: int
+    simulated: float
+    measured: float = float("nan")
+    sim_gain: float = float("nan")
+    measured_gain: float = float("nan")
+    native: str | None = None
+    native_measured: float = float("nan")
+    ours_vs_native: float = float("nan")  # median over iterations of ours / megatron's
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # per rank: median breakdown (ms)
+    ops: int = 0  # padded ops traced (all ranks, timed iterations)
+    short_ops: int = 0  # ops that ended before their pad (must be 0)
+    over_pad: int = 0  # ops whose real compute exceeded their pad
+    real_ms: dict[str, tuple[float, float]] = field(default_factory=dict)  # per kind: real compute, median and max
+    native_ops: int = 0
+    native_short_ops: int = 0
+    native_over_pad: int = 0
+    native_real_ms: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        return self.measured / self.simulated if self.simulated > 0 else float("nan")
+
+
+@dataclass
+class Outcome:
+    settings: Settings
+    comm_ms: float
+    comm_fastest_ms: float | None  # measured: the fastest of the round trips, halved
+    rows: list[Row]
+    skipped: dict[str, str]
+    load: tuple[float, float]  # 1-minute load average at start and end
+    seconds: float

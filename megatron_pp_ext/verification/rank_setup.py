@@ -1,0 +1,108 @@
+"""A rank process's distributed set-up and teardown, written once for every rank job of this package.
+
+A rank job (:class:`~.rank_pool.RankPool` runs it, or a test spawns it) needs the same steps around
+its work: the device set-up (megatron's CPU shims, or GPU 0 for ``verify``'s GPU check), the default
+process group, megatron's model-parallel groups, and on the way out both torn down again, because pool
+workers are reused by the next job. :func:`rank_process_group` does those steps as one context manager;
+:func:`single_rank_group` is the one-rank variant for checks that run inside the calling process and
+keep their group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+DEVICES = ("auto", "cpu", "cuda", "none")
+
+
+def prepare_device(device: str, stage_p2p_through_host: bool = False) -> None:
+    """``"auto"``: megatron's CPU shims unless this machine has a GPU (the self-checks that also run on
+    GPUs); ``"cpu"`` / ``"cuda"``: :func:`~.host_staging.prepare_rank` (CPU shims forced, or GPU 0 with
+    host-staged p2p); ``"none"``: nothing (plain torch, no megatron)."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "none":
+        return
+    if device == "auto":
+        from ..megatron.cpu import enable_cpu_mode, hide_missing_accelerator_warnings
+
+        hide_missing_accelerator_warnings(announce=False)  # before enable_cpu_mode imports megatron
+        enable_cpu_mode()
+        return
+    from .host_staging import prepare_rank
+
+    prepare_rank(device, stage_p2p_through_host)
+
+
+def _timeout(seconds: float | None) -> dict[str, Any]:
+    return {} if seconds is None else {"timeout": datetime.timedelta(seconds=seconds)}
+
+
+@contextlib.contextmanager
+def rank_process_group(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    *,
+    timeout_s: float | None = None,
+    tp: int | None = None,
+    pp: int | None = None,
+    device: str = "auto",
+    stage_p2p_through_host: bool = False,
+    backend: str = "gloo",
+) -> Iterator[Any]:
+    """Set this rank up (:func:`prepare_device`), join the ``world_size``-rank group at ``init_method``
+    and, unless ``tp`` and ``pp`` are both None, build megatron's model-parallel groups of those sizes
+    (None counts as 1); yields ``torch.distributed``. On exit, whatever happened inside: the
+    model-parallel groups and the process group are destroyed and the cycle collector runs.
+
+    ``timeout_s``: the groups' collective timeout (None: torch's default). ``backend``: ``"gloo"``, or
+    ``"auto"`` for NCCL where CUDA is available after the device set-up (the GPU runs of the self-checks).
+    """
+    prepare_device(device, stage_p2p_through_host)
+    import torch
+    import torch.distributed as dist
+
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    model_parallel = tp is not None or pp is not None
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, **_timeout(timeout_s))
+    try:
+        if model_parallel:
+            from megatron.core import parallel_state as ps
+
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp or 1, pipeline_model_parallel_size=pp or 1)
+        yield dist
+    finally:
+        if model_parallel:
+            from megatron.core import parallel_state as ps
+
+            ps.destroy_model_parallel()
+        dist.destroy_process_group()
+        # A run's megatron modules form reference cycles (the config holds DDP's bound sync functions, the
+        # modules hold the config) that keep its process groups alive until the cycle collector runs, and
+        # an idle pool worker allocates too little to trigger it: collect now, or each run's gloo groups
+        # (~19 threads per run, spinning once their peers are gone) pile up in the reused worker.
+        gc.collect()
+
+
+def single_rank_group(timeout_s: float = 60.0) -> None:
+    """This process as a one-rank gloo world on a free local port with megatron's model-parallel groups
+    of size one, unless already set up; kept for the rest of the process (checks that run in the caller)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, **_timeout(timeout_s)
+        )
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=1)
