@@ -142,12 +142,6 @@ def test_no_cycle_at_load_time() -> None:
 
 REGISTRY = ("megatron_pp_ext.schedules.registry", "megatron_pp_ext.schedules.generators")
 
-# Circles being removed elsewhere; each is named by its modules. Empty this set once they are gone.
-KNOWN_CIRCLES = {
-    frozenset({"megatron_pp_ext.megatron.arguments", "megatron_pp_ext.megatron.fsdp_training"}),
-    frozenset({"megatron_pp_ext.verification.emulate_bench", "megatron_pp_ext.verification.emulate_report"}),
-}
-
 
 def _is_registry(component: list[str]) -> bool:
     """The schedules' self-registration: ``registry`` loads ``generators``, whose modules register with it."""
@@ -159,7 +153,7 @@ def test_one_circle_in_the_whole_package() -> None:
     found = cycles(import_graph(top_level=False))
     registry = [c for c in found if _is_registry(c)]
     assert len(registry) <= 1, registry
-    others = [c for c in found if not _is_registry(c) and frozenset(c) not in KNOWN_CIRCLES]
+    others = [c for c in found if not _is_registry(c)]
     assert not others, "import circles besides the registry's:\n" + "\n".join(" <-> ".join(c) for c in others)
 
 
