@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import math
 import time
+from collections import OrderedDict
 from typing import Any
 
 from . import rank_pool
@@ -351,7 +352,15 @@ def _replanning_source(spec: RunSpec, p: int, pp_rank: int = 0) -> Any:
 
 
 class RankPool(rank_pool.RankPool):
-    """A :class:`~.rank_pool.RankPool` that also runs training specs."""
+    """A :class:`~.rank_pool.RankPool` that also runs training specs.
+
+    ``references`` keeps the results of the reference runs made on this pool, by spec
+    (:func:`.reference.reference_runs`): the pool's processes are one machine configuration (kernels,
+    threads), so a reference run again on them repeats the same operations in the same order."""
+
+    def __init__(self, size: int, grace_s: float = 15.0, on_progress: Any = None) -> None:
+        super().__init__(size, grace_s, on_progress)
+        self.references: OrderedDict[RunSpec, list[dict[str, Any]]] = OrderedDict()
 
     def run(self, spec: RunSpec, wall_timeout_s: float | None = None) -> list[dict[str, Any]]:
         """Run one training run (:func:`run_on_rank`) on ``spec.world_size`` ranks."""

@@ -8,6 +8,7 @@ megatron's 1F1B on the same ranks (:func:`is_megatron_1f1b`).
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from .rank_pool import check_errors
@@ -56,16 +57,33 @@ def reference_specs(spec: RunSpec) -> tuple[RunSpec, RunSpec]:
     return exact, reference
 
 
+# A reference does not depend on the schedule under test (``pp = 1``, megatron's own schedule), only on
+# the model, data, training and data-parallel grouping, and a run with the same spec on the same pool
+# (the same machine configuration) repeats the same operations in the same order (seeded data and
+# weights, no dropout, a fixed reduction order): verifying several schedules of one shape (a sweep, a
+# parametrized test) runs each reference once. The most recent ones are kept in ``pool.references``.
+_KEEP = 32  # tiny models: a reference's losses and gradients are a few hundred kB
+
+
 def reference_runs(
     pool: RankPool, spec: RunSpec, phase: Any = None
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Run :func:`reference_specs` of ``spec`` on ``pool``: ``(exact, reference)`` results, checked.
-    ``phase`` (callable(text)) is told which reference is running."""
+    ``phase`` (callable(text)) is told which reference is running. A reference already run in this
+    pool with the same spec is not run again (``pool.references``)."""
     results = []
     names = ("exact reference (float64)", "megatron's fp32 reference")
     for name, ref_spec in zip(names, reference_specs(spec), strict=True):
+        done = pool.references
+        if ref_spec in done:
+            done.move_to_end(ref_spec)
+            results.append(copy.deepcopy(done[ref_spec]))
+            continue
         if phase is not None:
             phase(name)
         results.append(pool.run(ref_spec))
         check_errors(results[-1])
+        done[ref_spec] = copy.deepcopy(results[-1])
+        while len(done) > _KEEP:
+            done.popitem(last=False)
     return results[0], results[1]
