@@ -35,17 +35,14 @@ MODES = ("ddp", "distributed-optimizer", "fsdp")
 
 
 def cases(ps: list[int]) -> list[tuple[str, int, int, int, str]]:
+    """Schedules innermost: consecutive cases share their references (verify runs each once per pool)."""
+    names = [n for n in registry.names() if n != "v-block"]
+    fsdp = {n: registry.get(n).capabilities.data_parallel.fsdp != "no" for n in names}
     out = []
-    for name in registry.names():
-        if name == "v-block":
-            continue
-        fsdp = registry.get(name).capabilities.data_parallel.fsdp != "no"
-        for p in ps:
-            for m in range(1, 2 * p + 2):
-                out.append((name, p, m, 1, "ddp"))
-                for mode in MODES:
-                    if mode != "fsdp" or fsdp:
-                        out.append((name, p, m, 2, mode))
+    for p in ps:
+        for m in range(1, 2 * p + 2):
+            for dp, mode in [(1, "ddp"), *((2, mode) for mode in MODES)]:
+                out.extend((name, p, m, dp, mode) for name in names if mode != "fsdp" or fsdp[name])
     return out
 
 
