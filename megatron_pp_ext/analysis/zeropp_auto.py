@@ -201,10 +201,10 @@ def choose_unit_size(
             m,
             unit,
             v=v,
-            costs=costs,
+            costs=costs,  # type: ignore[arg-type]  # any object with t_f, t_b, t_w, as the generators take
             dp=dp,
             dp_bandwidth=dp_bandwidth,
-            param_bytes=param_bytes,  # type: ignore[arg-type]
+            param_bytes=param_bytes,
             fsdp=fsdp,
             activation_bytes=activation_bytes,
             memory_limit=cap,

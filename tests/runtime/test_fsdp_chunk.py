@@ -6,6 +6,7 @@ import pytest
 
 from megatron_pp_ext.verification.fsdp_check import FsdpCase, fsdp_check
 from megatron_pp_ext.verification.verify import RankPool, _check_errors
+from tests.tiers import launches_ranks
 
 pytestmark = pytest.mark.gloo
 
@@ -13,6 +14,7 @@ TOL = 1e-6
 
 
 @pytest.fixture(scope="module")
+@launches_ranks
 def pool():
     """Two ranks for this module only (the session pool of conftest spawns four)."""
     with RankPool(2) as ranks:
