@@ -4,11 +4,11 @@ Installed around every unmarked test by the root ``tests/conftest.py`` (in both 
 missing marker too). A rank launch fails at once with one line naming the test and the launch, instead of running
 for minutes in the fast tier:
 
-* ``torch.distributed.init_process_group`` (any process group, even of one rank), in the test's process;
+* ``torch.distributed.init_process_group`` (any process group, even of one rank);
 * a ``multiprocessing`` worker process (the rank pool spawns its ranks that way);
 * a ``torchrun`` / ``python -m torch.distributed.run`` subprocess.
 
-The last two hold in the Python processes such a test starts as well (``sitecustomize.py`` next to this file is
+All three hold in the Python processes such a test starts as well (``sitecustomize.py`` next to this file is
 put first on their ``PYTHONPATH``), so a CLI command run as a subprocess that spawns ranks is caught too.
 
 Standard library only: it runs at the start of every guarded child interpreter.
@@ -16,10 +16,13 @@ Standard library only: it runs at the start of every guarded child interpreter.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from multiprocessing import process
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,7 @@ from typing import Any
 ENV = "MEGATRON_PP_RANK_GUARD"  # the guarded test's node id, seen by child interpreters
 HERE = str(Path(__file__).resolve().parent)
 LAUNCHERS = ("torchrun", "torch.distributed.run")
+C10D = "torch.distributed.distributed_c10d"
 
 
 class UnmarkedRankLaunchError(RuntimeError):
@@ -73,21 +77,41 @@ def install(test: str, setattr_: Callable[[Any, str, Any], None]) -> None:
 
     setattr_(process.BaseProcess, "start", start)
     setattr_(subprocess.Popen, "__init__", popen)
-    distributed = sys.modules.get("torch.distributed")
-    if distributed is not None:
-
-        def init_process_group(*args: Any, **kwargs: Any) -> None:
-            raise refusal(test, "starts a process group")
-
-        for module in _c10d_modules(distributed):
-            setattr_(module, "init_process_group", init_process_group)
+    for name in (C10D, "torch.distributed"):
+        if name in sys.modules:
+            setattr_(sys.modules[name], "init_process_group", _refuse_process_group(test))
 
 
-def _c10d_modules(distributed: Any) -> Iterable[Any]:
-    yield distributed
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
-    if c10d is not None:
-        yield c10d
+def _refuse_process_group(test: str) -> Callable[..., None]:
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        raise refusal(test, "starts a process group")
+
+    return init_process_group
+
+
+class _C10dFinder(importlib.abc.MetaPathFinder):
+    """In a child interpreter, where torch is imported later if at all: replace ``init_process_group`` as soon
+    as ``torch.distributed.distributed_c10d`` is loaded (``torch.distributed`` copies it from there)."""
+
+    def __init__(self, test: str) -> None:
+        self.test = test
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name != C10D:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+        refuse = _refuse_process_group(self.test)
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            module.init_process_group = refuse
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
 
 
 def install_from_env() -> None:
@@ -95,3 +119,5 @@ def install_from_env() -> None:
     test = os.environ.get(ENV)
     if test:
         install(test, setattr)
+        if C10D not in sys.modules:
+            sys.meta_path.insert(0, _C10dFinder(test))
