@@ -21,7 +21,7 @@ from ..schedules.collectives import CollectiveKind, declared_fsdp_limit, policy_
 from ..schedules.generators.common import ScheduleParameterError
 from ..schedules.generators.zeropp import FSDP_MAX_UNSHARDED, zeropp
 from ..schedules.schedule import Schedule
-from .simulate import Costs, simulate
+from .simulate import simulate
 from .validate import validate
 
 __all__ = ["Measurement", "UnitCandidate", "UnitChoice", "choose_unit_size", "evaluate_unit_size", "measure_schedule"]
@@ -130,7 +130,7 @@ def evaluate_unit_size(
     unit_size: int,
     *,
     v: int | None = None,
-    costs: Costs | None = None,
+    costs: object = None,
     dp: int = 1,
     dp_bandwidth: float | None = None,
     param_bytes: float | None = None,
@@ -201,7 +201,7 @@ def choose_unit_size(
             m,
             unit,
             v=v,
-            costs=costs,  # type: ignore[arg-type]  # any object with t_f, t_b, t_w, as the generators take
+            costs=costs,
             dp=dp,
             dp_bandwidth=dp_bandwidth,
             param_bytes=param_bytes,
