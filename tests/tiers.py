@@ -1,7 +1,8 @@
 """The two test tiers: which tests are real-rank tests (the ``gloo`` marker), found from what they use.
 
-``bash scripts/run_tests.sh --quick`` runs ``-m "not gloo"``: pure and single-process tests, in a couple of
-minutes. A test is a real-rank test when
+``bash scripts/run_tests.sh --quick`` runs ``-m "not gloo and not slow"``: pure and single-process tests, in
+about two minutes. ``slow`` marks, by hand, the few pure tests that take seconds of CPU each (the root
+``conftest.py`` lists the unmarked ones over :data:`SLOW_CPU_S` after every run). A test is a real-rank test when
 
 * it carries ``pytest.mark.gloo`` itself (or through ``pytestmark``), or
 * one of its fixtures, directly or through other fixtures, is tagged with :func:`launches_ranks` (the rank
@@ -23,6 +24,8 @@ from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 TAG = "launches_ranks"
+#: A test over this many seconds of CPU (measured on two idle cores) belongs in the full tier: mark it ``slow``.
+SLOW_CPU_S = 2.0
 
 
 def launches_ranks(func: F) -> F:

@@ -228,6 +228,7 @@ def test_w_never_delays_a_forward_or_backward(t_w: float) -> None:
             assert starts[i - 1] + t_w <= arrival + 1e-9, f"rank {r}: {ops[i - 1]} delayed {op}"
 
 
+@pytest.mark.slow
 def test_memory_limit_caps_live_activations_without_deadlock() -> None:
     # a micro-batch reserves its v activations at its first forward; a unit of U needs U M_a
     bad = []
