@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from tests.tier_guard.rank_guard import UnmarkedRankLaunchError
+from tests.tier_guard.rank_guard import UnmarkedRankLaunchError, is_rank_launch
 from tests.tiers import calls_rank_launcher, fixture_launches_ranks, launches_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,6 +78,14 @@ def test_collection_marks_rank_tests_and_quick_leaves_them_out(tmp_path: Path) -
     proc = subprocess.run([*command, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     selected = [line.split("::")[-1] for line in proc.stdout.splitlines() if "::" in line]
     assert selected == ["test_pure"], proc.stdout + proc.stderr
+
+
+def test_a_torchrun_launch_is_told_from_a_path_that_names_it() -> None:
+    assert is_rank_launch([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "train.py"])
+    assert is_rank_launch("torchrun --nproc-per-node 2 train.py")
+    assert is_rank_launch(["/opt/venv/bin/torchrun", "train.py"])
+    assert not is_rank_launch(["bash", "/tmp/pytest-0/test_readme_torchrun_comma0/job.sbatch"])
+    assert not is_rank_launch([sys.executable, "-c", "print('torchrun')"])
 
 
 def test_guard_refuses_a_process_group_here() -> None:

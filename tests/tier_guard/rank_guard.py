@@ -45,10 +45,13 @@ def refusal(test: str, what: str) -> UnmarkedRankLaunchError:
 
 
 def is_rank_launch(args: Any) -> bool:
-    """Whether a subprocess command line starts ranks through torchrun."""
-    words = [args] if isinstance(args, str | bytes | os.PathLike) else list(args)
-    text = " ".join(os.fsdecode(word) for word in words)
-    return any(launcher in text for launcher in LAUNCHERS)
+    """Whether a subprocess command line starts ranks through torchrun (a word ``torchrun``, a path ending in
+    it, or ``-m torch.distributed.run``; a shell string is split into words)."""
+    if isinstance(args, str | bytes | os.PathLike):
+        words = os.fsdecode(args).split()
+    else:
+        words = [os.fsdecode(word) for word in args]
+    return any(word in LAUNCHERS or os.path.basename(word) == "torchrun" for word in words)
 
 
 def guarded_env(env: dict[str, str] | None, test: str) -> dict[str, str] | None:
