@@ -60,6 +60,7 @@ def test_dry_run_of_the_layer_checks(tmp_path):
     assert results["memory"]["details"]["predicted_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_each_check_is_time_boxed_and_the_others_still_run(tmp_path):
     """Both checks killed at their limit (with their process group), both reported, the summary written."""
     done = _script("--dry-run", "--checks", "split-local,costs", "--check-timeout", "0.3", "--out", str(tmp_path))

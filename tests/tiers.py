@@ -18,14 +18,21 @@ test gloo" instead of slowing the quick tier.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from types import CodeType
 from typing import Any, TypeVar
+
+import pytest
 
 F = TypeVar("F", bound=Callable[..., Any])
 TAG = "launches_ranks"
 #: A test over this many seconds of CPU (measured on two idle cores) belongs in the full tier: mark it ``slow``.
-SLOW_CPU_S = 2.0
+SLOW_CPU_S = 1.5
+
+
+def slow_params(values: Iterable[Any], slow: Container[Any]) -> list[Any]:
+    """Parameters for ``pytest.mark.parametrize`` with those in ``slow`` marked ``slow`` (same test ids)."""
+    return [pytest.param(value, marks=pytest.mark.slow) if value in slow else value for value in values]
 
 
 def launches_ranks(func: F) -> F:

@@ -75,6 +75,7 @@ def test_registered() -> None:
     assert declared_fsdp_limit(generate("zeropp", 4, 8, v=1)) == 1
 
 
+@pytest.mark.slow
 def test_valid_deadlock_free_blockwise_and_fsdp_over_the_grid() -> None:
     # includes U = 1, U = m, m < p and m % U != 0 (the last unit takes the remainder)
     bad = []
