@@ -27,7 +27,7 @@ import pytest
 F = TypeVar("F", bound=Callable[..., Any])
 TAG = "launches_ranks"
 #: A test over this many seconds of CPU (measured on two idle cores) belongs in the full tier: mark it ``slow``.
-SLOW_CPU_S = 1.5
+SLOW_CPU_S = 2.5
 
 
 def slow_params(values: Iterable[Any], slow: Container[Any]) -> list[Any]:
