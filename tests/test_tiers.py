@@ -110,6 +110,10 @@ def test_guard_holds_in_a_child_interpreter() -> None:
         [sys.executable, "-c", script], env=clean_env, capture_output=True, text=True, timeout=120, check=False
     )
     assert proc.returncode != 0 and "mark this test gloo" in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow  # the child imports torch
+def test_guard_refuses_a_process_group_in_a_child_interpreter() -> None:
     group = "import torch.distributed as d; d.init_process_group('gloo', store=d.HashStore(), rank=0, world_size=1)"
     proc = subprocess.run([sys.executable, "-c", group], capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode != 0 and "starts a process group" in proc.stderr, proc.stderr

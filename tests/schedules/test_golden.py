@@ -43,7 +43,7 @@ def _first_difference(want: dict[str, Any], got: dict[str, Any]) -> str:
     return "no difference"
 
 
-@pytest.mark.parametrize("name", slow_params(golden.RECORDED, {"v-zb", "zb-auto"}))
+@pytest.mark.parametrize("name", slow_params(golden.RECORDED, {"v-zb", "zb-auto", "interleaved-zb"}))
 def test_ops_params_and_simulation_match_the_record(name: str) -> None:
     wrong = []
     for key, schedule, p, m, kwargs, costs in _CASES:
