@@ -17,7 +17,14 @@ setup(
     install_requires=["torch>=2.4", "megatron-core>=0.19.2", "numpy", "packaging>=24.2", "psutil"],
     extras_require={
         "plot": ["matplotlib>=3.7"],
-        "test": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6", "matplotlib>=3.7", "pytest-timeout>=2.3"],
+        "test": [
+            "pytest>=8",
+            "hypothesis>=6.100",
+            "ruff>=0.6",
+            "mypy==2.4.1",
+            "matplotlib>=3.7",
+            "pytest-timeout>=2.3",
+        ],
         "te": ["transformer_engine[pytorch]>=2.10"],
     },
     entry_points={"console_scripts": ["megatron-pp=megatron_pp_ext.cli:main"]},

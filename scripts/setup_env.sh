@@ -19,7 +19,7 @@ pip_install "torch==${TORCH_VERSION:-2.13.0}"
 # megatron-core >= 0.17 declares Python >= 3.12, but its cp311 wheel of 0.19.2 works on 3.11.
 pip_install --no-deps --ignore-requires-python "megatron-core==0.19.2"
 pip_install numpy "packaging>=24.2" psutil
-pip_install -e ".[test]"
+pip_install -e ".[test]"  # with the test tools: pytest, hypothesis, ruff, mypy (pinned in setup.py)
 
 # The HTML explorer's browser test (tests/analysis/test_html_explorer.py): Playwright for Python driving
 # Debian's chromium through executable_path (Playwright's own browser download cannot reach its servers).

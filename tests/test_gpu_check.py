@@ -36,6 +36,7 @@ def _check_lines(stdout: str) -> dict[str, str]:
     return {words[1]: words[2] for words in lines if words[2] in {s.upper() for s in gpu_check.STATUSES}}
 
 
+@pytest.mark.gloo  # the split check runs one-rank gloo groups in the script's process
 def test_dry_run_of_the_layer_checks(tmp_path):
     checks = "split-local,costs,memory,split-te"
     done = _script("--dry-run", "--in-process", "--checks", checks, "--out", str(tmp_path))
@@ -59,6 +60,7 @@ def test_dry_run_of_the_layer_checks(tmp_path):
     assert results["memory"]["details"]["predicted_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_each_check_is_time_boxed_and_the_others_still_run(tmp_path):
     """Both checks killed at their limit (with their process group), both reported, the summary written."""
     done = _script("--dry-run", "--checks", "split-local,costs", "--check-timeout", "0.3", "--out", str(tmp_path))

@@ -65,6 +65,7 @@ def _imports(path: Path) -> list[tuple[int, str]]:
     return found
 
 
+@pytest.mark.slow
 def test_every_module_imports_alone() -> None:
     proc = subprocess.run(
         [sys.executable, "-c", IMPORT_EACH, *_modules()],

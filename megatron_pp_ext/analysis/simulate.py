@@ -37,6 +37,7 @@ in 1F1B units (divided by how many stages of one replica a rank holds), and in b
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -429,7 +430,7 @@ def _simulate(
         peak_bytes = _memory_and_busy(schedule, sizes, w_retained_fraction, None, buffers)[0]
     if plan is not None:
         messages, handoffs = plan.num_messages, len(plan.handoffs[0])
-        boundaries = map(min, plan.src_stage, plan.dst_stage)  # the stage boundary each message crosses
+        boundaries: Iterable[int] = map(min, plan.src_stage, plan.dst_stage)  # the stage boundary each message crosses
     else:  # hand-made
         messages, handoffs = len(lowered.messages), len(lowered.local_handoffs)
         boundaries = (min(msg.src_stage, msg.dst_stage) for msg in lowered.messages)

@@ -370,8 +370,9 @@ def check_lowered(lowered: LoweredSchedule) -> None:
     n_ids = 2 * num_stages * m
     sender_at = bytearray(n_ids)  # 1 once the sending rank reached the exchange with the send
     receiver_at = bytearray(n_ids)  # 1 once the receiving rank reached the exchange with the recv
-    chan_sends = [[[] for _ in range(p)] for _ in range(p)]  # [src][dst] -> message ids in send order
-    chan_recvs = [[[] for _ in range(p)] for _ in range(p)]  # [dst][src] -> message ids in receive order
+    # [src][dst] -> message ids in send order; [dst][src] -> message ids in receive order
+    chan_sends: list[list[list[int]]] = [[[] for _ in range(p)] for _ in range(p)]
+    chan_recvs: list[list[list[int]]] = [[[] for _ in range(p)] for _ in range(p)]
     pc = [0] * p
     # Whoever posts its side of a message first waits for the other side; the second poster
     # counts the first one's wait down and resumes it when nothing is left.

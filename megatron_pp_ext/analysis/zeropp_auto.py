@@ -26,7 +26,7 @@ from ..schedules.gc_pause import cyclic_gc_paused
 from ..schedules.generators.common import ScheduleParameterError, check_int
 from ..schedules.generators.zeropp import FSDP_MAX_UNSHARDED, zeropp
 from ..schedules.schedule import Schedule
-from .simulate import Costs, simulate
+from .simulate import simulate
 from .validate import validate
 
 __all__ = [
@@ -143,7 +143,7 @@ def evaluate_unit_size(
     unit_size: int,
     *,
     v: int | None = None,
-    costs: Costs | None = None,
+    costs: object = None,
     dp: int = 1,
     dp_bandwidth: float | None = None,
     param_bytes: float | None = None,
@@ -217,7 +217,7 @@ def choose_unit_size(
             costs=costs,
             dp=dp,
             dp_bandwidth=dp_bandwidth,
-            param_bytes=param_bytes,  # type: ignore[arg-type]
+            param_bytes=param_bytes,
             fsdp=fsdp,
             activation_bytes=activation_bytes,
             memory_limit=cap,

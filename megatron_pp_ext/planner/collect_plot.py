@@ -54,7 +54,7 @@ def plot_throughput(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path
     ax.set_xticklabels([str(r["id"]) for r in ok], rotation=60, ha="right", fontsize=7)
     ax.set_ylabel(label)
     ax.set_title("measured throughput per configuration")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[s]) for s in schedules]
+    handles: list[Any] = [plt.Rectangle((0, 0), 1, 1, color=colors[s]) for s in schedules]  # and a Line2D
     labels = list(schedules)
     if predicted:
         handles.append(plt.Line2D([0], [0], marker="_", color="black", linestyle="", markersize=15))

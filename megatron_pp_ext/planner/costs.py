@@ -267,7 +267,7 @@ class CostModel:
         if pipeline <= 1:
             return 0.0
         t = int(tensor_parallel)
-        volume = self.model.seq_length * micro_batch * self.model.hidden_size * self.setup.activation_bytes
+        volume: float = self.model.seq_length * micro_batch * self.model.hidden_size * self.setup.activation_bytes
         if self.setup.uses_sp(t):
             volume /= t
         gbps, lat = self._link(t * data_parallel * pipeline)

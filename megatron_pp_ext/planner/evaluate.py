@@ -50,9 +50,10 @@ def evaluate(
             approximate = True
             memory = variant_memory(planner, builds, layout, var.split, t, d, b, recompute, m, force=True)
         else:
-            builds = exact_builds(planner, var, p, m)
-            if isinstance(builds, str):
-                return builds
+            exact = exact_builds(planner, var, p, m)
+            if isinstance(exact, str):
+                return exact
+            builds = exact
             memory = variant_memory(planner, builds, layout, var.split, t, d, b, recompute, m)
         assert memory is not None
     stage_params: list[float] = []
@@ -74,9 +75,10 @@ def evaluate(
             approximate = True
             times = variant_times(planner, builds, costs, m, force=True)
         else:
-            builds = exact_builds(planner, var, p, m)
-            if isinstance(builds, str):
-                return builds
+            exact = exact_builds(planner, var, p, m)
+            if isinstance(exact, str):
+                return exact
+            builds = exact
             times = variant_times(planner, builds, costs, m)
         assert times is not None
     makespan, busy, span = times

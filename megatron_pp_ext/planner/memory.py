@@ -449,7 +449,7 @@ def p2p_buffer_bytes(
     posted ahead of their consumer and pending sends (``LoweredSchedule.buffer_counts``), each one
     pipeline message (``seq x micro-batch x hidden``, split by TP under sequence parallelism)."""
     t = int(tensor_parallel)
-    message = model.seq_length * int(micro_batch) * model.hidden_size * setup.activation_bytes
+    message: float = model.seq_length * int(micro_batch) * model.hidden_size * setup.activation_bytes
     if setup.uses_sp(t):
         message /= t
     return [count * message for count in lower(schedule).buffer_counts]

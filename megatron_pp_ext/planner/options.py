@@ -164,7 +164,7 @@ def planner_from_args(args: argparse.Namespace, memo: PlannerMemo | None = None)
         ]
         if missing:
             raise ValueError(f"give --model PRESET or the model shape ({', '.join(missing)} missing)")
-        model = ModelSpec("custom", **{k: v for k, v in shapes.items() if v is not None})  # type: ignore[arg-type]
+        model = ModelSpec("custom", **{k: v for k, v in shapes.items() if v is not None})
     device = get_device(args.device)
     if args.gpus_per_node:
         device = replace(device, gpus_per_node=args.gpus_per_node)

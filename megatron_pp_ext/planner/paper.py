@@ -94,15 +94,15 @@ def paper_markdown(entries: Sequence[Mapping[str, Any]]) -> str:
     for label in labels:
         cells = [label]
         for b in batches:
-            e = best.get((label, b))
-            if e is None:
+            cell = best.get((label, b))
+            if cell is None:
                 cells += ["", "", ""]
                 continue
-            status = "" if e["status"] == "ok" else f" [{e['status']}]"
+            status = "" if cell["status"] == "ok" else f" [{cell['status']}]"
             cells += [
-                _cell(e["samples_per_gpu_s"], e["predicted_samples_per_gpu_s"], ".3f") + status,
-                _cell(e["mfu"], e["predicted_mfu"], ".1%"),
-                _cell(e["memory_gib"], e["predicted_memory_gib"], ".1f"),
+                _cell(cell["samples_per_gpu_s"], cell["predicted_samples_per_gpu_s"], ".3f") + status,
+                _cell(cell["mfu"], cell["predicted_mfu"], ".1%"),
+                _cell(cell["memory_gib"], cell["predicted_memory_gib"], ".1f"),
             ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -136,7 +136,7 @@ class Planner:
         (schedule, p, micro-batches, chunks, memory limit, unit size; shapes that share one share the build,
         as the memo does) of :func:`builds_at`, weighted by its op count. :meth:`check_search` refuses a
         search over :data:`MAX_SEARCH_OPS` up front."""
-        keys: set[tuple[object, ...]] = set()
+        keys: set[tuple[Any, ...]] = set()  # (memory limit, *build), the op count last
         for _, p, _, _, m in self.shapes():
             for name in self.schedules_at(p):
                 for limit in self.limits_at(p):
@@ -258,8 +258,8 @@ class Planner:
                     lowered=built.lowered,
                     iterations=POST_VALIDATION_ITERATIONS,
                     post_validation=True,
+                    overlap=overlap,
                     **SIM_KWARGS,
-                    **({"overlap": overlap} if overlap else {}),
                 )
                 assert result.iterations is not None
                 sim = Sim(result.iterations.time, max(result.busy), max(result.span))

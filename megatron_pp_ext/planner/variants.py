@@ -81,14 +81,14 @@ def schedule_variants(
     options: list[tuple[int | None, list[tuple[int, Built, tuple[Any, ...]]]]] = [(None, base)]
     if first.placement.style == "loop":
         declared = info.capabilities
-        for v in planner.space.virtual:
-            if v == default_chunks or (feasible is not None and v not in feasible):
+        for chunks_v in planner.space.virtual:
+            if chunks_v == default_chunks or (feasible is not None and chunks_v not in feasible):
                 continue
-            if declared is not None and not declared.chunks.accepts(v):
+            if declared is not None and not declared.chunks.accepts(chunks_v):
                 continue  # the schedule declares it does not run v chunks
-            builds = build_all(v)
-            if not isinstance(builds, str):
-                options.append((v, builds))
+            built_v = build_all(chunks_v)
+            if not isinstance(built_v, str):
+                options.append((chunks_v, built_v))
     out: list[Variant | str] = []
     for v, builds in options:
         sched = builds[-1][1].schedule

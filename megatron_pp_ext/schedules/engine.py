@@ -251,9 +251,9 @@ class Engine:
                 self.run_w(r, t)
             else:
                 self.run(r, which, t)
-                q = self.consumer(r, which)
-                if q is not None:  # the rank its output feeds
-                    choice[q] = choose(q)
+                fed = self.consumer(r, which)
+                if fed is not None:  # the rank its output feeds
+                    choice[fed] = choose(fed)
             choice[r] = choose(r)
         return all(self.done(r) for r in range(p))
 

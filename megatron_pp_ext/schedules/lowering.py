@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate
-from typing import NamedTuple, Union
+from typing import NamedTuple, Union, final
 
 import numpy as np
 
@@ -77,6 +77,7 @@ class Message(NamedTuple):
         return f"{self.kind}[{self.src_stage}->{self.dst_stage} mb{self.microbatch} r{self.src_rank}->r{self.dst_rank}]"
 
 
+@final
 class Compute(NamedTuple):
     op: Op
 
@@ -84,6 +85,7 @@ class Compute(NamedTuple):
         return str(self.op)
 
 
+@final
 class Exchange(NamedTuple):
     """The sends and receives a rank posts between two compute ops; each one completes on its own."""
 
@@ -172,7 +174,7 @@ class CommPlan:
         return self._groups(self.post_gap)
 
     @cached_property
-    def receive_buffers(self) -> list[list[int]]:
+    def receive_buffers(self) -> list[list[list[int]]]:
         """Per rank, per op: message ids whose receive buffer is allocated and not yet handed to its
         consumer when the op ends (posted at ``post_gap``, taken by the consumer; what prefetching
         adds to a rank's memory)."""
@@ -180,7 +182,7 @@ class CommPlan:
         for mid, (rank, gap, at) in enumerate(zip(self.dst_rank, self.post_gap, self.consumer, strict=True)):
             for k in range(gap, at):
                 rows[rank][k].append(mid)
-        return rows  # type: ignore[return-value]
+        return rows
 
     def _groups(self, gaps: list[int]) -> list[list[tuple[int, ...] | None]]:
         groups: list[dict[int, list[int]]] = [{} for _ in range(self.num_ranks)]
@@ -224,7 +226,11 @@ class CommPlan:
         columns = [list(column) for column in zip(*fields, strict=True)] if fields else [[] for _ in range(9)]
         lengths = [sum(1 for ins in program if isinstance(ins, Compute)) for program in programs]
         offsets = (0, *accumulate(lengths))
-        return cls(offsets, *columns, list(columns[8]), consumer, ([], [], [], [], []), None)
+        kind_grad, src_stages, dst_stages, mbs, src_ranks, dst_ranks, seqs, send_gaps, recv_gaps = columns
+        return cls(
+            offsets, kind_grad, src_stages, dst_stages, mbs, src_ranks, dst_ranks, seqs, send_gaps, recv_gaps,
+            list(recv_gaps), consumer, ([], [], [], [], []), None,
+        )  # fmt: skip
 
     def message(self, mid: int) -> Message:
         return Message(
@@ -441,7 +447,7 @@ def _plan(schedule: Schedule) -> CommPlan:
         recv_gap=recv_list,
         post_gap=post_list,
         consumer=index[consumer].tolist(),
-        handoffs=handoffs,  # type: ignore[arg-type]
+        handoffs=handoffs,
         stuck_at=None if stuck is None else tuple(stuck),
     )
 

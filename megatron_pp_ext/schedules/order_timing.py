@@ -39,7 +39,7 @@ class Timing:
     ends: tuple[float, ...] = ()
 
     @property
-    def key(self) -> tuple[float, float, int]:
+    def key(self) -> tuple[float, float, float]:
         """Makespan, then the longest span, then the worst peak (rounded: ties are ties)."""
         return (round(self.makespan, 9), round(max(self.spans), 9), max(self.peaks))
 

@@ -60,6 +60,7 @@ def _skip_reason() -> str | None:
 
 
 @pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+@pytest.mark.slow  # a browser
 def test_page_in_headless_chromium(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from playwright.sync_api import sync_playwright
 

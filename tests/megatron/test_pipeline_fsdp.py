@@ -141,6 +141,7 @@ def test_bfs_fsdp_pretrain_loss_falls_and_matches_ddp(tmp_path: Path) -> None:
 
 
 # ---- the optimizer on shards (one process) -------------------------------------------------------------
+@pytest.mark.gloo  # one gloo rank, in this process
 def test_sharded_adamw_steps_like_megatrons_torch_adamw(megatron, monkeypatch):
     """Two ShardedAdamW steps = torch's AdamW over megatron's two groups (no decay for biases and 1-D
     parameters) after megatron's clipping, on one gloo rank."""

@@ -130,6 +130,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.gloo  # one gloo rank, in a child process
 def test_a_run_setting_its_groups_up_again_keeps_its_own_lock(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(

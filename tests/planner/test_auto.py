@@ -28,6 +28,7 @@ def _planner(model: str, gpus: int, batch: int, pp: int, mb: int, device: str, *
 
 
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda c: f"{c[0]}-p{c[3]}")
+@pytest.mark.slow
 def test_auto_picks_the_first_row_of_an_exhaustive_plan(preset: tuple) -> None:
     exhaustive = _planner(*preset, schedules=tuple(names()), memory_limits=AUTO_MEMORY_LIMITS).run(progress=False)
     decision = decide(_planner(*preset))
@@ -38,6 +39,7 @@ def test_auto_picks_the_first_row_of_an_exhaustive_plan(preset: tuple) -> None:
     assert table.startswith("pipeline schedule auto: ") and decision.chosen.config.schedule in table
 
 
+@pytest.mark.slow
 def test_a_budget_below_the_2p_schedules_never_picks_one() -> None:
     """Budget between the p-memory schedules (zb-h1) and the 2p ones (zb-h2, zb-auto@2p): the choice fits, no
     2p schedule is chosen, and the table says why they were dropped."""
@@ -92,6 +94,7 @@ def test_planner_times_overlap_pairs_as_the_simulator_does() -> None:
 
 
 @pytest.mark.parametrize("overlap", [0.0, 1.0])
+@pytest.mark.slow
 def test_auto_honours_the_overlap_factor(overlap: float) -> None:
     """With the overlap factor, auto still picks the exhaustive plan's first row; at F = 1 dualpipev's
     best time is below its serial one (its pairs hide a whole op)."""

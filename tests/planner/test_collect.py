@@ -50,6 +50,7 @@ def test_statuses_and_error_lines() -> None:
     assert exited.status == "exit-error" and exited.error == "terminate called without an active exception"
 
 
+@pytest.mark.slow
 def test_table_with_predictions(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     shutil.copytree(DATA, logs)

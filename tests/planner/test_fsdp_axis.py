@@ -170,6 +170,7 @@ def test_zeropp_unit_sizes_are_an_axis() -> None:
     assert {r.config.unit_size for r in only} == {2}  # 3 does not divide m = 8
 
 
+@pytest.mark.slow
 def test_auto_picks_the_first_row_of_the_exhaustive_plan_with_fsdp_and_units() -> None:
     exhaustive = _planner(schedules=tuple(names()), memory_limits=AUTO_MEMORY_LIMITS, fsdp=(False, True))
     rows = exhaustive.run(progress=False).rows

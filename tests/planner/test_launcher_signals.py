@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.tiers import launches_ranks
+
 ROOT = Path(__file__).resolve().parents[2]
 
 DRIVER = """
@@ -37,6 +39,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@launches_ranks
 def _launch(tmp_path: Path) -> tuple[subprocess.Popen[str], Path]:
     pids = tmp_path / "pids"
     pids.mkdir()

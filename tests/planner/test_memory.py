@@ -141,6 +141,7 @@ def test_presets_parameter_counts_match_their_names() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron.training") is None, reason="megatron-core not installed")
+@pytest.mark.slow
 def test_agrees_with_megatron_theoretical_memory_usage() -> None:
     """Within 5% of megatron's estimate on every case it covers (table in benchmarks/RESULTS.md).
 

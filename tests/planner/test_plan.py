@@ -52,6 +52,7 @@ def test_device_presets_and_cost_model_shapes() -> None:
     assert model_flops_per_iteration(model, b) == pytest.approx(reference, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_plan_zero_bubble_6_2b_on_8_gpus_lists_every_schedule_and_fits() -> None:
     planner = _planner()
     result = planner.run(progress=False)
@@ -121,6 +122,7 @@ def test_memory_budget_filters_and_explains() -> None:
     assert result.over_budget > 0 and result.over_budget_best
 
 
+@pytest.mark.slow
 def test_plan_searches_a_large_grid() -> None:
     """A 64-GPU search evaluates thousands of configurations. Its speed (configurations per CPU
     minute) is a benchmark figure in benchmarks/RESULTS.md ("Planner"), not a timed assert."""

@@ -81,6 +81,7 @@ def grids(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     return out
 
 
+@pytest.mark.slow
 def test_grid_writes_array_configs_and_plan(grids: list[Path]) -> None:
     a, b = grids
     sbatch = (a / "job.sbatch").read_text()
@@ -110,12 +111,14 @@ def test_grid_writes_array_configs_and_plan(grids: list[Path]) -> None:
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.slow
 def test_every_sbatch_passes_bash_n(grids: list[Path]) -> None:
     for grid in grids:
         proc = subprocess.run(["bash", "-n", str(grid / "job.sbatch")], capture_output=True, text=True, check=False)
         assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.slow
 def test_sbatch_picks_its_line_and_runs_the_driver(grids: list[Path], tmp_path: Path) -> None:
     """Run the job script with srun / scontrol / torchrun stubbed: task 1 must start the driver
     with the common flags and configuration 1's flags, and log the exit code."""
@@ -143,6 +146,7 @@ def test_sbatch_picks_its_line_and_runs_the_driver(grids: list[Path], tmp_path: 
 
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron.training") is None, reason="megatron-core not installed")
+@pytest.mark.slow
 def test_sbatch_flags_are_accepted_by_pretrain_gpt(grids: list[Path]) -> None:
     """Static check of every flag a grid passes against `scripts/pretrain_gpt.py --help` (falls
     back to the driver's own parser -- megatron's plus the plugin's -- when --help cannot print:

@@ -54,6 +54,7 @@ def schedule_cache(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.slow
 def test_checked_in_script_is_what_the_generator_writes(
     name: str, tmp_path: Path, memo: PlannerMemo, schedule_cache: Path
 ) -> None:

@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.gloo  # every test runs two gloo ranks of its own
+
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -15,6 +15,7 @@ from megatron_pp_ext.schedules import OpKind, ScheduleError, generate, names
 from megatron_pp_ext.schedules.generators.baselines import interleaved_warmup
 from megatron_pp_ext.schedules.generators.bfs import FSDP_MAX_UNSHARDED
 from megatron_pp_ext.schedules.generators.common import ScheduleParameterError
+from tests.tiers import slow_params
 
 
 def groups_of(p: int, m: int) -> list[int]:
@@ -26,7 +27,7 @@ GRID = [
 ]
 
 
-@pytest.mark.parametrize("name", ["bfs", "bfs-zb"])
+@pytest.mark.parametrize("name", slow_params(["bfs", "bfs-zb"], {"bfs-zb"}))
 def test_valid_and_deadlock_free_over_the_grid(name: str) -> None:
     # includes m < p, m % p != 0 and groups that do not divide m (the last group is smaller)
     for p, m, v, g in GRID:

@@ -6,6 +6,7 @@ import pytest
 
 from megatron_pp_ext.analysis.validate import ScheduleValidationError, validate
 from megatron_pp_ext.schedules import BW, F, Schedule, ScheduleError, generate, loop_placement, names
+from tests.tiers import slow_params
 
 GRID = [(p, m, v) for p in (1, 2, 3, 4, 5, 8) for m in range(1, 2 * p + 3) for v in (None, 1, 2, 3)]
 
@@ -20,7 +21,7 @@ def _schedules(name: str) -> list[Schedule]:
     return out
 
 
-@pytest.mark.parametrize("name", names())
+@pytest.mark.parametrize("name", slow_params(names(), {"interleaved-zb", "zb-auto"}))
 def test_registered_schedules_validate(name: str) -> None:
     schedules = _schedules(name)
     assert schedules, f"{name} builds nothing on the grid"

@@ -76,6 +76,7 @@ def test_registered() -> None:
     assert declared_fsdp_limit(generate("zeropp", 4, 8, v=1)) == 1
 
 
+@pytest.mark.slow
 def test_valid_deadlock_free_blockwise_and_fsdp_over_the_grid() -> None:
     # includes U = 1, U = m, m < p and m % U != 0 (the last unit takes the remainder)
     bad = []
@@ -231,6 +232,7 @@ def test_w_never_delays_a_forward_or_backward(t_w: float) -> None:
             assert starts[i - 1] + t_w <= arrival + 1e-9, f"rank {r}: {ops[i - 1]} delayed {op}"
 
 
+@pytest.mark.slow
 def test_memory_limit_caps_live_activations_without_deadlock() -> None:
     # a micro-batch reserves its v activations at its first forward; a unit of U needs U M_a
     bad = []

@@ -7,11 +7,13 @@ import pytest
 from megatron_pp_ext.verification.fsdp_check import FsdpCase, fsdp_check
 from megatron_pp_ext.verification.rank_pool import check_errors
 from megatron_pp_ext.verification.rank_run import RankPool
+from tests.tiers import launches_ranks
 
 pytestmark = pytest.mark.gloo
 
 
 @pytest.fixture(scope="module")
+@launches_ranks
 def pool():
     """Two ranks for this module only (the session pool of conftest spawns four)."""
     with RankPool(2) as ranks:

@@ -27,6 +27,7 @@ NATIVE = torch.backends.cpu.get_cpu_capability().lower()
 CASES = [("default", 2, "1f1b", False), ("avx2" if NATIVE != "avx2" else "default", 1, "zb-h1", True)]
 
 
+@pytest.mark.gloo
 @pytest.mark.parametrize(("capability", "threads", "name", "dist_opt"), CASES)
 def test_verdict_holds_under_other_kernels_and_thread_counts(monkeypatch, capability, threads, name, dist_opt):
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)

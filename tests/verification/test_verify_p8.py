@@ -12,9 +12,11 @@ from megatron_pp_ext.schedules import generate
 from megatron_pp_ext.verification.rank_run import RankPool
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
 from megatron_pp_ext.verification.verify import verify_schedule
+from tests.tiers import launches_ranks
 
 
 @pytest.fixture(scope="module")
+@launches_ranks
 def pool8():
     with RankPool(8) as ranks:
         yield ranks

@@ -218,7 +218,7 @@ def _rows(offsets: object) -> list[Mapping[str, object]]:
         if len(lengths) != 1:
             raise BuildingBlockError(f"per-pass offset lists differ in length: {sorted(lengths)}; give one per rank")
         n = lengths.pop()
-        return [{x: values[r] for x, values in offsets.items()} for r in range(n)]  # type: ignore[index]
+        return [{x: values[r] for x, values in offsets.items()} for r in range(n)]
     if isinstance(offsets, str | bytes) or not isinstance(offsets, Sequence):
         raise BuildingBlockError(f"offsets must be a list (one object per rank) or an object of lists, got {offsets!r}")
     rows = []
@@ -245,7 +245,7 @@ def _fill_w(name: str, rank: int, row: dict[str, object], interval: int) -> tupl
                 f"block {name!r} rank {rank}: no free slot left for {x} in an interval of {interval} "
                 "(each rank runs six passes per micro-batch)"
             )
-    return tuple(int(row[x]) for x in PASSES)  # type: ignore[return-value,call-overload]
+    return tuple(int(row[x]) for x in PASSES)  # type: ignore[call-overload]
 
 
 # ---- the published blocks -------------------------------------------------------------------

@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from ..capabilities import Capabilities, Chunks, MemoryLimit
 from ..engine import Engine, backward, forward
@@ -157,7 +158,7 @@ def policy_orders(
 
 def best_order(
     p: int, m: int, v: int, sc: StageCosts, limit: int
-) -> tuple[tuple[float, float, int], str, list[list[Op]]]:
+) -> tuple[tuple[float, float, float], str, list[list[Op]]]:
     """The fastest policy's ``(timing key, policy name, rows)`` (the first of equal keys)."""
     orders = policy_orders(p, m, v, sc, limit)
     key, _, name, rows = min((t.key, i, name, rows) for i, (name, rows, t) in enumerate(orders))
@@ -211,7 +212,7 @@ def zb_auto_looped(
     keys = [span_key(placement, m, sc, rows, t) if span else t.key for _, rows, t in candidates]
     best = min(range(len(candidates)), key=lambda i: (keys[i], i))
     key, (name, rows, _) = keys[best], candidates[best]
-    extra: dict[str, object] = {"objective": objective, "iteration_time": key[0]} if span else {}
+    extra: dict[str, Any] = {"objective": objective, "iteration_time": key[0]} if span else {}
     if w_memory != 1.0:
         extra["w_memory"] = w_memory
     makespan = key[2] if span else key[0]

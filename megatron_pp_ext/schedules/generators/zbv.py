@@ -114,7 +114,7 @@ def handcrafted(p: int, m: int, sc: StageCosts, limit: int, spec: str) -> tuple[
         """Rank r's next pass: (start, priority, pass or None for W): the earliest start, then the priority."""
         if eng.done(r):
             return None
-        cands = []
+        cands: list[tuple[float, int, int | None]] = []
         for rank_of, which in enumerate(order):
             if which is None:
                 if pending[r]:

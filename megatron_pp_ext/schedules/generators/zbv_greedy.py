@@ -76,7 +76,7 @@ class Greedy(Engine):
         q = self.consumer(r, which)
         return None if q is None else (q, which)
 
-    def _allowed(self, r: int, which: int, live: int | None = None, nxt: list[int] | None = None) -> bool:
+    def _allowed(self, r: int, which: int, live: float | None = None, nxt: list[int] | None = None) -> bool:
         nxt = self.next[r] if nxt is None else nxt
         live = self.live[r] if live is None else live
         if nxt[which] >= self.m:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..capabilities import Capabilities, Chunks, MemoryLimit
 from ..ir import Op, OpKind, op_grid
@@ -263,7 +264,7 @@ def zb_auto(
             rows, timing = paired, time_order(paired, m, sc, w)
         add(name, rows, timing)
     key, _, name, rows = min(candidates)
-    extra: dict[str, object] = {}
+    extra: dict[str, Any] = {}
     if span:
         extra = {"objective": objective, "iteration_time": key[0]}
     if w != 1.0:
