@@ -17,8 +17,8 @@ import argparse
 
 from bench_real_runs import measure
 
+from megatron_pp_ext.analysis.schedule_check import validate
 from megatron_pp_ext.analysis.simulate import simulate
-from megatron_pp_ext.analysis.validate import validate
 from megatron_pp_ext.verification.rank_run import RankPool
 
 

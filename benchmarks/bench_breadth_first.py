@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_pp_ext.analysis.schedule_check import validate
 from megatron_pp_ext.analysis.simulate import Costs, SimResult, simulate
-from megatron_pp_ext.analysis.validate import validate
 from megatron_pp_ext.schedules import generate
 from megatron_pp_ext.schedules.collectives import policy_for
 from megatron_pp_ext.schedules.ir import ScheduleError

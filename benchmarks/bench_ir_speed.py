@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from megatron_pp_ext.analysis.schedule_check import validate
 from megatron_pp_ext.analysis.simulate import simulate
-from megatron_pp_ext.analysis.validate import validate
 from megatron_pp_ext.schedules import generate, lower
 
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from megatron_pp_ext.analysis.schedule_check import validate
 from megatron_pp_ext.analysis.simulate import Costs, simulate
-from megatron_pp_ext.analysis.validate import validate
 from megatron_pp_ext.schedules import generate
 from megatron_pp_ext.verification.rank_pool import check_errors
 from megatron_pp_ext.verification.rank_run import RankPool

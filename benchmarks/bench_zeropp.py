@@ -4,7 +4,7 @@ vs ``bfs``, ``bfs-zb``, ``1f1b`` and ``zb-h1`` with FSDP, for a GPT preset on 8-
 Cost assumptions (all from megatron_pp_ext.planner, no measurement):
 
 * model ``zb-6.2b`` (30 layers, hidden 4096, seq 1024), micro-batch 1, bf16, A100-80GB preset, TP = 1;
-  per-layer ``T_F, T_B, T_W`` from :class:`~megatron_pp_ext.planner.costs.CostModel` (ms); a stage of
+  per-layer ``T_F, T_B, T_W`` from :class:`~megatron_pp_ext.planner.cost_model.CostModel` (ms); a stage of
   ``L / (p v)`` layers costs that many layers (fractional layers allowed: an idealisation that ignores
   the embedding and output layer, which the planner would place on the first and last stage);
   ``t_comm`` = the planner's p2p hop time.
@@ -35,7 +35,7 @@ from megatron_pp_ext.analysis.simulate import Costs
 from megatron_pp_ext.analysis.zeropp_auto import choose_unit_size, measure_schedule
 from megatron_pp_ext.planner import Planner, PlanRow, SearchSpace
 from megatron_pp_ext.planner.auto import decide
-from megatron_pp_ext.planner.costs import CostModel, get_device
+from megatron_pp_ext.planner.cost_model import CostModel, get_device
 from megatron_pp_ext.planner.memory import GIB, TrainingSetup, layer_activation_bytes, parameter_counts
 from megatron_pp_ext.planner.models import get_model
 from megatron_pp_ext.planner.report import row_label

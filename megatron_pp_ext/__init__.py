@@ -22,18 +22,18 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "add_arguments": "megatron_pp_ext.megatron.arguments",
-    "validate_arguments": "megatron_pp_ext.megatron.arguments",
-    "validate_arguments_or_exit": "megatron_pp_ext.megatron.arguments",
-    "PipelineConfig": "megatron_pp_ext.megatron.arguments",
-    "pipeline_config_of": "megatron_pp_ext.megatron.arguments",
-    "install": "megatron_pp_ext.megatron.install",
-    "uninstall": "megatron_pp_ext.megatron.install",
-    "chunk_layouts_for_this_rank": "megatron_pp_ext.megatron.layout",
-    "embedding_ranks_for": "megatron_pp_ext.megatron.layout",
-    "get_position_embedding_ranks": "megatron_pp_ext.megatron.layout",
-    "enable_cpu_mode": "megatron_pp_ext.megatron.cpu",
-    "enable_cpu_training_mode": "megatron_pp_ext.megatron.cpu",
+    "add_arguments": "megatron_pp_ext.integration.arguments",
+    "validate_arguments": "megatron_pp_ext.integration.arguments",
+    "validate_arguments_or_exit": "megatron_pp_ext.integration.arguments",
+    "PipelineConfig": "megatron_pp_ext.integration.arguments",
+    "pipeline_config_of": "megatron_pp_ext.integration.arguments",
+    "install": "megatron_pp_ext.integration.install",
+    "uninstall": "megatron_pp_ext.integration.install",
+    "chunk_layouts_for_this_rank": "megatron_pp_ext.integration.layout",
+    "embedding_ranks_for": "megatron_pp_ext.integration.layout",
+    "get_position_embedding_ranks": "megatron_pp_ext.integration.layout",
+    "enable_cpu_mode": "megatron_pp_ext.integration.cpu",
+    "enable_cpu_training_mode": "megatron_pp_ext.integration.cpu",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -5,12 +5,12 @@ Runs ``megatron.training.pretrain()`` of stock megatron-core 0.19.2 exactly as M
 ``pretrain_gpt.py`` does, plus three things:
 
 * the plugin's flags (``--pipeline-schedule NAME``, ``--pipeline-schedule-file``, ``--cpu``, ...;
-  see ``megatron_pp_ext.megatron.arguments``), validated before any process group exists;
+  see ``megatron_pp_ext.integration.arguments``), validated before any process group exists;
 * ``megatron_pp_ext.install(args)``, which makes megatron's training loop run the selected
   schedule (without ``--pipeline-schedule`` megatron's own schedule runs, untouched);
 * CPU / gloo mode with ``--cpu`` or when CUDA is not available (the shims of
-  ``megatron_pp_ext.megatron.cpu``; local layer spec, gloo backend, no fused kernels: the flags
-  of ``megatron_pp_ext.megatron.arguments.CPU_ARGV`` go in front of the command line).
+  ``megatron_pp_ext.integration.cpu``; local layer spec, gloo backend, no fused kernels: the flags
+  of ``megatron_pp_ext.integration.arguments.CPU_ARGV`` go in front of the command line).
   On GPUs the Transformer Engine layer spec is used when TE imports, else the local one.
 
 Data: Megatron's ``MockGPTDataset`` unless ``--data-path`` (indexed datasets) is given; the
@@ -43,15 +43,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megatron_pp_ext.megatron import cpu  # noqa: E402  (must come before any megatron import)
-from megatron_pp_ext.megatron.arguments import (  # noqa: E402
+from megatron_pp_ext.integration import cpu  # noqa: E402  (must come before any megatron import)
+from megatron_pp_ext.integration.arguments import (  # noqa: E402
     PipelineArgumentError,
     cpu_argv,
     error_line,
     microbatch_counts,
     validate_arguments_or_exit,
 )
-from megatron_pp_ext.megatron.fsdp_flags import check_argv as check_fsdp_argv  # noqa: E402
+from megatron_pp_ext.integration.fsdp_flags import check_argv as check_fsdp_argv  # noqa: E402
 
 
 def _cpu_requested(argv: list[str]) -> bool:
@@ -95,10 +95,10 @@ from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 from megatron.training.utils import get_blend_and_blend_per_split  # noqa: E402
 
 import megatron_pp_ext  # noqa: E402
-from megatron_pp_ext.megatron import layout  # noqa: E402
-from megatron_pp_ext.megatron.argv_check import check_argv_or_exit  # noqa: E402
-from megatron_pp_ext.megatron.checkpoint import check_torch_checkpoint_layouts  # noqa: E402
-from megatron_pp_ext.megatron.save_lock import hold_save_dir_lock  # noqa: E402
+from megatron_pp_ext.integration import layout  # noqa: E402
+from megatron_pp_ext.integration.argv_check import check_argv_or_exit  # noqa: E402
+from megatron_pp_ext.integration.checkpoint import check_torch_checkpoint_layouts  # noqa: E402
+from megatron_pp_ext.integration.save_lock import hold_save_dir_lock  # noqa: E402
 from megatron_pp_ext.runtime.agreement import ScheduleMismatchError  # noqa: E402
 from megatron_pp_ext.runtime.executor import ExecutorError  # noqa: E402
 from megatron_pp_ext.runtime.p2p import PipelineCommError  # noqa: E402
@@ -337,11 +337,11 @@ def main() -> None:
     if installed is not None:
         print_rank_0(f"> megatron_pp_ext: {describe(args)}")
     else:  # megatron untouched without --pipeline-schedule, but a peer started with one learns it at once
-        from megatron_pp_ext.megatron.install import agree_without_schedule
+        from megatron_pp_ext.integration.install import agree_without_schedule
 
         agree_without_schedule(args)
     if _LOSS_FILE and getattr(args, "pipeline_post_validation", False):
-        from megatron_pp_ext.megatron import post_validation_training
+        from megatron_pp_ext.integration import post_validation_training
 
         post_validation_training.add_listener(_drop_discarded_losses)
     if _WEIGHTS_FILE:  # after install(): wraps post-validation's train (validated last step)

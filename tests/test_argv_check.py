@@ -1,11 +1,11 @@
-"""scripts/pretrain_gpt.py's command-line pre-check (megatron_pp_ext.megatron.argv_check) on a stand-in
+"""scripts/pretrain_gpt.py's command-line pre-check (megatron_pp_ext.integration.argv_check) on a stand-in
 parser: one message per problem, unknown flags with the closest known one, bad values by flag."""
 
 from __future__ import annotations
 
 import argparse
 
-from megatron_pp_ext.megatron.argv_check import _CollectingParser, argv_problems
+from megatron_pp_ext.integration.argv_check import _CollectingParser, argv_problems
 
 
 def _parser() -> argparse.ArgumentParser:

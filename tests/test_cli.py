@@ -288,7 +288,7 @@ def test_validate_reports_broken_collectives(
 
     from megatron_pp_ext.schedules.collectives import derive_collectives
 
-    validate_module = importlib.import_module("megatron_pp_ext.analysis.validate")
+    validate_module = importlib.import_module("megatron_pp_ext.analysis.schedule_check")
 
     def drops_last_reduction(schedule, policy=None):  # type: ignore[no-untyped-def]
         plan = derive_collectives(schedule, policy)

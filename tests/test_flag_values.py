@@ -10,9 +10,9 @@ import pytest
 
 from megatron_pp_ext import argtypes
 from megatron_pp_ext.analysis.simulate import Costs
-from megatron_pp_ext.megatron import flags
-from megatron_pp_ext.megatron.arguments import add_arguments, config_from_args
-from megatron_pp_ext.megatron.config import PipelineArgumentError, PipelineConfig
+from megatron_pp_ext.integration import flags
+from megatron_pp_ext.integration.arguments import add_arguments, config_from_args
+from megatron_pp_ext.integration.config import PipelineArgumentError, PipelineConfig
 from megatron_pp_ext.planner.options import add_plan_arguments
 from megatron_pp_ext.planner.variants import resolve_limit
 from megatron_pp_ext.schedule_args import CliError, add_source_args, parse_memory_limit
@@ -138,5 +138,5 @@ def test_agreement_fingerprint_covers_what_the_ranks_must_share() -> None:
 
 def test_docs_flags_md_is_current() -> None:
     assert flags.DOC.read_text() == flags.markdown(), (
-        "docs/flags.md is stale: run python -m megatron_pp_ext.megatron.flags --write"
+        "docs/flags.md is stale: run python -m megatron_pp_ext.integration.flags --write"
     )

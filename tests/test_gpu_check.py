@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_pp_ext.planner.costs import CostModel, get_device
+from megatron_pp_ext.planner.cost_model import CostModel, get_device
 from megatron_pp_ext.planner.memory import TrainingSetup
 from megatron_pp_ext.planner.models import get_model
 from megatron_pp_ext.verification import gpu_check

@@ -4,9 +4,9 @@
   subprocess; torch and megatron stay loaded between modules, our own modules do not), so an import cycle
   between two of our modules, which only bites when one of them is imported first, fails here.
 * ``schedules``, ``analysis`` and ``planner`` (pure planning) import nothing from ``runtime`` or ``megatron``,
-  not even lazily inside a function; the flag modules (``megatron/arguments.py``, ``config.py``, ``flags.py``,
+  not even lazily inside a function; the flag modules (``integration/arguments.py``, ``config.py``, ``flags.py``,
   ``fsdp_flags.py``) do not import the planner: the auto decision runs from the install path
-  (``megatron/auto_schedule.py``).
+  (``integration/auto_schedule.py``).
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_pp_ext"
 PURE = ("schedules", "analysis", "planner")
-UP = ("runtime", "megatron")
+UP = ("runtime", "integration")
 
 IMPORT_EACH = r"""
 import importlib, sys, traceback
-from megatron_pp_ext.megatron import cpu  # the CPU shim every megatron import needs first
+from megatron_pp_ext.integration import cpu  # the CPU shim every megatron import needs first
 cpu.enable_cpu_mode()
 failed = []
 for name in sys.argv[1:]:
-    for mod in [m for m in sys.modules if m.startswith("megatron_pp_ext") and m != "megatron_pp_ext.megatron.cpu"]:
+    for mod in [m for m in sys.modules if m.startswith("megatron_pp_ext") and m != "megatron_pp_ext.integration.cpu"]:
         del sys.modules[mod]
     try:
         importlib.import_module(name)
@@ -90,5 +90,5 @@ def test_pure_layers_do_not_import_runtime_or_megatron(layer: str) -> None:
 
 @pytest.mark.parametrize("module", ["arguments.py", "config.py", "flags.py", "fsdp_flags.py"])
 def test_flag_validation_does_not_import_the_planner(module: str) -> None:
-    bad = [m for _, m in _imports(PACKAGE / "megatron" / module) if m.startswith("megatron_pp_ext.planner")]
+    bad = [m for _, m in _imports(PACKAGE / "integration" / module) if m.startswith("megatron_pp_ext.planner")]
     assert not bad, bad

@@ -1,8 +1,7 @@
 """Pure-Python analysis of schedules: validation (dependencies, deadlock freedom) and simulation."""
 
 from ..schedules.costs import Costs
-from .simulate import DEFAULT_W_RETAINED_FRACTION, DataParallelResult, SimResult, simulate
-from .validate import (
+from .schedule_check import (
     ChannelError,
     CollectiveError,
     DeadlockError,
@@ -17,6 +16,7 @@ from .validate import (
     check_ops,
     validate,
 )
+from .simulate import DEFAULT_W_RETAINED_FRACTION, DataParallelResult, SimResult, simulate
 
 __all__ = [
     "DEFAULT_W_RETAINED_FRACTION",

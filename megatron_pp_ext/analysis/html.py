@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from ..schedules.ir import OpKind
 from ..schedules.schedule import Schedule
+from .schedule_check import validate
 from .simulate import SimResult, simulate
-from .validate import validate
 
 KINDS = ("F", "B", "W", "BW")
 

@@ -23,9 +23,9 @@ from pathlib import Path
 from ..schedules import registry
 from ..schedules.ir import ScheduleError
 from ..schedules.schedule import Schedule
+from .schedule_check import validate
 from .simulate import Costs, SimResult, simulate
 from .torch_orders import TORCH_SCHEDULES, import_torch_schedule
-from .validate import validate
 
 #: Cost models: name -> (T_F, T_B, T_W, T_comm) for one 1F1B stage (L/p layers).
 COST_MODELS: dict[str, tuple[float, float, float, float]] = {

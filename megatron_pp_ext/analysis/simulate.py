@@ -59,7 +59,7 @@ from ..schedules.lowering import CommPlan, LoweredSchedule
 from ..schedules.op_arrays import KIND_B, KIND_BW, KIND_F, KIND_W, op_arrays
 from ..schedules.schedule import Schedule
 from ..schedules.timing import op_start_times, op_start_times_with_stream, repeat_iterations
-from .validate import DeadlockError, validate
+from .schedule_check import DeadlockError, validate
 
 __all__ = [
     "DEFAULT_W_RETAINED_FRACTION",
@@ -268,7 +268,7 @@ def simulate(
     (``CommPlan.receive_buffers``: what the tracer counts too). ``w_retained_fraction``: share of an activation a
     ``B`` keeps alive until its ``W`` (see :data:`DEFAULT_W_RETAINED_FRACTION`: 1.0 = the papers'
     counting; about 0.9 is realistic, as ``W`` needs only the linear layers' inputs and output
-    gradients). Raises :class:`~megatron_pp_ext.analysis.validate.ScheduleValidationError`
+    gradients). Raises :class:`~megatron_pp_ext.analysis.schedule_check.ScheduleValidationError`
     subclasses for an invalid schedule, ``ValueError`` for bad costs or sizes.
 
     ``overlap`` (0..1): how much of the shorter op of each overlap pair (``Schedule.overlap_pairs``,

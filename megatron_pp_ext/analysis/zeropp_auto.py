@@ -26,8 +26,8 @@ from ..schedules.gc_pause import cyclic_gc_paused
 from ..schedules.generators.common import ScheduleParameterError, check_int
 from ..schedules.generators.zeropp import FSDP_MAX_UNSHARDED, zeropp
 from ..schedules.schedule import Schedule
+from .schedule_check import validate
 from .simulate import simulate
-from .validate import validate
 
 __all__ = [
     "Measurement",

@@ -25,7 +25,7 @@ def compare_rows(
 
     Returns the results, the schedules whose generator refused ``(p, m, v)`` (with the reason)
     and the generated schedules that failed validation (a bug, with the error)."""
-    from ..analysis.validate import validate
+    from ..analysis.schedule_check import validate
 
     done: list[tuple[Schedule, SimResult]] = []
     skipped: dict[str, str] = {}

@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
 def simulated(schedule: Schedule, costs: Costs | None, lowered: LoweredSchedule | None = None) -> SimResult:
     """The simulated run of ``schedule`` (validated here unless ``lowered`` is given)."""
+    from ..analysis.schedule_check import validate
     from ..analysis.simulate import simulate
-    from ..analysis.validate import validate
 
     if lowered is None:
         lowered = validate(schedule)
@@ -29,8 +29,8 @@ def simulated(schedule: Schedule, costs: Costs | None, lowered: LoweredSchedule 
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from ..analysis.schedule_check import validate
     from ..analysis.simulate import simulate
-    from ..analysis.validate import validate
 
     schedule = schedule_from_args(args)
     options = dp_options(args, schedule)

@@ -13,7 +13,7 @@ from .common import EXIT_INVALID
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from ..analysis.validate import check_collective_plan, validate
+    from ..analysis.schedule_check import check_collective_plan, validate
     from ..schedules.collectives import CollectiveKind, policy_for
 
     wants = args.collectives or args.fsdp or args.distributed_optimizer or args.fsdp_max_unsharded is not None

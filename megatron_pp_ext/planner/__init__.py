@@ -22,7 +22,7 @@ each using the others' public names only:
 The commands (``plan``, ``grid``, ``collect``, ``launch-local``) are in :mod:`megatron_pp_ext.cli`.
 """
 
-from .costs import DEVICES, CostModel, Device, LayerTimes, get_device, model_flops_per_iteration
+from .cost_model import DEVICES, CostModel, Device, LayerTimes, get_device, model_flops_per_iteration
 from .memory import GIB, RankMemory, TrainingSetup, bytes_per_parameter, layer_activation_bytes, rank_memory
 from .models import PRESETS, ModelSpec, get_model, model_names
 from .result import PlanResult, PlanRow

@@ -10,7 +10,7 @@ dropped (over the budget, with the least memory any of their configurations need
 with the generator's reason).
 
 Pure planning: a training run's planner (from megatron's args, the GPU's memory) is built by
-:mod:`megatron_pp_ext.megatron.auto_schedule`, which also decides again from measured costs
+:mod:`megatron_pp_ext.integration.auto_schedule`, which also decides again from measured costs
 (``--pipeline-replan``).
 """
 

@@ -20,7 +20,7 @@ _FLAG = re.compile(r"(?<![A-Za-z0-9_-])(--[A-Za-z0-9][A-Za-z0-9_-]*)")
 _PARSER_DUMP = """
 import argparse, sys
 sys.path.insert(0, {root!r})
-from megatron_pp_ext.megatron import cpu
+from megatron_pp_ext.integration import cpu
 cpu.enable_cpu_mode(force=True)
 from megatron.training.arguments import add_megatron_arguments
 import megatron_pp_ext

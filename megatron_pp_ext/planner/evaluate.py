@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ..analysis.simulate import Costs
 from ..schedules import registry
 from ..schedules.schedule import Schedule
-from .costs import model_flops_per_iteration
+from .cost_model import model_flops_per_iteration
 from .dp_stream import exposed_dp_time, reduction_profile
 from .extrapolate import EXACT_FALLBACK, TOLERANCE, affine_at, affine_memory
 from .memo import Built, build_key
@@ -39,7 +39,7 @@ def evaluate(
     planner: Planner, var: Variant, t: int, p: int, d: int, b: int, m: int, recompute: str, fsdp: bool = False
 ) -> PlanRow | float | str:
     """A row, the worst rank's memory (bytes) if over the budget, or why ``m`` itself is refused.
-    ``fsdp``: parameters sharded inside the pipeline (memory and time from planner/fsdp.py)."""
+    ``fsdp``: parameters sharded inside the pipeline (memory and time from planner/fsdp_axis.py)."""
     schedule = var.schedule
     layout = stage_layout(schedule.placement, var.split)
     builds = var.builds

@@ -16,7 +16,7 @@ from ..schedules.lowering import LoweredSchedule
 from ..schedules.schedule import Schedule
 from .dp_stream import ReductionProfile
 from .memory import ActivationProfile
-from .timing import TimingProgram
+from .retiming import TimingProgram
 
 COMPILE_AFTER = 2  # a schedule simulated this often gets a compiled TimingProgram (faster re-timing)
 

@@ -16,7 +16,7 @@ from ..argtypes import (
     positive_fraction,
     positive_int,
 )
-from .costs import CostModel
+from .cost_model import CostModel
 from .memo import SIM_OVERLAP, PlannerMemo
 from .memory import TrainingSetup, w_memory_fraction
 from .schedule_cache import default_cache_dir
@@ -138,7 +138,7 @@ _FSDP_CHOICES = {"off": (False,), "on": (True,), "both": (False, True)}
 
 
 def planner_from_args(args: argparse.Namespace, memo: PlannerMemo | None = None) -> Planner:
-    from .costs import get_device
+    from .cost_model import get_device
     from .models import ModelSpec, get_model
 
     shapes = {

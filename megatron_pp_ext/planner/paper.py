@@ -25,7 +25,7 @@ def _num(value: Any) -> float | None:
 def _peak_tflops(plan: Mapping[str, Any] | None) -> float | None:
     if not plan or not plan.get("device"):
         return None
-    from .costs import get_device
+    from .cost_model import get_device
 
     try:
         return float(get_device(str(plan["device"])).peak_tflops)

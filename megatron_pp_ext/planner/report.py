@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from .fsdp import RUNTIME_NOTE
+from .fsdp_axis import RUNTIME_NOTE
 from .megatron_args import config_args, model_args, precision_args
 from .memo import SIM_OVERLAP
 from .memory import GIB

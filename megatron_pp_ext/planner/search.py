@@ -17,16 +17,16 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from ..analysis.schedule_check import validate
 from ..analysis.simulate import Costs, simulate
-from ..analysis.validate import validate
 from ..schedules import registry
 from ..schedules.ir import ScheduleError
 from ..schedules.limits import OPS_PER_PAIR
 from ..schedules.schedule import Schedule
-from .costs import CostModel
+from .cost_model import CostModel
 from .evaluate import evaluate
 from .extrapolate import EXACT_FALLBACK, anchor_counts
-from .fsdp import FsdpSimulator, fsdp_options
+from .fsdp_axis import FsdpSimulator, fsdp_options
 from .memo import (
     POST_VALIDATION_ITERATIONS,
     SIM_KWARGS,

@@ -41,7 +41,7 @@ class SearchSpace:
     memory_limits: tuple[str, ...] = ()  # extra memory limits ("p", "2p", "12") for memory-aware schedules
     layer_split: str = "auto"  # auto | even | embedding-loss
     max_tp: int | None = None  # default: GPUs per node
-    fsdp: tuple[bool, ...] | None = None  # FSDP off / on per candidate (planner/fsdp.py); default: off only
+    fsdp: tuple[bool, ...] | None = None  # FSDP off / on per candidate (planner/fsdp_axis.py); default: off only
     unit_sizes: tuple[int, ...] | None = None  # zeropp's unit sizes U; default: every divisor of m
 
 

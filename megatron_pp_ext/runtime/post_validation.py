@@ -87,7 +87,7 @@ class PostValidationStats:
     validations: int = 0
     snapshot_bytes: int = 0  # largest snapshot kept
     reruns: int = (
-        0  # late validation: forward-backward passes run again (pretrain(), megatron/post_validation_training.py)
+        0  # late validation: forward-backward passes run again (pretrain(), integration/post_validation_training.py)
     )
     partial_norms: list[float] = field(default_factory=list)  # per step: norm of stages 0..i (inf: found-inf)
     complete_norms: list[float] = field(default_factory=list)  # per step, once validated: norm of all stages

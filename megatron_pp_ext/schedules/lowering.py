@@ -198,7 +198,7 @@ class CommPlan:
     @classmethod
     def from_programs(cls, schedule: Schedule, programs: tuple[tuple[Instruction, ...], ...]) -> CommPlan:
         """The plan a hand-made lowering amounts to, for timing it (not checked: ``stuck_at`` is
-        None; :func:`~megatron_pp_ext.analysis.validate.check_lowered` checks such programs). At
+        None; :func:`~megatron_pp_ext.analysis.schedule_check.check_lowered` checks such programs). At
         most one send per op is kept; a consumer waits for its input only when the receive is
         posted before it."""
         ids: dict[tuple[str, int, int], int] = {}
@@ -250,7 +250,7 @@ class LoweredSchedule:
 
     Made by :func:`lower` (from a :class:`CommPlan`; programs and message objects are built when
     first read) or by hand from ``programs``, ``messages`` and ``local_handoffs`` (tests,
-    experiments: :func:`~megatron_pp_ext.analysis.validate.check_lowered` checks those).
+    experiments: :func:`~megatron_pp_ext.analysis.schedule_check.check_lowered` checks those).
     """
 
     def __init__(
@@ -392,7 +392,7 @@ def lower(schedule: Schedule) -> LoweredSchedule:
     """Insert sends and receives into every rank's program (cached on the schedule).
 
     Expects a schedule whose ops are complete (every consumer has its producer);
-    :func:`megatron_pp_ext.analysis.validate.validate` checks that first and
+    :func:`megatron_pp_ext.analysis.schedule_check.validate` checks that first and
     reports what is missing.
     """
     cached = schedule.__dict__.get("_lowered")

@@ -232,7 +232,7 @@ def op_start_times(
     ``start[r]``: when rank ``r`` is free to begin (default 0: one iteration alone).
 
     Raises ``RuntimeError`` if some rank waits for a message that never comes (a lowering that
-    :func:`~megatron_pp_ext.analysis.validate.validate` would reject).
+    :func:`~megatron_pp_ext.analysis.schedule_check.validate` would reject).
     """
     plan = lowered.timing_plan
     pairs = lowered.schedule.overlap_pairs if overlap else ()

@@ -247,8 +247,8 @@ def _real_ms(ops: Any) -> dict[str, tuple[float, float]]:
 # ------------------------------------------------------------------------------------------------
 def build_schedules(settings: Settings, comm_ms: float) -> tuple[list[tuple[Any, Any]], dict[str, str]]:
     """The requested schedules that build at ``(p, m)``, validated, each with its per-stage costs."""
+    from ..analysis.schedule_check import validate
     from ..analysis.simulate import Costs
-    from ..analysis.validate import validate
     from ..schedule_args import generate_schedule
     from ..schedules.ir import ScheduleError
 
@@ -268,8 +268,8 @@ def build_schedules(settings: Settings, comm_ms: float) -> tuple[list[tuple[Any,
 
 def run_emulation(settings: Settings, pool: Any = None, say: Any = print) -> Outcome:
     """Measure the p2p time, then run and simulate every schedule; ``pool``: a RankPool of >= p ranks."""
+    from ..analysis.schedule_check import validate
     from ..analysis.simulate import simulate
-    from ..analysis.validate import validate
     from .emulate import measure_p2p_latency, run_job
     from .rank_pool import RankPool, check_errors
     from .tiny_gpt import TinyGPTSpec

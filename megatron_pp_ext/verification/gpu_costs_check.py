@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..planner.costs import CostModel, Device, get_device, layer_flops
+from ..planner.cost_model import CostModel, Device, get_device, layer_flops
 from ..planner.memory import TrainingSetup, layer_activation_bytes, wgrad_held_bytes
 from ..planner.models import ModelSpec, get_model
 from .gpu_split_check import build_layer, layer_config, prepare_single_rank

@@ -151,7 +151,7 @@ def prepare_rank(device: str, stage_p2p_through_host: bool = False) -> None:
     """CPU shims (forced even where CUDA exists), or GPU 0 with host-staged p2p.
 
     A process keeps the device of its first run: the CPU shims cannot be undone."""
-    from megatron_pp_ext.megatron.cpu import enable_cpu_mode, hide_missing_accelerator_warnings, is_enabled
+    from megatron_pp_ext.integration.cpu import enable_cpu_mode, hide_missing_accelerator_warnings, is_enabled
 
     if device not in DEVICES:
         raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")

@@ -131,7 +131,7 @@ def _megatron_optimizer(spec: RunSpec, chunks: list[Any]) -> Any:
     its found-inf check and skip)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from ..megatron.cpu import enable_megatron_optimizer_on_cpu
+    from ..integration.cpu import enable_megatron_optimizer_on_cpu
 
     enable_megatron_optimizer_on_cpu()
 

@@ -329,8 +329,8 @@ class _Training:
 
 
 def _replanning_source(spec: RunSpec, p: int, pp_rank: int = 0) -> Any:
+    from ..analysis.schedule_check import validate
     from ..analysis.simulate import Costs
-    from ..analysis.validate import validate
     from ..runtime.replan import ReplanningSource
     from ..schedules import registry
 

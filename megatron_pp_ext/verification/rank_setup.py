@@ -29,7 +29,7 @@ def prepare_device(device: str, stage_p2p_through_host: bool = False) -> None:
     if device == "none":
         return
     if device == "auto":
-        from ..megatron.cpu import enable_cpu_mode, hide_missing_accelerator_warnings
+        from ..integration.cpu import enable_cpu_mode, hide_missing_accelerator_warnings
 
         hide_missing_accelerator_warnings(announce=False)  # before enable_cpu_mode imports megatron
         enable_cpu_mode()

@@ -1,7 +1,7 @@
 """A tiny megatron-core GPTModel split by a schedule's placement (for ``verify`` and tests).
 
 Every chunk is a real ``GPTModel`` (local layer spec) holding the layers
-:func:`~megatron_pp_ext.runtime.placement.chunk_layouts` assigns to it. All
+:func:`~megatron_pp_ext.runtime.layer_map.chunk_layouts` assigns to it. All
 chunks share one ``TransformerConfig``; a chunk's weights are copied from a
 full-depth model built with the same seed, mapped by *global* layer number, so
 a partitioned model starts from exactly the weights of the unpartitioned
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..runtime.placement import ChunkLayout, LayerSplit, chunk_layouts
+from ..runtime.layer_map import ChunkLayout, LayerSplit, chunk_layouts
 from ..schedules.placement import Placement
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")

@@ -68,7 +68,7 @@ def verify_schedule(
         raise ValueError("--fsdp shards gradients and optimizer state itself: drop --distributed-optimizer")
     if fsdp and (model is None or model.tied_embeddings):
         raise ValueError("--fsdp supports untied embeddings only for now (add --untied-embeddings)")
-    from ..analysis.validate import validate
+    from ..analysis.schedule_check import validate
 
     validate(schedule)
     p, m = schedule.num_ranks, schedule.num_microbatches

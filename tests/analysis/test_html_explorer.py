@@ -11,7 +11,7 @@ import pytest
 from megatron_pp_ext.analysis import simulate
 from megatron_pp_ext.analysis.html import KINDS, build_variants, render, variant_data
 from megatron_pp_ext.analysis.peers import ours, stage_costs
-from megatron_pp_ext.analysis.validate import validate
+from megatron_pp_ext.analysis.schedule_check import validate
 from megatron_pp_ext.cli import main
 
 

@@ -47,7 +47,7 @@ def run(schedule: Any, split: bool, spec: Any, iterations: int, overlap: bool) -
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-    from megatron_pp_ext.megatron._patching import Patcher
+    from megatron_pp_ext.integration._patching import Patcher
     from megatron_pp_ext.runtime.executor import make_forward_backward_func
     from megatron_pp_ext.runtime.te_wgrad import deferring_modules, enable_te_wgrad, patch_for_split
     from megatron_pp_ext.runtime.wgrad import get_weight_grad_store
@@ -125,7 +125,7 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.cpu_smoke:
-        from megatron_pp_ext.megatron.cpu import enable_cpu_mode
+        from megatron_pp_ext.integration.cpu import enable_cpu_mode
 
         enable_cpu_mode()
         dist.init_process_group("gloo")

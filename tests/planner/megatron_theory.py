@@ -138,7 +138,7 @@ def megatron_args(case: Case) -> dict[str, object]:
 
 _MEGATRON_SIDE = r"""
 import json, sys, types
-from megatron_pp_ext.megatron import cpu
+from megatron_pp_ext.integration import cpu
 cpu._define_typing_override()
 cpu._stub_triton_modules()
 from megatron.training import theoretical_memory_usage as tmu

@@ -6,7 +6,7 @@ import pytest
 
 from megatron_pp_ext.planner import Planner, SearchSpace
 from megatron_pp_ext.planner.auto import AUTO_MEMORY_LIMITS, auto_space, decide
-from megatron_pp_ext.planner.costs import CostModel, get_device
+from megatron_pp_ext.planner.cost_model import CostModel, get_device
 from megatron_pp_ext.planner.memory import GIB, TrainingSetup
 from megatron_pp_ext.planner.models import get_model
 from megatron_pp_ext.schedules import names
@@ -72,8 +72,8 @@ def test_planner_times_overlap_pairs_as_the_simulator_does() -> None:
     """The planner's timing of dualpipev (its F&B pairs) equals ``simulate(overlap=F)`` for F = 0, 0.5 and 1,
     also once the schedule is simulated often enough to get a compiled timing program (which runs pairs
     serially, so it must not be used when F > 0)."""
+    from megatron_pp_ext.analysis.schedule_check import validate
     from megatron_pp_ext.analysis.simulate import Costs, simulate
-    from megatron_pp_ext.analysis.validate import validate
     from megatron_pp_ext.planner.memo import COMPILE_AFTER
     from megatron_pp_ext.schedules import registry
 

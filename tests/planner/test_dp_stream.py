@@ -54,7 +54,7 @@ def test_planner_rows_use_the_stream() -> None:
     """In a plan, a one-chunk schedule pays its whole reduction after the pipeline (as before) and
     breadth-first with v chunks hides all but its last chunk's (chunks split by layers)."""
     from megatron_pp_ext.planner import Planner, SearchSpace
-    from megatron_pp_ext.planner.costs import CostModel, get_device
+    from megatron_pp_ext.planner.cost_model import CostModel, get_device
     from megatron_pp_ext.planner.memory import TrainingSetup
     from megatron_pp_ext.planner.models import get_model
 

@@ -1,4 +1,4 @@
-"""FSDP inside the pipeline and zeropp's unit size as planner axes (planner/fsdp.py, variants.py, evaluate.py)."""
+"""FSDP inside the pipeline and zeropp's unit size as planner axes (planner/fsdp_axis.py, variants.py, evaluate.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from megatron_pp_ext.analysis import Costs, simulate
 from megatron_pp_ext.planner import Planner, PlanRow, SearchSpace
 from megatron_pp_ext.planner.auto import AUTO_MEMORY_LIMITS, decide
-from megatron_pp_ext.planner.costs import CostModel, get_device
-from megatron_pp_ext.planner.fsdp import fsdp_options
+from megatron_pp_ext.planner.cost_model import CostModel, get_device
+from megatron_pp_ext.planner.fsdp_axis import fsdp_options
 from megatron_pp_ext.planner.megatron_args import config_args
 from megatron_pp_ext.planner.memory import TrainingSetup, bytes_per_parameter, stage_layout, stage_parameters
 from megatron_pp_ext.planner.models import ModelSpec

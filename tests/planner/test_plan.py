@@ -12,7 +12,7 @@ import pytest
 
 from megatron_pp_ext.cli import main
 from megatron_pp_ext.planner import Planner, SearchSpace, extrapolate
-from megatron_pp_ext.planner.costs import DEVICES, CostModel, get_device, model_flops_per_iteration
+from megatron_pp_ext.planner.cost_model import DEVICES, CostModel, get_device, model_flops_per_iteration
 from megatron_pp_ext.planner.megatron_args import config_args
 from megatron_pp_ext.planner.memory import GIB, TrainingSetup
 from megatron_pp_ext.planner.models import get_model

@@ -7,7 +7,7 @@ import pytest
 
 from megatron_pp_ext.analysis import Costs, simulate
 from megatron_pp_ext.planner import Planner, SearchSpace
-from megatron_pp_ext.planner.costs import CostModel, get_device
+from megatron_pp_ext.planner.cost_model import CostModel, get_device
 from megatron_pp_ext.planner.dp_stream import exposed_dp_time, reduction_profile
 from megatron_pp_ext.planner.memory import TrainingSetup, rank_memory, rank_parameters, stage_layout
 from megatron_pp_ext.planner.models import get_model

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
+from megatron_pp_ext.analysis.schedule_check import validate
 from megatron_pp_ext.analysis.simulate import Costs, simulate
-from megatron_pp_ext.analysis.validate import validate
-from megatron_pp_ext.planner.timing import TimingProgram
+from megatron_pp_ext.planner.retiming import TimingProgram
 from megatron_pp_ext.schedules import registry
 from megatron_pp_ext.schedules.ir import ScheduleError
 

@@ -57,7 +57,7 @@ def _run(case: TEDDPCase, split: bool) -> dict[str, Any]:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_pp_ext.megatron._patching import Patcher
+    from megatron_pp_ext.integration._patching import Patcher
     from megatron_pp_ext.runtime.te_wgrad import enable_te_wgrad, patch_for_split, pending_te_entries
     from megatron_pp_ext.runtime.wgrad import WeightGradStore
 

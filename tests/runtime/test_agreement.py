@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from megatron_pp_ext.analysis.validate import validate
+from megatron_pp_ext.analysis.schedule_check import validate
 from megatron_pp_ext.schedules import Schedule, generate
 from megatron_pp_ext.verification import criterion
 from megatron_pp_ext.verification.compare import compare

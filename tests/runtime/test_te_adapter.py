@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from megatron_pp_ext.megatron._patching import Patcher
+from megatron_pp_ext.integration._patching import Patcher
 from megatron_pp_ext.runtime.te_wgrad import (
     check_te_support,
     deferring_modules,

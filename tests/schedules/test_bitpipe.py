@@ -12,8 +12,8 @@ import functools
 
 import pytest
 
+from megatron_pp_ext.analysis.schedule_check import validate
 from megatron_pp_ext.analysis.simulate import Costs, SimResult, simulate
-from megatron_pp_ext.analysis.validate import validate
 from megatron_pp_ext.schedules import ScheduleError, generate, get, names
 from megatron_pp_ext.schedules.collectives import (
     CollectiveKind,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_pp_ext.analysis.validate import validate
+from megatron_pp_ext.analysis.schedule_check import validate
 from megatron_pp_ext.schedules import Schedule, ScheduleError, generate, names
 from megatron_pp_ext.schedules.generators.baselines import interleaved_warmup
 

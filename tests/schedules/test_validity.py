@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_pp_ext.analysis.validate import ScheduleValidationError, validate
+from megatron_pp_ext.analysis.schedule_check import ScheduleValidationError, validate
 from megatron_pp_ext.schedules import BW, F, Schedule, ScheduleError, generate, loop_placement, names
 from tests.tiers import slow_params
 

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_pp_ext.analysis import zeropp_auto
+from megatron_pp_ext.analysis.schedule_check import validate
 from megatron_pp_ext.analysis.simulate import Costs, simulate
-from megatron_pp_ext.analysis.validate import validate
 from megatron_pp_ext.analysis.zeropp_auto import choose_unit_size
 from megatron_pp_ext.schedules import OpKind, generate, names
 from megatron_pp_ext.schedules.collectives import (

@@ -32,7 +32,7 @@ CASES = [("default", 2, "1f1b", False), ("avx2" if NATIVE != "avx2" else "defaul
 def test_verdict_holds_under_other_kernels_and_thread_counts(monkeypatch, capability, threads, name, dist_opt):
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
     monkeypatch.setenv("OMP_NUM_THREADS", str(threads))
-    monkeypatch.setenv("MEGATRON_PP_CPU_THREADS", str(threads))  # the CPU mode's own setting (megatron/cpu.py)
+    monkeypatch.setenv("MEGATRON_PP_CPU_THREADS", str(threads))  # the CPU mode's own setting (integration/cpu.py)
     with RankPool(4) as pool:
         report = verify_schedule(generate(name, 2, 4), pool, dp=2, distributed_optimizer=dist_opt, iterations=2)
         assert report.ok, report.describe()

@@ -3,7 +3,7 @@
 A candidate runs with FSDP (``--pipeline-fsdp``) only when its schedule declares it can
 (``Capabilities.data_parallel.fsdp``: ``optional`` or ``required``) and the runtime covers the
 shape: data-parallel size >= 2, TP = 1 and untied embeddings, as
-:mod:`megatron_pp_ext.megatron.fsdp_training` refuses the rest (it also trains fp32 only for now;
+:mod:`megatron_pp_ext.integration.fsdp_training` refuses the rest (it also trains fp32 only for now;
 the planner still models the precision asked for, see :data:`RUNTIME_NOTE`).
 
 Memory: :func:`~megatron_pp_ext.planner.memory.fsdp_rank_memory` over the collective plan the

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from megatron_args_helpers import make_args, make_parser
 
-from megatron_pp_ext.megatron.arguments import (
+from megatron_pp_ext.integration.arguments import (
     ActivationLimit,
     PipelineArgumentError,
     parse_costs,
@@ -245,8 +245,8 @@ def test_errors_exit_like_argparse(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_uneven_split_flags_under_v_placement_are_checked() -> None:
-    from megatron_pp_ext.megatron.arguments import layer_split_from_args
-    from megatron_pp_ext.runtime.placement import LayerSplit, LayerSplitError, stage_layer_counts
+    from megatron_pp_ext.integration.arguments import layer_split_from_args
+    from megatron_pp_ext.runtime.layer_map import LayerSplit, LayerSplitError, stage_layer_counts
 
     class Args:
         account_for_embedding_in_pipeline_split = True

@@ -22,7 +22,7 @@ from functools import cache
 import pytest
 import torch
 
-from megatron_pp_ext.megatron.checkpoint_layout import (
+from megatron_pp_ext.integration.checkpoint_layout import (
     RECORD_KEY,
     as_record,
     describe,
@@ -31,8 +31,8 @@ from megatron_pp_ext.megatron.checkpoint_layout import (
     table_from_args,
     table_of_layouts,
 )
-from megatron_pp_ext.megatron.checkpoint_mapping import MappingError, map_chunks
-from megatron_pp_ext.runtime.placement import chunk_layouts
+from megatron_pp_ext.integration.checkpoint_mapping import MappingError, map_chunks
+from megatron_pp_ext.runtime.layer_map import chunk_layouts
 from megatron_pp_ext.schedules import Placement, generate, names
 
 NUM_LAYERS = 8

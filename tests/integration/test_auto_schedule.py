@@ -1,13 +1,13 @@
 """``--pipeline-schedule auto``: the flags checked by the argument validation (no search there), the planner's
-choice made on the install path (megatron/auto_schedule.py), its table, the budget."""
+choice made on the install path (integration/auto_schedule.py), its table, the budget."""
 
 from __future__ import annotations
 
 import pytest
 from megatron_args_helpers import make_args
 
-from megatron_pp_ext.megatron.arguments import PipelineArgumentError, PipelineConfig, validate_arguments
-from megatron_pp_ext.megatron.auto_schedule import planner_for_run, resolve
+from megatron_pp_ext.integration.arguments import PipelineArgumentError, PipelineConfig, validate_arguments
+from megatron_pp_ext.integration.auto_schedule import planner_for_run, resolve
 
 TINY = {  # scripts/run_tiny_cpu.sh's shapes at 4 ranks
     "num_layers": 8,
@@ -86,7 +86,7 @@ def test_overlap_flag_reaches_the_decision(capsys: pytest.CaptureFixture[str]) -
 
 
 def test_install_decides_auto_and_refuses_an_undecided_config() -> None:
-    from megatron_pp_ext.megatron import install as inst
+    from megatron_pp_ext.integration import install as inst
 
     with pytest.raises(PipelineArgumentError, match="call install\\(args\\)"):
         inst._config_of(PipelineConfig(schedule="auto"))
@@ -111,7 +111,7 @@ def test_auto_runs_the_unit_size_it_evaluated(monkeypatch: pytest.MonkeyPatch) -
         decision.result.rows = [r for r in decision.result.rows if r.config.unit_size == 2]
         return decision
 
-    from megatron_pp_ext.megatron import auto_schedule
+    from megatron_pp_ext.integration import auto_schedule
 
     monkeypatch.setattr(auto_schedule, "decide", zeropp_u2_only)
     args = make_args(["--pipeline-schedule", "auto", "--cpu", "--pipeline-memory-budget", "4"], **TINY)
@@ -125,7 +125,7 @@ def test_redecision_switches_to_what_the_measured_costs_favour() -> None:
     per 1F1B stage) makes the planner rank v-zb@2p first: the re-decision switches, logs it, and the configuration
     it returns builds v-zb with the measured costs; a second call returns the same decision."""
     from megatron_pp_ext.analysis.simulate import Costs
-    from megatron_pp_ext.megatron.auto_schedule import Redecision
+    from megatron_pp_ext.integration.auto_schedule import Redecision
 
     argv = ["--pipeline-schedule", "auto", "--cpu", "--pipeline-memory-budget", "4", "--pipeline-replan"]
     args = make_args(argv, **{**TINY, "global_batch_size": 20})
@@ -150,8 +150,8 @@ def test_redecision_keeps_the_running_schedule_when_it_is_still_first() -> None:
     from dataclasses import replace
 
     from megatron_pp_ext.analysis.simulate import Costs
-    from megatron_pp_ext.megatron.arguments import parse_memory_limit
-    from megatron_pp_ext.megatron.auto_schedule import Redecision
+    from megatron_pp_ext.integration.arguments import parse_memory_limit
+    from megatron_pp_ext.integration.auto_schedule import Redecision
 
     argv = ["--pipeline-schedule", "auto", "--cpu", "--pipeline-memory-budget", "4", "--pipeline-replan"]
     args = make_args(argv, **{**TINY, "global_batch_size": 20})

@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 from test_megatron_pretrain import FLAGS, SCRIPT, free_port
 
-from megatron_pp_ext.megatron.losses import loss_microbatches
-from megatron_pp_ext.megatron.save_lock import LOCK_NAME
+from megatron_pp_ext.integration.losses import loss_microbatches
+from megatron_pp_ext.integration.save_lock import LOCK_NAME
 from megatron_pp_ext.schedules import generate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,7 +48,7 @@ LOADS = {
 WAVE = 4  # runs at a time (2 processes each)
 HOLD = """
 import sys
-from megatron_pp_ext.megatron.save_lock import SaveDirLock
+from megatron_pp_ext.integration.save_lock import SaveDirLock
 print("refused" if SaveDirLock(sys.argv[1]).acquire() else "held", flush=True)
 sys.stdin.read()  # a live run holding the directory until the test closes stdin
 """

@@ -2,8 +2,6 @@
 
 ``megatron`` fixture: imports megatron-core in the test process with only the import-time
 shims (the triton stub and ``typing.override``), none of CPU mode's global torch patches.
-
-(No ``__init__.py`` here: a package named ``megatron`` under ``tests/`` would shadow megatron.)
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import pytest
 def megatron() -> Any:
     if importlib.util.find_spec("megatron.core") is None:
         pytest.skip("megatron-core is not installed")
-    from megatron_pp_ext.megatron import cpu
+    from megatron_pp_ext.integration import cpu
 
     cpu._define_typing_override()
     cpu._stub_triton_modules()

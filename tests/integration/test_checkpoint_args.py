@@ -10,7 +10,7 @@ import pytest
 import torch
 from megatron_args_helpers import make_args
 
-from megatron_pp_ext.megatron.arguments import pipeline_config_of, validate_arguments
+from megatron_pp_ext.integration.arguments import pipeline_config_of, validate_arguments
 
 
 @pytest.fixture(autouse=True)

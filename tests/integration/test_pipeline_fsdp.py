@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from megatron_args_helpers import make_args
 
-from megatron_pp_ext.megatron.arguments import validate_arguments, validate_arguments_or_exit
-from megatron_pp_ext.megatron.fsdp_flags import check_argv
+from megatron_pp_ext.integration.arguments import validate_arguments, validate_arguments_or_exit
+from megatron_pp_ext.integration.fsdp_flags import check_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "pretrain_gpt.py"
@@ -152,7 +152,7 @@ def test_sharded_adamw_steps_like_megatrons_torch_adamw(megatron, monkeypatch):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_pp_ext.megatron.fsdp_training import ShardedAdamW
+    from megatron_pp_ext.integration.fsdp_training import ShardedAdamW
     from megatron_pp_ext.runtime.fsdp import ShardedChunk
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)

@@ -1,6 +1,6 @@
 """Make megatron build (and treat) model chunks the way a schedule's placement says.
 
-A placement maps each pipeline stage to ``(rank, chunk)``; :func:`megatron_pp_ext.runtime.placement.chunk_layouts`
+A placement maps each pipeline stage to ``(rank, chunk)``; :func:`megatron_pp_ext.runtime.layer_map.chunk_layouts`
 gives, for every local chunk, its layers and whether it holds the embedding (``pre_process``)
 and the loss (``post_process``). Megatron answers the same questions itself:
 
@@ -46,7 +46,7 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
-from ..runtime.placement import ChunkLayout, LayerSplit, chunk_layouts, stage_layer_counts
+from ..runtime.layer_map import ChunkLayout, LayerSplit, chunk_layouts, stage_layer_counts
 from ..schedules.placement import Placement
 from ._patching import Patcher
 

@@ -313,12 +313,12 @@ class PipelineConfig:
         default=False,
         metadata=_flag(
             name="--pipeline-fsdp",
-            notes="megatron_pp_ext/megatron/fsdp_flags.py lists the megatron flags it refuses (one line each).",
+            notes="megatron_pp_ext/integration/fsdp_flags.py lists the megatron flags it refuses (one line each).",
             needs="schedule",
             agree="fsdp",
             help="Shard each model chunk's parameters, gradients and optimizer state over its data-parallel group "
             "(FSDP / ZeRO-3), gathered and resharded where the schedule places it, instead of megatron DDP "
-            "(megatron_pp_ext.megatron.fsdp_training).",
+            "(megatron_pp_ext.integration.fsdp_training).",
         ),
     )
     fsdp_max_unsharded: int | None = field(  # None: the schedule's declared limit, else 1
@@ -377,7 +377,7 @@ class PipelineConfig:
         default=False,
         metadata=_flag(
             name="--cpu",
-            help="Force CPU / gloo mode (megatron_pp_ext.megatron.cpu shims), also used when CUDA is unavailable.",
+            help="Force CPU / gloo mode (megatron_pp_ext.integration.cpu shims), also used when CUDA is unavailable.",
         ),
     )
     # Set from megatron's own flags; the ranks must agree on them too.
@@ -386,7 +386,7 @@ class PipelineConfig:
     pipeline_parallel_size: int | None = field(default=None, metadata=_agreed("p"))
     microbatch_group_size: int | None = field(default=None, metadata=_agreed("mb_group"))
     # Resolved while checking.
-    layer_split: Any = None  # runtime.placement.LayerSplit for uneven splits under non-loop placements
+    layer_split: Any = None  # runtime.layer_map.LayerSplit for uneven splits under non-loop placements
     virtual_flag: str = "--num-virtual-stages-per-pipeline-rank"
     auto_table: str | None = None  # --pipeline-schedule auto: the decision table
     # auto with --pipeline-replan: measured Costs -> (the configuration to run, the decision table)
@@ -480,6 +480,6 @@ def as_costs(costs: Any) -> Any:
 
 def check_schedule(schedule: Schedule) -> None:
     """Full validation (dependencies, deadlock freedom) of a schedule; raises ScheduleError."""
-    from ..analysis.validate import validate
+    from ..analysis.schedule_check import validate
 
     validate(schedule)

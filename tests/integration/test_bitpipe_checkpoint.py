@@ -25,7 +25,7 @@ import pytest
 import torch
 from test_megatron_pretrain import FLAGS, SCRIPT, free_port
 
-from megatron_pp_ext.megatron.losses import loss_microbatches
+from megatron_pp_ext.integration.losses import loss_microbatches
 from megatron_pp_ext.schedules import generate
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_pp_ext.megatron import checkpoint
+from megatron_pp_ext.integration import checkpoint
 
 
 def _read_metadata(directory: Path) -> object:

@@ -9,7 +9,7 @@ for the selected schedule; :func:`uninstall` puts megatron back. With no plugin 
 selected, :func:`install` changes nothing.
 
 For placements other than megatron's loop (V-shape, bidirectional) it also activates the
-layout hooks of :mod:`megatron_pp_ext.megatron.layout`, so that megatron builds the chunks the
+layout hooks of :mod:`megatron_pp_ext.integration.layout`, so that megatron builds the chunks the
 schedule expects. Call :func:`install` before the model is built (before ``pretrain()``).
 """
 
@@ -355,7 +355,7 @@ def _enable_backward_split(patcher: Patcher, label: str) -> None:
     ``backward_dw``); megatron's ``--delay-wgrad-compute`` (tied to its MoE overlap path) stays off. W runs
     TE's ``backward_dw()`` (see :mod:`megatron_pp_ext.runtime.te_wgrad`). A TE too old or without that
     API raises :class:`~megatron_pp_ext.runtime.te_wgrad.TEUnsupportedError`
-    (:func:`~megatron_pp_ext.megatron.arguments.validate_arguments` refuses it earlier, from the flags).
+    (:func:`~megatron_pp_ext.integration.arguments.validate_arguments` refuses it earlier, from the flags).
     """
     import importlib.util
 

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from megatron_args_helpers import make_args
 
-from megatron_pp_ext.megatron import install as inst
-from megatron_pp_ext.megatron import layout
-from megatron_pp_ext.megatron.arguments import PipelineConfig, pipeline_config_of
+from megatron_pp_ext.integration import install as inst
+from megatron_pp_ext.integration import layout
+from megatron_pp_ext.integration.arguments import PipelineConfig, pipeline_config_of
 
 HOLDERS = ("megatron.core.pipeline_parallel.schedules", "megatron.core.pipeline_parallel", "megatron.training.training")
 

@@ -86,7 +86,7 @@ def _finish(proc: subprocess.Popen[bytes], log: Path, iterations: int) -> str:
 
 @pytest.mark.gloo
 def test_replan_redecides_from_the_measured_profile(tmp_path: Path) -> None:
-    from megatron_pp_ext.megatron.auto_schedule import planner_for_run
+    from megatron_pp_ext.integration.auto_schedule import planner_for_run
     from megatron_pp_ext.planner.auto import decide
     from megatron_pp_ext.runtime.replan import load_costs
     from megatron_pp_ext.schedules import registry
@@ -137,8 +137,8 @@ M10 = ["--global-batch-size", "20", "--hidden-dropout", "0", "--attention-dropou
 def test_replan_switches_and_the_run_trains_with_the_new_schedule(tmp_path: Path) -> None:
     from dataclasses import replace
 
-    from megatron_pp_ext.megatron.arguments import PipelineConfig, parse_memory_limit
-    from megatron_pp_ext.megatron.auto_schedule import planner_for_run
+    from megatron_pp_ext.integration.arguments import PipelineConfig, parse_memory_limit
+    from megatron_pp_ext.integration.auto_schedule import planner_for_run
     from megatron_pp_ext.planner.auto import decide
     from megatron_pp_ext.runtime.replan import TEST_SCALE_ENV, load_costs
     from megatron_pp_ext.schedules import registry
@@ -200,7 +200,7 @@ def _worst_peak(trace_dir: Path) -> int:
 
 @pytest.mark.gloo
 def test_auto_never_picks_a_schedule_whose_measured_peak_exceeds_the_budget(tmp_path: Path) -> None:
-    from megatron_pp_ext.megatron.auto_schedule import planner_for_run
+    from megatron_pp_ext.integration.auto_schedule import planner_for_run
     from megatron_pp_ext.planner.auto import decide
 
     generous = make_args(["--pipeline-schedule", "auto", "--cpu"], **SHAPE)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from megatron_pp_ext.megatron.arguments import add_arguments
+from megatron_pp_ext.integration.arguments import add_arguments
 
 MEGATRON_DEFAULTS: dict[str, Any] = {
     # the megatron args validate_arguments reads, as megatron's parse_and_validate_args leaves them

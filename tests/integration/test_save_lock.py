@@ -1,4 +1,4 @@
-"""The ``--save`` directory lock (``megatron_pp_ext.megatron.save_lock``), in processes of its own.
+"""The ``--save`` directory lock (``megatron_pp_ext.integration.save_lock``), in processes of its own.
 
 A live owner keeps the lock (another process is refused and told who holds it); a dead owner's
 lock is taken over (same host: the pid is gone; any host: not touched for ``STALE_S``); the owner
@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from megatron_pp_ext.megatron import save_lock
-from megatron_pp_ext.megatron.save_lock import LOCK_NAME, STALE_S, SaveDirLock, read_owner
+from megatron_pp_ext.integration import save_lock
+from megatron_pp_ext.integration.save_lock import LOCK_NAME, STALE_S, SaveDirLock, read_owner
 
 ROOT = Path(__file__).resolve().parents[2]
 HOLD = """
 import sys
-from megatron_pp_ext.megatron.save_lock import SaveDirLock
+from megatron_pp_ext.integration.save_lock import SaveDirLock
 lock = SaveDirLock(sys.argv[1])
 print("refused" if lock.acquire() else "held", flush=True)
 sys.stdin.read()  # hold until the test closes stdin
@@ -121,7 +121,7 @@ def test_owner_keeps_the_lock_fresh_and_removes_only_its_own(tmp_path: Path, mon
 TWICE = """
 import os, sys
 import torch.distributed as dist
-from megatron_pp_ext.megatron.save_lock import lock_on_all_ranks
+from megatron_pp_ext.integration.save_lock import lock_on_all_ranks
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 lock_on_all_ranks(sys.argv[1])
 lock_on_all_ranks(sys.argv[1])  # megatron setting its groups up again: the run's own lock, not another run's

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..runtime.placement import LayerSplitError, chunk_layouts
+from ..runtime.layer_map import LayerSplitError, chunk_layouts
 from ..schedules import registry
 from ..schedules.ir import ScheduleError
 from ..schedules.placement import make_placement
@@ -58,7 +58,7 @@ def as_record(table: LayoutTable) -> list[list[list[int | bool]]]:
 
 
 def table_of_layouts(per_rank: Sequence[Sequence[Any]]) -> LayoutTable:
-    """A table from :class:`~megatron_pp_ext.runtime.placement.ChunkLayout` lists, one list per pipeline rank."""
+    """A table from :class:`~megatron_pp_ext.runtime.layer_map.ChunkLayout` lists, one list per pipeline rank."""
     return tuple(
         tuple((c.layer_offset, c.num_layers, c.pre_process, c.post_process) for c in chunks) for chunks in per_rank
     )

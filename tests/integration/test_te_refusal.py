@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from megatron_args_helpers import make_args
 
-from megatron_pp_ext.megatron.arguments import PipelineArgumentError, validate_arguments, validate_arguments_or_exit
+from megatron_pp_ext.integration.arguments import PipelineArgumentError, validate_arguments, validate_arguments_or_exit
 
 
 @pytest.fixture
@@ -98,7 +98,7 @@ def _fake_te(monkeypatch, version: str) -> Any:
 def test_install_with_te_patches_layers_and_ddp_and_uninstall_restores(megatron, monkeypatch):
     from megatron.core.distributed import DistributedDataParallel
 
-    from megatron_pp_ext.megatron import install as inst
+    from megatron_pp_ext.integration import install as inst
     from megatron_pp_ext.runtime.te_wgrad import TEDeferral
     from megatron_pp_ext.runtime.wgrad import get_weight_grad_store
 
@@ -118,7 +118,7 @@ def test_install_with_te_patches_layers_and_ddp_and_uninstall_restores(megatron,
 
 
 def test_install_refuses_an_old_te(megatron, monkeypatch):
-    from megatron_pp_ext.megatron import install as inst
+    from megatron_pp_ext.integration import install as inst
     from megatron_pp_ext.runtime.te_wgrad import TEUnsupportedError
     from megatron_pp_ext.runtime.wgrad import get_weight_grad_store
 

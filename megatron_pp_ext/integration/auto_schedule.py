@@ -1,11 +1,11 @@
 """``--pipeline-schedule auto`` in a training run: megatron's args to the planner's decision.
 
 :func:`megatron_pp_ext.install` calls :func:`resolve` when the flags ask for ``auto`` (the flags themselves
-were checked by :func:`~megatron_pp_ext.megatron.arguments.validate_arguments`, from their values alone).
+were checked by :func:`~megatron_pp_ext.integration.arguments.validate_arguments`, from their values alone).
 It builds the run's planner (:func:`planner_for_run`: megatron's model shape, TP / PP / DP / micro-batch
 fixed, every schedule and parameter open), lets :func:`megatron_pp_ext.planner.auto.decide` pick the fastest
 that fits, prints the decision table on rank 0, puts the choice into the configuration and checks it against
-megatron's flags like a named schedule (:func:`~megatron_pp_ext.megatron.arguments.check_schedule_flags`).
+megatron's flags like a named schedule (:func:`~megatron_pp_ext.integration.arguments.check_schedule_flags`).
 
 With ``--pipeline-replan`` the configuration also carries a re-decision (:class:`Redecision`): after the
 profiling iterations of :mod:`megatron_pp_ext.runtime.replan` every rank holds the same measured costs; the
@@ -13,7 +13,7 @@ planner decides again with them, among the schedules of the running placement an
 built the model chunks), and the run switches if the choice differs.
 
 Dependency direction: this module is integration (it reads megatron's ``args`` and the GPU); the planner it
-calls is pure planning over the schedules and the simulator and never imports ``megatron_pp_ext.megatron``.
+calls is pure planning over the schedules and the simulator and never imports ``megatron_pp_ext.integration``.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def planner_for_run(
     GPU's memory (2 GiB kept free); the planner counts weights, gradients and optimizer state in a rank's
     peak. Costs: the device's cost model, or ``stage_costs_ms`` (F, B, W of one 1F1B stage, L/p layers,
     for one micro-batch, in ms) spread over the layers. ``overlap``: see ``--pipeline-overlap``."""
-    from ..planner.costs import CostModel, LayerTimes, get_device
+    from ..planner.cost_model import CostModel, LayerTimes, get_device
     from ..planner.memory import TrainingSetup
     from ..planner.models import ModelSpec
 
@@ -124,7 +124,7 @@ def planner_for_run(
 def _gpu_device() -> Any:
     import torch
 
-    from ..planner.costs import get_device
+    from ..planner.cost_model import get_device
 
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     preset = "H100-80GB" if "H100" in props.name else "A100-80GB"

@@ -224,7 +224,7 @@ def validate_arguments(args: Any) -> PipelineConfig:
         check_auto_flags(args, config)
         fsdp_flags.check_arguments(args)
         _remember(args, config)
-        return config  # decided by install(args) (megatron/auto_schedule.py), then check_schedule_flags
+        return config  # decided by install(args) (integration/auto_schedule.py), then check_schedule_flags
     for attr, flag in flags_needing("auto"):
         if _given(args, attr):
             raise PipelineArgumentError(flag, "needs --pipeline-schedule auto")
@@ -343,8 +343,8 @@ def _schedule_error(
 
 
 def layer_split_from_args(args: Any) -> Any:
-    """Megatron's uneven-split flags as a :class:`~megatron_pp_ext.runtime.placement.LayerSplit`."""
-    from ..runtime.placement import LayerSplit
+    """Megatron's uneven-split flags as a :class:`~megatron_pp_ext.runtime.layer_map.LayerSplit`."""
+    from ..runtime.layer_map import LayerSplit
 
     return LayerSplit(
         first=getattr(args, "decoder_first_pipeline_num_layers", None),
@@ -356,7 +356,7 @@ def layer_split_from_args(args: Any) -> Any:
 
 def _check_uneven_split(args: Any, schedule: Schedule) -> None:
     """Uneven splits under V / bidirectional placements: our layout splits the model slices."""
-    from ..runtime.placement import LayerSplitError, stage_layer_counts
+    from ..runtime.layer_map import LayerSplitError, stage_layer_counts
 
     split = layer_split_from_args(args)
     num_layers = getattr(args, "num_layers", None)

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from megatron_args_helpers import make_args
 
-from megatron_pp_ext.megatron import install as inst
-from megatron_pp_ext.megatron.arguments import validate_arguments
+from megatron_pp_ext.integration import install as inst
+from megatron_pp_ext.integration.arguments import validate_arguments
 from megatron_pp_ext.runtime import p2p
 from megatron_pp_ext.schedules import generate
 

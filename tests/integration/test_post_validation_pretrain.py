@@ -99,7 +99,7 @@ def weights(tmp: Path, name: str, p: int) -> dict[str, object]:
 
 
 def forward_before_complete_state(events: list[list[object]]) -> list[str]:
-    """Rank 0's events (megatron/post_validation_training.py EVENTS): after each step, the first forward of
+    """Rank 0's events (integration/post_validation_training.py EVENTS): after each step, the first forward of
     the next forward-backward must come before the complete state of that step is received. Returns what
     breaks this (empty: every iteration started without waiting for the complete state)."""
     problems = []
