@@ -46,7 +46,7 @@ def fsdp_plan(name: str) -> dict[str, Any]:
     from dataclasses import replace
 
     from megatron_pp_ext.planner.options import planner_from_args
-    from megatron_pp_ext.planner.report import plan_document
+    from megatron_pp_ext.planner.plan_report import plan_document
     from megatron_pp_ext.planner.specs import load_spec, planner_args
 
     spec = load_spec(REPO / "scripts" / "slurm" / "specs" / f"{name}.json")

@@ -38,7 +38,7 @@ from megatron_pp_ext.planner.auto import decide
 from megatron_pp_ext.planner.cost_model import CostModel, get_device
 from megatron_pp_ext.planner.memory import GIB, TrainingSetup, layer_activation_bytes, parameter_counts
 from megatron_pp_ext.planner.models import get_model
-from megatron_pp_ext.planner.report import row_label
+from megatron_pp_ext.planner.plan_report import row_label
 from megatron_pp_ext.schedules import generate
 from megatron_pp_ext.schedules.schedule import Schedule
 

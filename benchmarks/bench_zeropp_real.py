@@ -27,9 +27,9 @@ from megatron_pp_ext.analysis.simulate import simulate
 from megatron_pp_ext.schedules import Schedule, generate
 from megatron_pp_ext.schedules.collectives import CollectiveKind, derive_collectives, policy_for
 from megatron_pp_ext.verification.rank_run import RankPool
-from megatron_pp_ext.verification.report import VerifyReport
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
 from megatron_pp_ext.verification.verify import verify_schedule
+from megatron_pp_ext.verification.verify_report import VerifyReport
 
 MODEL = TinyGPTSpec(num_layers=4, tied_embeddings=False)
 CASES: list[tuple[str, dict[str, int]]] = [

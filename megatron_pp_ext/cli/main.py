@@ -9,8 +9,20 @@ from collections.abc import Sequence
 
 from ..schedule_args import PROG
 from ..schedules.ir import ScheduleError
-from . import bench, collect, compare, draw, grid, launch_local, listing, plan, simulate, validate, verify
-from .common import EXIT_USAGE
+from . import (
+    cmd_bench,
+    cmd_collect,
+    cmd_compare,
+    cmd_draw,
+    cmd_grid,
+    cmd_launch_local,
+    cmd_listing,
+    cmd_plan,
+    cmd_simulate,
+    cmd_validate,
+    cmd_verify,
+)
+from .support import EXIT_USAGE
 
 __all__ = ["build_parser", "main"]
 
@@ -20,17 +32,17 @@ def build_parser(load_verify: bool = False) -> argparse.ArgumentParser:
     (imports the runtime) instead of its stub."""
     parser = argparse.ArgumentParser(prog=PROG, description="Pipeline-parallel schedules for megatron-core.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (listing, simulate, compare, validate, draw, bench):
+    for module in (cmd_listing, cmd_simulate, cmd_compare, cmd_validate, cmd_draw, cmd_bench):
         module.add_parser(sub)
-    verify.add_parser(sub, load_verify)
-    for module in (plan, grid, collect, launch_local):
+    cmd_verify.add_parser(sub, load_verify)
+    for module in (cmd_plan, cmd_grid, cmd_collect, cmd_launch_local):
         module.add_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(load_verify=verify.wants_verify(args_list))
+    parser = build_parser(load_verify=cmd_verify.wants_verify(args_list))
     args = parser.parse_args(args_list)
     try:
         return int(args.func(args))

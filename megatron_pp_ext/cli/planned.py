@@ -9,7 +9,7 @@ from typing import Any
 
 from ..planner.files import MAX_PLAN_BYTES, read_capped
 from ..planner.options import planner_from_args
-from ..planner.report import plan_document
+from ..planner.plan_report import plan_document
 
 
 def _plan_row(row: object) -> bool:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .memory import GIB
-from .report import format_table, row_label
+from .plan_report import format_table, row_label
 from .result import PlanResult, PlanRow
 from .search import Planner
 from .space import SearchSpace

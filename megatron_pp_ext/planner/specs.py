@@ -22,7 +22,7 @@ from typing import Any
 from .grid import write_grid
 from .memo import PlannerMemo
 from .options import add_plan_arguments, planner_from_args
-from .report import plan_document, select_rows
+from .plan_report import plan_document, select_rows
 from .sbatch import GridOptions
 
 __all__ = ["SPEC_DIR", "PlanSpec", "load_spec", "plan_spec", "planner_args", "spec_files", "write_spec_grid"]

@@ -10,7 +10,7 @@ from typing import Any
 
 from . import criterion
 from .rank_pool import VerifyRunError
-from .report import VerifyReport
+from .verify_report import VerifyReport
 
 
 def _losses(results: list[dict[str, Any]]) -> list[list[float]]:

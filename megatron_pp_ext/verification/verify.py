@@ -16,9 +16,9 @@ from .compare import check_bitwise, check_fsdp_collectives, compare
 from .rank_pool import check_errors
 from .rank_run import RankPool
 from .reference import is_megatron_1f1b, reference_runs
-from .report import VerifyReport
 from .run_spec import NATIVE, OURS, RunHooks, RunSpec
 from .tiny_gpt import TinyGPTSpec
+from .verify_report import VerifyReport
 
 __all__ = ["verify_schedule"]
 

@@ -140,9 +140,9 @@ def run_verify(args: argparse.Namespace) -> int:
         print(f"{PROG}: {too_many}", file=sys.stderr)
         return 2
     from .rank_pool import VerifyRunError
-    from .report import report_lines
     from .tiny_gpt import TinyGPTSpec  # torch and megatron-core: imported once the request is known to fit
     from .verify import verify_schedule
+    from .verify_report import report_lines
 
     bad = [f"{i}:{s}" for i, s in args.inject_inf if i >= args.iterations or s >= schedule.num_ranks]
     if bad:
@@ -195,7 +195,7 @@ def _run_post_validation(args: argparse.Namespace, schedule: Any, model: Any) ->
     from ..schedule_args import PROG
     from .post_validation_check import verify_post_validation
     from .rank_pool import VerifyRunError
-    from .report import post_validation_lines
+    from .verify_report import post_validation_lines
 
     print(f"{PROG} verify: post-validation against megatron's synchronous step", file=sys.stderr, flush=True)
     try:

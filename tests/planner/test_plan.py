@@ -16,7 +16,7 @@ from megatron_pp_ext.planner.cost_model import DEVICES, CostModel, get_device, m
 from megatron_pp_ext.planner.megatron_args import config_args
 from megatron_pp_ext.planner.memory import GIB, TrainingSetup
 from megatron_pp_ext.planner.models import get_model
-from megatron_pp_ext.planner.report import row_label
+from megatron_pp_ext.planner.plan_report import row_label
 from megatron_pp_ext.schedules import registry
 
 FAST_SCHEDULES = tuple(n for n in ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zb-h2") if n in registry.names())

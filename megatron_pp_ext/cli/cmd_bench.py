@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .common import int_list
+from .support import int_list
 
 PEERS_BEGIN, PEERS_END = "<!-- peers:begin -->", "<!-- peers:end -->"
 

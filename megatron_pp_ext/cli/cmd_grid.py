@@ -14,7 +14,7 @@ from ..planner.driver_flags import driver_flags, unknown_flags
 from ..planner.grid import DEFAULT_SCRIPT, relative_path, write_grid
 from ..planner.options import add_plan_arguments
 from ..planner.sbatch import GridOptions
-from .plan import add_top_argument
+from .cmd_plan import add_top_argument
 from .planned import load_or_plan
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from ..schedule_args import CliError, add_source_args, parse_costs, schedule_from_args
-from .common import int_list
-from .simulate import simulated
+from .cmd_simulate import simulated
+from .support import int_list
 
 HTML_SCHEDULES = "1f1b,interleaved-1f1b,zb-h1,zb-auto,v-half,v-zb,bfs"
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..schedule_args import PROG
-from .common import EXIT_USAGE
+from .support import EXIT_USAGE
 
 
 def add_parser(subparsers: Any, load_runtime: bool) -> None:

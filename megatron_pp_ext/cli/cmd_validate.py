@@ -9,7 +9,7 @@ from typing import Any
 from ..schedule_args import CliError
 from ..schedules.ir import ScheduleError
 from ..schedules.schedule import Schedule
-from .common import EXIT_INVALID
+from .support import EXIT_INVALID
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

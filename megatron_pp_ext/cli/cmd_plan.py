@@ -12,7 +12,15 @@ from typing import Any
 from ..argtypes import nonnegative_int, output_file
 from ..planner.memory import GIB
 from ..planner.options import add_plan_arguments, planner_from_args
-from ..planner.report import TABLE_HEADER, csv_text, format_table, plan_document, select_rows, summary_lines, table_rows
+from ..planner.plan_report import (
+    TABLE_HEADER,
+    csv_text,
+    format_table,
+    plan_document,
+    select_rows,
+    summary_lines,
+    table_rows,
+)
 from ..planner.result import PlanResult
 
 

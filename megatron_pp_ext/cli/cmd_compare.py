@@ -11,8 +11,8 @@ from ..schedule_args import CliError, generate_schedule, parse_costs
 from ..schedules import registry
 from ..schedules.ir import ScheduleError
 from ..schedules.schedule import Schedule
+from .cmd_simulate import simulated
 from .formatting import fmt_table, num
-from .simulate import simulated
 
 if TYPE_CHECKING:
     from ..analysis.simulate import Costs, SimResult

@@ -16,7 +16,7 @@ from ..planner.grid import DEFAULT_SCRIPT
 from ..planner.local import run_local
 from ..planner.log_parse import parse_log
 from ..planner.options import add_plan_arguments
-from .plan import add_top_argument
+from .cmd_plan import add_top_argument
 from .planned import load_or_plan
 
 

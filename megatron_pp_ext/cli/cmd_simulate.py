@@ -10,8 +10,8 @@ from .. import argtypes
 from ..argtypes import fraction
 from ..schedule_args import CliError, add_source_args, dp_options, parse_costs, schedule_from_args
 from ..schedules.schedule import Schedule
-from .common import step_times
 from .formatting import building_block_of, data_parallel_summary, num, summary
+from .support import step_times
 
 if TYPE_CHECKING:
     from ..analysis.simulate import Costs, SimResult
