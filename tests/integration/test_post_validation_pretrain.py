@@ -4,7 +4,8 @@ Late validation (the default) runs iteration k+1's forward-backward on the eager
 validates step k and, when that changed some stage's weights, runs the forward-backward again. With
 clipping that the first stage's partial norm does not see (rollbacks), a decaying learning rate (a redone
 step must use its own) and dropout (a re-run must draw the same masks), every micro-batch's loss, megatron's
-logged loss and grad norm, and every weight after training must be bitwise those of the synchronous run.
+logged loss and grad norm, and every weight after training must be bitwise those of the synchronous run
+(at p >= 3 the last step's weights within its derived rounding, :func:`_within_last_step_rounding`).
 Rank 0 must start iteration k+1's first forward before it receives step k's complete state; early validation
 (``--pipeline-post-validation-early``) does not, and the order check must say so.
 """
@@ -114,6 +115,31 @@ def forward_before_complete_state(events: list[list[object]]) -> list[str]:
     return problems
 
 
+ADAM_UPDATE_BOUND = (1 - 0.9) / (1 - 0.999) ** 0.5  # (1 - beta1) / sqrt(1 - beta2), megatron's default betas
+LR_MAX = 1e-3  # flags(): --lr, the largest rate of the decaying schedule
+
+
+def _within_last_step_rounding(want: object, got: object) -> bool:
+    """Weights after the last step, element by element: within one float32 spacing of the weight plus what a
+    last-bit difference of the clip coefficient can move one Adam step.
+
+    Why not bitwise at p >= 3: megatron all-reduces the stages' partial squared norms in the backend's order,
+    post-validation adds them in pipeline order; with three or more terms the two float32 sums may differ in
+    the last bit (which depends on the CPU's kernels: equal under AVX-512 here, not under AVX2). Every
+    micro-batch loss is compared bitwise above, so the weights before the last step are bitwise equal; the
+    last step's clip coefficients then differ by ``delta <= 2^-22`` relative, and Adam's update
+    ``m / (sqrt(v) + eps)`` (at most ``(1 - beta1) / sqrt(1 - beta2)`` in size) by at most ``delta`` of
+    itself, so a weight moves by at most ``lr * 2^-22 * ADAM_UPDATE_BOUND`` more in one run, plus the
+    rounding of the subtraction (one spacing). A rollback or redo gone wrong moves a weight by a whole update,
+    ``~lr``: 1e4 times more."""
+    import torch
+
+    assert isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor)
+    spacing = (torch.nextafter(want, torch.full_like(want, float("inf"))) - want).abs()
+    allowed = spacing + LR_MAX * 2.0**-22 * ADAM_UPDATE_BOUND
+    return bool(((want - got).abs() <= allowed).all())
+
+
 def post_validation_log(tmp: Path, name: str, rank: int) -> dict[str, object]:
     return json.loads((tmp / f"{name}.pv.rank{rank}").read_text())
 
@@ -132,7 +158,10 @@ def test_late_post_validation_in_pretrain_matches_synchronous_bitwise(tmp_path: 
     assert want.keys() == got.keys()
     import torch
 
-    assert [k for k in want if not torch.equal(want[k], got[k])] == []
+    if p == 2:  # two partial norms: the same float32 sum in either order, so the same clip coefficient
+        assert [k for k in want if not torch.equal(want[k], got[k])] == []
+    else:
+        assert [k for k in want if not _within_last_step_rounding(want[k], got[k])] == []
     # rollbacks and re-runs happened (clip 1.0: the complete norm clips, stage 0's partial one does not)
     summary = {int(s): (int(rb), int(rd), int(rr)) for s, rb, rd, rr in SUMMARY.findall(logs["late"])}
     assert sorted(summary) == list(range(p)), logs["late"][-3000:]
