@@ -2,7 +2,7 @@
 
 Costs: the zero-bubble paper's profiled 1.5B model at p=8, m=24 (T_F = 18.522, T_B = 18.086,
 T_W = 9.337, T_comm = 0.601 ms; with them the simulator gives 1F1B 0.2431 and ZB-H2 0.1083, the
-figures of REFERENCES.md). A V placement cuts the model into 2p stages, so a V stage costs half
+published figures). A V placement cuts the model into 2p stages, so a V stage costs half
 (T_comm per hop unchanged); 1F1B and ZB-H2 on p stages of full cost give the scale.
 
 Rows: ``v-zb`` (memory limit p and 2p), our ``dualpipev`` and torch's ``ScheduleDualPipeV``

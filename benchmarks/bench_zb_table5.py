@@ -39,7 +39,7 @@ from megatron_pp_ext.schedules.generators.zb_rounds import ROUND_VARIANTS, round
 PAPER_1_5B = Costs(18.522, 18.086, 9.337, None, 0.601)
 UNEQUAL = Costs(1.0, 1.5, 0.7, None, 0.1)
 W = w_memory_fraction(get_model("zb-1.5b"), 1, TrainingSetup(attention="unfused"), "none")
-# the paper's Table 5 figures this repository records (REFERENCES.md); None = not recorded
+# the paper's Table 5 figures this repository records; None = not recorded
 PAPER = {
     (24, "1f1b"): 0.2431,
     (24, "zb-h2"): 0.1083,

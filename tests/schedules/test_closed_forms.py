@@ -1,4 +1,4 @@
-"""Closed forms from the literature (REFERENCES.md) against the simulator, over a grid.
+"""Closed forms from the papers against the simulator, over a grid.
 
 Unit costs (T_F = T_B = T_W = 1 per stage, BW = B + W, zero communication). For interleaved
 1F1B a "stage" is one of the v*p smaller stages, so the bubble formula (p-1)/(v m + p-1) is
@@ -83,7 +83,7 @@ def test_interleaved_closed_forms(p: int) -> None:
                 bad.append((m, v, got, (bubble, peak)))
             assert list(result.peak_activations_1f1b_units) == pytest.approx([x / v for x in peak])
             assert result.p2p_messages == 2 * (p * v - 1) * m
-            if m >= 2 * p:  # REFERENCES.md, rank 0, m % p == 0: (2(p-1) + (v-1)p + 1) stage units
+            if m >= 2 * p:  # the interleaved 1F1B closed form, rank 0, m % p == 0: (2(p-1) + (v-1)p + 1) stage units
                 assert result.peak_activations[0] == 2 * (p - 1) + (v - 1) * p + 1
             else:  # m == p: the warm-up holds every forward, so the peak is m v, below the formula
                 assert result.peak_activations[0] == m * v < 2 * (p - 1) + (v - 1) * p + 1

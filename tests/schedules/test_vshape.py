@@ -262,7 +262,7 @@ def test_bad_p_m(name: str, p: object, m: object, match: str) -> None:
 
 # ---- building blocks ------------------------------------------------------------------------
 def test_published_offsets() -> None:
-    # REFERENCES.md, rank i of d: V-Min F i, f 2d-i-1, B 2d+g+i, b 4d+g-i-1 (g = 2 if d % 3 == 0)
+    # the V-Min paper's order, rank i of d: V-Min F i, f 2d-i-1, B 2d+g+i, b 4d+g-i-1 (g = 2 if d % 3 == 0)
     block = v_min_block(6)
     assert [block.slot(i, "F") for i in range(6)] == list(range(6))
     assert [block.slot(i, "B") for i in range(6)] == [14 + i for i in range(6)]
