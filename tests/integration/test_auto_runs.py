@@ -16,14 +16,14 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from megatron_args_helpers import make_args
+from warm_launch import launch, run_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "pretrain_gpt.py"
@@ -50,28 +50,11 @@ ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+) .*lm loss: ([0-9.E+-]+)")
 CHOICE = re.compile(r"pipeline schedule auto: (\S+) \(v=(\d+), (\w+) placement\): iteration (\S+) ms")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _launch(tmp: Path, name: str, extra: list[str], env_extra: dict[str, str] | None = None) -> tuple[Any, Path]:
+    return launch(tmp, name, [*FLAGS, *extra], nproc=4, env=run_env(**(env_extra or {})))
 
 
-def _launch(
-    tmp: Path, name: str, extra: list[str], env_extra: dict[str, str] | None = None
-) -> tuple[subprocess.Popen[bytes], Path]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    log = tmp / f"{name}.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(_free_port())]
-    proc = subprocess.Popen(
-        [*cmd, str(SCRIPT), *FLAGS, *extra], cwd=tmp, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT
-    )
-    return proc, log
-
-
-def _finish(proc: subprocess.Popen[bytes], log: Path, iterations: int) -> str:
+def _finish(proc: Any, log: Path, iterations: int) -> str:
     try:
         proc.wait(timeout=900)
     except subprocess.TimeoutExpired:

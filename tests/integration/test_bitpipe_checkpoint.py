@@ -15,15 +15,15 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from test_megatron_pretrain import FLAGS, SCRIPT, free_port
+from test_megatron_pretrain import FLAGS
+from warm_launch import launch, run_env
 
 from megatron_pp_ext.integration.losses import loss_microbatches
 from megatron_pp_ext.schedules import generate
@@ -40,15 +40,8 @@ def _flags(extra: list[str]) -> list[str]:
     return [*flags, "--ckpt-format", "torch_dist", "--hidden-dropout", "0", "--attention-dropout", "0", *extra]
 
 
-def _launch(tmp: Path, name: str, extra: list[str]) -> tuple[subprocess.Popen, Path]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRON_PP_EXT_LOSS_FILE": str(tmp / f"{name}.loss")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    log = tmp / f"{name}.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(P), "--master-port", str(free_port())]
-    proc = subprocess.Popen(
-        [*cmd, str(SCRIPT), *_flags(extra)], cwd=tmp, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT
-    )
-    return proc, log
+def _launch(tmp: Path, name: str, extra: list[str]) -> tuple[Any, Path]:
+    return launch(tmp, name, _flags(extra), nproc=P, env=run_env(MEGATRON_PP_EXT_LOSS_FILE=str(tmp / f"{name}.loss")))
 
 
 def run_all(tmp: Path, runs: dict[str, list[str]]) -> dict[str, str]:

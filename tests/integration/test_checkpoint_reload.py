@@ -19,15 +19,16 @@ dead owner's lock is taken over (the saving runs start on one) and released at e
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
-from test_megatron_pretrain import FLAGS, SCRIPT, free_port
+from test_megatron_pretrain import FLAGS
+from warm_launch import launch, run_env
 
 from megatron_pp_ext.integration.losses import loss_microbatches
 from megatron_pp_ext.integration.save_lock import LOCK_NAME
@@ -60,20 +61,8 @@ def _flags(extra: list[str]) -> list[str]:
     return [*flags, "--hidden-dropout", "0", "--attention-dropout", "0", *extra]
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **extra}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return env
-
-
-def _launch(tmp: Path, name: str, extra: list[str]) -> tuple[subprocess.Popen, Path]:
-    env = _env(MEGATRON_PP_EXT_LOSS_FILE=str(tmp / f"{name}.loss"))
-    log = tmp / f"{name}.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(P), "--master-port", str(free_port())]
-    proc = subprocess.Popen(
-        [*cmd, str(SCRIPT), *_flags(extra)], cwd=tmp, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT
-    )
-    return proc, log
+def _launch(tmp: Path, name: str, extra: list[str]) -> tuple[Any, Path]:
+    return launch(tmp, name, _flags(extra), nproc=P, env=run_env(MEGATRON_PP_EXT_LOSS_FILE=str(tmp / f"{name}.loss")))
 
 
 def run_all(tmp: Path, runs: dict[str, list[str]]) -> dict[str, tuple[int, str]]:
@@ -149,7 +138,7 @@ def loaded(saved: tuple[Path, list[float]]) -> tuple[Path, dict[str, tuple[int, 
         path.write_bytes(b"not a checkpoint")
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLD, str(tmp / "locked")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        env=_env(),
+        env=run_env(),
     )  # fmt: skip
     runs = {
         f"load-{name}": ["--pipeline-schedule", schedule, "--ckpt-format", fmt, "--load", str(tmp / f"ckpt-{fmt}"),

@@ -9,7 +9,6 @@ real script for two of them (megatron's own parser in front).
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import subprocess
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from megatron_args_helpers import make_args
+from warm_launch import launch, run_env
 
 from megatron_pp_ext.integration.arguments import validate_arguments, validate_arguments_or_exit
 from megatron_pp_ext.integration.fsdp_flags import check_argv
@@ -33,12 +33,6 @@ FLAGS = [
 LOG_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ .*lm loss: ([0-9.E+-]+) .*grad norm: ([0-9.]+)")
 GOOD = ["--pipeline-schedule", "bfs", "--pipeline-fsdp"]
 UNTIED = {"untie_embeddings_and_output_weights": True}
-
-
-def _env() -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return env
 
 
 def free_port() -> int:
@@ -93,7 +87,7 @@ def test_megatrons_fsdp_flags_are_refused_before_megatron_parses():
 @pytest.mark.gloo
 def test_script_refuses_with_one_line(tmp_path: Path) -> None:
     """Through scripts/pretrain_gpt.py (megatron's parser in front), before any process group."""
-    env = {**_env(), "WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0"}  # what torchrun would set; no rendezvous
+    env = {**run_env(), "WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0"}  # what torchrun would set; no rendezvous
     cases = {
         "--pipeline-fsdp": [],  # tied embeddings: after megatron's validation
         "--use-torch-fsdp2": ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"],  # before it
@@ -115,13 +109,13 @@ def test_script_refuses_with_one_line(tmp_path: Path) -> None:
 
 # ---- the training run ---------------------------------------------------------------------------------
 def _train(tmp_path: Path, name: str, iters: int, *extra: str) -> tuple[list[float], str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port())]
-    cmd += [str(SCRIPT), *FLAGS, "--train-iters", str(iters), "--untie-embeddings-and-output-weights", *extra]
-    log = tmp_path / f"{name}.log"
-    with log.open("w") as out:
-        code = subprocess.run(
-            cmd, cwd=tmp_path, env=_env(), stdout=out, stderr=subprocess.STDOUT, timeout=300
-        ).returncode
+    flags = [*FLAGS, "--train-iters", str(iters), "--untie-embeddings-and-output-weights", *extra]
+    proc, log = launch(tmp_path, name, flags, nproc=4)
+    try:
+        code = proc.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
     text = log.read_text()
     assert code == 0, text[-4000:]
     logged = [(int(i), float(loss)) for i, loss, _ in LOG_LINE.findall(text)]

@@ -17,11 +17,11 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
-from test_megatron_pretrain import ROOT, SCRIPT, free_port
+from warm_launch import launch, run_env
 
 ITERS = 4
 LOG_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ .*lm loss: ([0-9.E+-]+) .*grad norm: ([0-9.]+)")
@@ -45,30 +45,17 @@ def flags(p: int) -> list[str]:
     ]  # fmt: skip
 
 
-def launch(tmp: Path, name: str, p: int, extra: list[str]) -> tuple[subprocess.Popen, Path]:
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "MEGATRON_PP_EXT_LOSS_FILE": str(tmp / f"{name}.loss"),
-        "MEGATRON_PP_EXT_WEIGHTS_FILE": str(tmp / f"{name}.weights"),
-        "MEGATRON_PP_EXT_POST_VALIDATION_LOG": str(tmp / f"{name}.pv"),
-    }
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    log = tmp / f"{name}.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(p), "--master-port", str(free_port())]
-    proc = subprocess.Popen(
-        [*cmd, str(SCRIPT), *flags(p), *extra],
-        cwd=tmp,
-        env=env,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # killed with its workers on a timeout
+def start(tmp: Path, name: str, p: int, extra: list[str]) -> tuple[Any, Path]:
+    env = run_env(
+        MEGATRON_PP_EXT_LOSS_FILE=str(tmp / f"{name}.loss"),
+        MEGATRON_PP_EXT_WEIGHTS_FILE=str(tmp / f"{name}.weights"),
+        MEGATRON_PP_EXT_POST_VALIDATION_LOG=str(tmp / f"{name}.pv"),
     )
-    return proc, log
+    return launch(tmp, name, [*flags(p), *extra], nproc=p, env=env)
 
 
 def run_all(tmp: Path, p: int, runs: dict[str, list[str]]) -> dict[str, str]:
-    started = {name: launch(tmp, name, p, extra) for name, extra in runs.items()}
+    started = {name: start(tmp, name, p, extra) for name, extra in runs.items()}
     logs = {}
     for name, (proc, log) in started.items():
         try:
