@@ -36,6 +36,22 @@ class TinyGPTSpec:
     seed: int = 1234
     split: LayerSplit | None = None  # uneven stages (megatron's first/last-stage options)
     transformer_impl: str = "local"  # "transformer_engine": megatron's TE layer spec (CUDA; tests/gpu)
+    recompute: str | None = None  # megatron's activation recomputation: "full" (uniform, 1 layer) or "selective"
+
+
+RECOMPUTE = ("full", "selective")
+
+
+def recompute_options(recompute: str | None) -> dict[str, Any]:
+    """``TransformerConfig`` fields of megatron's ``--recompute-granularity``: ``full`` recomputes each layer
+    (``--recompute-method uniform --recompute-num-layers 1``), ``selective`` the core attention."""
+    if recompute is None:
+        return {}
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, not {recompute!r}")
+    if recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    return {"recompute_granularity": "selective"}
 
 
 def make_config(spec: TinyGPTSpec, tp: int = 1, sequence_parallel: bool = False) -> Any:
@@ -58,6 +74,7 @@ def make_config(spec: TinyGPTSpec, tp: int = 1, sequence_parallel: bool = False)
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
+        **recompute_options(spec.recompute),
     )
 
 

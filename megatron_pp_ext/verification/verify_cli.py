@@ -12,6 +12,7 @@ from ..argtypes import nonnegative_float, positive_float, positive_int
 
 def add_verify_parser(subparsers: Any) -> None:
     from ..schedule_args import add_source_args as _add_source_args
+    from .tiny_gpt import RECOMPUTE
 
     parser = subparsers.add_parser(
         "verify",
@@ -26,6 +27,12 @@ def add_verify_parser(subparsers: Any) -> None:
     parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (default 1)")
     parser.add_argument(
         "--layers-per-stage", type=positive_int, default=1, help="transformer layers per stage (default 1)"
+    )
+    parser.add_argument(
+        "--recompute-granularity",
+        choices=RECOMPUTE,
+        default=None,
+        help="megatron's activation recomputation in every run: full (each layer) or selective (core attention)",
     )
     parser.add_argument("--untied-embeddings", action="store_true", help="separate input and output embeddings")
     parser.add_argument("--no-ddp", action="store_true", help="plain autograd gradients instead of megatron DDP")
@@ -159,6 +166,7 @@ def run_verify(args: argparse.Namespace) -> int:
     model = TinyGPTSpec(
         num_layers=schedule.placement.stages_per_replica * args.layers_per_stage,
         tied_embeddings=not args.untied_embeddings,
+        recompute=args.recompute_granularity,
     )
     try:
         report = verify_schedule(
