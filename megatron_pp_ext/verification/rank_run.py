@@ -275,8 +275,6 @@ class _Training:
     def _result(self) -> dict[str, Any]:
         import torch
 
-        from . import tiny_gpt
-
         spec, model, schedule = self.spec, self.model, self.schedule
         # micro-batch of each loss this rank reports (in the order the executor stores them)
         loss_microbatches = (
@@ -321,11 +319,27 @@ class _Training:
                 for c in model.chunks:
                     c.start_param_sync(force_sync=True)
             result["weights"] = {
-                self._key(name, layout) + (f"#dp{self.dp_rank}" if spec.keep_weights else ""): p.detach().clone()
+                self._key(name, layout) + (f"#dp{self.dp_rank}" if spec.keep_weights else ""): p
                 for chunk, layout in zip(model.chunks, model.layouts, strict=True)
-                for name, p in tiny_gpt._unwrap(chunk).named_parameters()
+                for name, p in _final_weights(chunk)
             }
         return result
+
+
+def _final_weights(chunk: Any) -> list[tuple[str, Any]]:
+    """A chunk's parameters after the last step, by name: gathered from the shards of an FSDP chunk (its own
+    parameter tensors hold no storage once resharded), copied from the module otherwise."""
+    from . import tiny_gpt
+
+    if _is_sharded(chunk):
+        return list(chunk.gather_full_params().items())
+    return [(name, p.detach().clone()) for name, p in tiny_gpt._unwrap(chunk).named_parameters()]
+
+
+def _is_sharded(chunk: Any) -> bool:
+    from ..runtime.fsdp import ShardedChunk
+
+    return isinstance(chunk, ShardedChunk)
 
 
 def _replanning_source(spec: RunSpec, p: int, pp_rank: int = 0) -> Any:
