@@ -52,13 +52,15 @@ def rank_process_group(
     timeout_s: float | None = None,
     tp: int | None = None,
     pp: int | None = None,
+    ep: int = 1,
     device: str = "auto",
     stage_p2p_through_host: bool = False,
     backend: str = "gloo",
 ) -> Iterator[Any]:
     """Set this rank up (:func:`prepare_device`), join the ``world_size``-rank group at ``init_method``
     and, unless ``tp`` and ``pp`` are both None, build megatron's model-parallel groups of those sizes
-    (None counts as 1); yields ``torch.distributed``. On exit, whatever happened inside: the
+    (None counts as 1) and expert-parallel groups of size ``ep`` (carved out of the data-parallel
+    ranks, as megatron does); yields ``torch.distributed``. On exit, whatever happened inside: the
     model-parallel groups and the process group are destroyed and the cycle collector runs.
 
     ``timeout_s``: the groups' collective timeout (None: torch's default). ``backend``: ``"gloo"``, or
@@ -76,7 +78,9 @@ def rank_process_group(
         if model_parallel:
             from megatron.core import parallel_state as ps
 
-            ps.initialize_model_parallel(tensor_model_parallel_size=tp or 1, pipeline_model_parallel_size=pp or 1)
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=tp or 1, pipeline_model_parallel_size=pp or 1, expert_model_parallel_size=ep
+            )
         yield dist
     finally:
         if model_parallel:

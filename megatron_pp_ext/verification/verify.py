@@ -20,7 +20,25 @@ from .run_spec import NATIVE, OURS, RunHooks, RunSpec
 from .tiny_gpt import TinyGPTSpec
 from .verify_report import VerifyReport
 
-__all__ = ["verify_schedule"]
+__all__ = ["check_moe", "verify_schedule"]
+
+
+def check_moe(model: TinyGPTSpec, ep: int, dp: int, tp: int = 1) -> None:
+    """Refuse (ValueError, one line naming the options) an expert-parallel request megatron cannot build."""
+    if ep < 1:
+        raise ValueError(f"--ep must be >= 1, got {ep}")
+    if ep > 1 and not model.num_experts:
+        raise ValueError(f"--ep {ep} needs a MoE model: add --num-experts (a multiple of {ep})")
+    if not model.num_experts:
+        return
+    if model.num_experts % ep:
+        raise ValueError(f"--num-experts {model.num_experts} is not a multiple of --ep {ep}")
+    if dp % ep:
+        raise ValueError(f"--ep {ep} splits the experts over data-parallel ranks: --dp {dp} must be a multiple of it")
+    if not 1 <= model.moe_topk <= model.num_experts:
+        raise ValueError(f"--moe-topk {model.moe_topk} must be between 1 and --num-experts {model.num_experts}")
+    if tp > 1:
+        raise ValueError(f"--num-experts with --tp {tp}: MoE verification runs at tensor-parallel size 1 only")
 
 
 def verify_schedule(
@@ -37,6 +55,7 @@ def verify_schedule(
     tol: float | None = None,
     p2p_tags: bool = True,
     dp: int = 1,
+    ep: int = 1,
     distributed_optimizer: bool = False,
     fsdp: bool = False,
     fsdp_max_unsharded: int = 1,
@@ -61,6 +80,9 @@ def verify_schedule(
     ``hooks``: testing aids for the schedule's run (:class:`~.run_spec.RunHooks`), e.g. deliberate faults
     (:mod:`.breaks`; tests of the verdict's sharpness).
 
+    ``ep``: with a MoE ``model`` (``num_experts``), the experts split over ``ep`` of the ``dp`` data-parallel
+    ranks (:func:`check_moe` says what is accepted).
+
     ``device`` (:class:`RunSpec`): ``"cuda"`` runs every rank on GPU 0 (p2p staged through host memory);
     a pool's processes keep the device of their first run, so give a ``"cuda"`` run a pool of its own.
     """
@@ -81,6 +103,7 @@ def verify_schedule(
         fsdp_grad_reduce_unit = resolved or m  # a unit of m micro-batches: once per iteration, whatever is declared
     if model is None:
         model = TinyGPTSpec(num_layers=schedule.placement.stages_per_replica)
+    check_moe(model, ep, dp, tp)
     split = schedule.splits_backward
     common: dict[str, Any] = {
         "tp": tp,
@@ -106,6 +129,7 @@ def verify_schedule(
             pp=p,
             num_microbatches=m,
             dp=dp,
+            ep=ep,
             distributed_optimizer=distributed_optimizer,
             fsdp=fsdp,
             fsdp_max_unsharded=fsdp_max_unsharded,
