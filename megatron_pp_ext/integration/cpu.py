@@ -17,7 +17,9 @@ What it does (docs/architecture.md, "CPU / gloo mode"):
 5. points megatron's CUDA RNG tracker at the CPU generator;
 6. defines ``typing.override`` on Python 3.11 (``megatron.training`` uses it);
 7. makes the tensor-parallel all-reduce return a fresh tensor, never its input (MoE experts add
-   their bias in place into it; :func:`_patch_reduce_from_model_parallel_region` says why that is exact).
+   their bias in place into it; :func:`_patch_reduce_from_model_parallel_region` says why that is exact);
+8. gives megatron's MoE token dispatcher its all-to-all split sizes as host arrays, as on a GPU
+   (:func:`_patch_moe_split_sizes`).
 """
 
 from __future__ import annotations
@@ -226,6 +228,33 @@ def _patch_reduce_from_model_parallel_region() -> None:
     cls.forward = staticmethod(forward)  # type: ignore[method-assign,assignment]
 
 
+def _patch_moe_split_sizes() -> None:
+    """``maybe_move_tensor_to_cpu(t, as_numpy=True)`` returns a numpy array for a CPU tensor too.
+
+    megatron's all-to-all token dispatcher counts tokens per expert on the device and moves the counts
+    to the host with this helper, which converts to numpy only when the tensor was on CUDA; the counts
+    then become ``all_to_all_single``'s split sizes, which must be a sequence of ints (a numpy array
+    is, a tensor is not). On CPU the counts already are host tensors: converting them too gives the
+    same integers megatron's GPU path hands the collective.
+    """
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import token_dispatcher  # noqa: F401  (holds a by-name copy)
+
+    from ._patching import replace_everywhere
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+    if getattr(original, "_megatron_pp_cpu", False):
+        return
+
+    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.detach().clone().numpy()  # a copy, as the device-to-host move makes
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    maybe_move_tensor_to_cpu._megatron_pp_cpu = True  # type: ignore[attr-defined]
+    replace_everywhere("megatron.core.transformer.moe.moe_utils", "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
+
+
 def _stub_triton_modules() -> None:
     """megatron-core imports triton unconditionally for a MoE kernel; stub that module."""
     name = "megatron.core.transformer.moe.ops.paged_stash"
@@ -323,6 +352,7 @@ def enable_cpu_mode(force: bool = False, threads: int | None = None) -> bool:
     _MODE.__enter__()
     _patch_rng_tracker()
     _patch_reduce_from_model_parallel_region()
+    _patch_moe_split_sizes()
     _ENABLED = True
     return True
 
