@@ -237,8 +237,10 @@ def _patch_moe_split_sizes() -> None:
     is, a tensor is not). On CPU the counts already are host tensors: converting them too gives the
     same integers megatron's GPU path hands the collective.
     """
-    from megatron.core.transformer.moe import moe_utils
-    from megatron.core.transformer.moe import token_dispatcher  # noqa: F401  (holds a by-name copy)
+    from megatron.core.transformer.moe import (
+        moe_utils,
+        token_dispatcher,  # noqa: F401  (holds a by-name copy)
+    )
 
     from ._patching import replace_everywhere
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from . import criterion
 from .compare import check_bitwise, check_fsdp_collectives, compare
+from .moe_check import moe_problem
 from .rank_pool import check_errors
 from .rank_run import RankPool
 from .reference import is_megatron_1f1b, reference_runs
@@ -23,22 +24,11 @@ from .verify_report import VerifyReport
 __all__ = ["check_moe", "verify_schedule"]
 
 
-def check_moe(model: TinyGPTSpec, ep: int, dp: int, tp: int = 1) -> None:
+def check_moe(model: TinyGPTSpec, ep: int, dp: int, tp: int = 1, fsdp: bool = False) -> None:
     """Refuse (ValueError, one line naming the options) an expert-parallel request megatron cannot build."""
-    if ep < 1:
-        raise ValueError(f"--ep must be >= 1, got {ep}")
-    if ep > 1 and not model.num_experts:
-        raise ValueError(f"--ep {ep} needs a MoE model: add --num-experts (a multiple of {ep})")
-    if not model.num_experts:
-        return
-    if model.num_experts % ep:
-        raise ValueError(f"--num-experts {model.num_experts} is not a multiple of --ep {ep}")
-    if dp % ep:
-        raise ValueError(f"--ep {ep} splits the experts over data-parallel ranks: --dp {dp} must be a multiple of it")
-    if not 1 <= model.moe_topk <= model.num_experts:
-        raise ValueError(f"--moe-topk {model.moe_topk} must be between 1 and --num-experts {model.num_experts}")
-    if tp > 1:
-        raise ValueError(f"--num-experts with --tp {tp}: MoE verification runs at tensor-parallel size 1 only")
+    problem = moe_problem(model.num_experts, model.moe_topk, ep, dp, tp, fsdp)
+    if problem:
+        raise ValueError(problem)
 
 
 def verify_schedule(
@@ -103,7 +93,7 @@ def verify_schedule(
         fsdp_grad_reduce_unit = resolved or m  # a unit of m micro-batches: once per iteration, whatever is declared
     if model is None:
         model = TinyGPTSpec(num_layers=schedule.placement.stages_per_replica)
-    check_moe(model, ep, dp, tp)
+    check_moe(model, ep, dp, tp, fsdp)
     split = schedule.splits_backward
     common: dict[str, Any] = {
         "tp": tp,
