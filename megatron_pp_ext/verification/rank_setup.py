@@ -87,12 +87,24 @@ def rank_process_group(
             from megatron.core import parallel_state as ps
 
             ps.destroy_model_parallel()
+            _reset_moe_state()
         dist.destroy_process_group()
         # A run's megatron modules form reference cycles (the config holds DDP's bound sync functions, the
         # modules hold the config) that keep its process groups alive until the cycle collector runs, and
         # an idle pool worker allocates too little to trigger it: collect now, or each run's gloo groups
         # (~19 threads per run, spinning once their peers are gone) pile up in the reused worker.
         gc.collect()
+
+
+def _reset_moe_state() -> None:
+    """megatron's process-wide MoE state, as a fresh process has it: the metrics tracker sizes its
+    per-layer buffers by the first run's layer count, and the load-balancing loss scale keeps the
+    first run's dtype."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    destroy_moe_metrics_tracker()
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
 
 def single_rank_group(timeout_s: float = 60.0) -> None:
