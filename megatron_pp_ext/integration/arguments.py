@@ -27,7 +27,7 @@ from typing import Any
 from ..schedules import registry
 from ..schedules.ir import ScheduleError
 from ..schedules.schedule import Schedule
-from . import fsdp_flags
+from . import fsdp_flags, moe_flags
 from .config import (
     AUTO,
     ActivationLimit,
@@ -215,9 +215,7 @@ def validate_arguments(args: Any) -> PipelineConfig:
                 raise PipelineArgumentError(flag, "needs --pipeline-schedule (megatron's own schedule does not use it)")
         _remember(args, config)
         return config
-    for attr, flag in (("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm"),):
-        if _given(args, attr):
-            raise PipelineArgumentError(flag, "megatron's combined 1F1B schedule cannot run with --pipeline-schedule")
+    moe_flags.check_schedule(args)
     if config.post_validation_early and not config.post_validation:
         raise PipelineArgumentError("--pipeline-post-validation-early", "goes with --pipeline-post-validation")
     if config.schedule == AUTO:
@@ -434,6 +432,7 @@ def _check_cpu_flags(args: Any) -> None:
     for attr, value, flags in needs:
         if hasattr(args, attr) and getattr(args, attr) != value:
             raise PipelineArgumentError("--cpu", f"CPU mode needs {flags} (got {attr}={getattr(args, attr)!r})")
+    moe_flags.check_cpu(args)
 
 
 def _check_trace_dir(path: str) -> None:

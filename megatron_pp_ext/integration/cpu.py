@@ -15,7 +15,11 @@ What it does (docs/architecture.md, "CPU / gloo mode"):
 3. makes ``torch.cuda.synchronize`` / ``empty_cache`` / ``set_device`` no-ops;
 4. gives ``torch.cuda.current_stream()``, ``Stream`` and ``Event`` null objects;
 5. points megatron's CUDA RNG tracker at the CPU generator;
-6. defines ``typing.override`` on Python 3.11 (``megatron.training`` uses it).
+6. defines ``typing.override`` on Python 3.11 (``megatron.training`` uses it);
+7. makes the tensor-parallel all-reduce return a fresh tensor, never its input (MoE experts add
+   their bias in place into it; :func:`_patch_reduce_from_model_parallel_region` says why that is exact);
+8. gives megatron's MoE token dispatcher its all-to-all split sizes as host arrays, as on a GPU
+   (:func:`_patch_moe_split_sizes`).
 """
 
 from __future__ import annotations
@@ -194,6 +198,65 @@ def _patch_sequence_parallel_collectives() -> None:
     dist.reduce_scatter_tensor = reduce_scatter_tensor  # type: ignore[assignment]
 
 
+def _patch_reduce_from_model_parallel_region() -> None:
+    """``_ReduceFromModelParallelRegion`` returns a copy of its result when that result is its input.
+
+    megatron's torch ``RowParallelLinear`` ends with this autograd function, whose forward hands its
+    input back unchanged at TP = 1 (and, at TP > 1, the input all-reduced in place). autograd treats
+    an input returned by a custom function as a view of it, and megatron's expert MLP then adds the
+    per-token-scaled bias into that output in place (``output += ...`` in ``MLP.forward``), which
+    autograd forbids for such views. Transformer Engine's linears, megatron's usual GPU path, return
+    a new tensor, so the in-place add never meets the view there.
+
+    Exact: ``clone`` copies every element bit for bit, the function's backward (the identity on
+    ``grad_output``) is unchanged, and the clone's own gradient is the identity, so losses and
+    gradients are the same bits as without the copy. The cost is one activation-sized copy per
+    row-parallel linear, in CPU mode only.
+    """
+    from megatron.core.tensor_parallel import mappings
+
+    cls = mappings._ReduceFromModelParallelRegion
+    if getattr(cls.forward, "_megatron_pp_cpu", False):
+        return
+    original = cls.forward
+
+    def forward(ctx: Any, input_: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        output = original(ctx, input_, *args, **kwargs)
+        return output.clone() if output is input_ else output
+
+    forward._megatron_pp_cpu = True  # type: ignore[attr-defined]
+    cls.forward = staticmethod(forward)  # type: ignore[method-assign,assignment]
+
+
+def _patch_moe_split_sizes() -> None:
+    """``maybe_move_tensor_to_cpu(t, as_numpy=True)`` returns a numpy array for a CPU tensor too.
+
+    megatron's all-to-all token dispatcher counts tokens per expert on the device and moves the counts
+    to the host with this helper, which converts to numpy only when the tensor was on CUDA; the counts
+    then become ``all_to_all_single``'s split sizes, which must be a sequence of ints (a numpy array
+    is, a tensor is not). On CPU the counts already are host tensors: converting them too gives the
+    same integers megatron's GPU path hands the collective.
+    """
+    from megatron.core.transformer.moe import (
+        moe_utils,
+        token_dispatcher,  # noqa: F401  (holds a by-name copy)
+    )
+
+    from ._patching import replace_everywhere
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+    if getattr(original, "_megatron_pp_cpu", False):
+        return
+
+    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.detach().clone().numpy()  # a copy, as the device-to-host move makes
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    maybe_move_tensor_to_cpu._megatron_pp_cpu = True  # type: ignore[attr-defined]
+    replace_everywhere("megatron.core.transformer.moe.moe_utils", "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
+
+
 def _stub_triton_modules() -> None:
     """megatron-core imports triton unconditionally for a MoE kernel; stub that module."""
     name = "megatron.core.transformer.moe.ops.paged_stash"
@@ -290,6 +353,8 @@ def enable_cpu_mode(force: bool = False, threads: int | None = None) -> bool:
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()
     _patch_rng_tracker()
+    _patch_reduce_from_model_parallel_region()
+    _patch_moe_split_sizes()
     _ENABLED = True
     return True
 

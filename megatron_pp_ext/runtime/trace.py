@@ -64,7 +64,7 @@ class Tracer(NullTracer):
         self._t0 = time.perf_counter()
         self._iter_start = 0.0
         self._busy = 0.0
-        self._op_start = 0.0
+        self._op_starts: list[float] = []  # a stack: an overlap hook may run an op inside another
         self._first_start: float | None = None
         self._last_end = 0.0
         self.peak_bytes = 0
@@ -152,19 +152,22 @@ class Tracer(NullTracer):
         )
 
     def begin_op(self, op: Op) -> None:
-        self._op_start = self._now()
+        start = self._now()
+        self._op_starts.append(start)
         if self._first_start is None:
-            self._first_start = self._op_start
+            self._first_start = start
 
     def end_op(self, op: Op) -> None:
         end = self._now()
-        self._busy += end - self._op_start
+        start = self._op_starts.pop()
+        if not self._op_starts:  # busy time of the outermost op (it contains any op run inside it)
+            self._busy += end - start
         self._last_end = end
         if op.kind != "F":
             self._last_backward_end = end
         live = self.live_bytes()
         self._ops_done += 1
-        self._iter_ops.append([str(op), self._t0 + self._op_start, self._t0 + end])
+        self._iter_ops.append([str(op), self._t0 + start, self._t0 + end])
         self._iter_peak = max(self._iter_peak, live)
         self.peak_bytes = max(self.peak_bytes, live)
         self.events.append(
@@ -174,8 +177,8 @@ class Tracer(NullTracer):
                 "ph": "X",
                 "pid": self.rank,
                 "tid": 0,
-                "ts": self._op_start * 1e6,
-                "dur": (end - self._op_start) * 1e6,
+                "ts": start * 1e6,
+                "dur": (end - start) * 1e6,
                 "args": {"live_activation_bytes": live},
             }
         )

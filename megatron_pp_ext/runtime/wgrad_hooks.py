@@ -23,10 +23,19 @@ the layer input per linear per micro-batch) rather than keeping the gathered
 tensor (``tp`` times the memory) — deferral exists to fill bubbles without
 growing memory, so memory wins; ``benchmarks/RESULTS.md`` lists the extra volume.
 
+MoE: megatron's ``SequentialMLP`` experts are ``ColumnParallelLinear`` /
+``RowParallelLinear`` modules, so their weights defer through the same function.
+The router's gate (``TopKRouter.weight``, and its bias if any) runs megatron's
+``RouterGatingLinearFunction``; :func:`install_wgrad_hooks` replaces it with a
+subclass that, during a B, computes the input gradient and queues the gate's
+weight gradient with the same GEMM (torch's or Transformer Engine's, as
+megatron's backward picks) for the W.
+
 Weight gradients that stay in B (computed by autograd as usual): LayerNorm /
 RMSNorm weights and biases, word and position embeddings, ``RowParallelLinear``'s
 bias (megatron adds it after the reduction, outside the linear's autograd
-function), and any parameter not owned by a megatron linear (e.g. MoE routers).
+function; so also the experts' second bias), and any parameter owned by neither a
+megatron linear nor the router's gate.
 ``tests/verification/test_wgrad_split.py`` checks per layer kind which gradients B
 leaves untouched and that each W computes all the others.
 """
@@ -41,6 +50,8 @@ from .wgrad import get_weight_grad_store
 
 _ORIGINAL: Any = None
 _SPLIT: Any = None
+_ORIGINAL_ROUTER: Any = None
+_SPLIT_ROUTER: Any = None
 
 
 def _weight_grad_closure(ctx: Any, input_: torch.Tensor, weight: torch.Tensor, grad_output: torch.Tensor) -> Any:
@@ -153,21 +164,89 @@ def _clear_dummy_flag(param: Any) -> None:
         param.grad_added_to_main_grad = False
 
 
+def _make_split_router(base: Any) -> Any:
+    class SplitRouterGatingLinear(base):  # type: ignore[misc, valid-type]
+        """megatron's router gate with the weight (and bias) gradient deferrable to a W op."""
+
+        @staticmethod
+        def forward(ctx: Any, inp: Any, weight: Any, bias: Any, router_dtype: Any) -> Any:  # type: ignore[override]
+            ctx.weight_param, ctx.bias_param = weight, bias  # the parameters themselves (see above)
+            return base.forward(ctx, inp, weight, bias, router_dtype)
+
+        @staticmethod
+        def backward(ctx: Any, grad_output: torch.Tensor) -> Any:  # type: ignore[override]
+            store = get_weight_grad_store()
+            if not store.deferring_now:
+                return base.backward(ctx, grad_output)
+            return _router_input_grad_only(ctx, grad_output, store)
+
+    SplitRouterGatingLinear.__name__ = "SplitRouterGatingLinear"
+    return SplitRouterGatingLinear
+
+
+def _router_gemm() -> Any:
+    """Transformer Engine's GEMM where megatron's router uses it (``moe_utils.te_general_gemm``), else None."""
+    from megatron.core.transformer.moe import moe_utils
+
+    return getattr(moe_utils, "te_general_gemm", None)
+
+
+def _router_input_grad_only(ctx: Any, grad_output: torch.Tensor, store: Any) -> tuple[Any, ...]:
+    """B of the router gate: the input gradient as ``RouterGatingLinearFunction.backward`` computes it;
+    the weight and bias gradients, with the same operations, queued for the W."""
+    inp, weight, _ = ctx.saved_tensors
+    rdtype = ctx.router_dtype
+    inp_shape = inp.shape
+    inp2 = inp.view(-1, inp_shape[-1])
+    go = grad_output.view(-1, grad_output.shape[-1])
+    te_gemm = _router_gemm() if rdtype != torch.float64 else None
+    if te_gemm is not None:
+        grad_input = te_gemm(weight.to(rdtype), go, rdtype, layout="NN", grad=True)[0].to(ctx.input_dtype)
+    else:
+        grad_input = torch.mm(go, weight.to(rdtype)).to(ctx.input_dtype)
+    weight_param, bias_param, weight_dtype = ctx.weight_param, ctx.bias_param, ctx.weight_dtype
+
+    def run() -> None:
+        if te_gemm is not None:
+            grad_weight = te_gemm(inp2.to(rdtype), go, rdtype, layout="NT", grad=True)[0].to(weight_dtype)
+        else:
+            grad_weight = torch.mm(go.t(), inp2.to(rdtype)).to(weight_dtype)
+        roots, grads = [weight_param], [grad_weight]
+        _clear_dummy_flag(weight_param)
+        if bias_param is not None:
+            _clear_dummy_flag(bias_param)
+            roots.append(bias_param)
+            grads.append(go.sum(dim=0).to(weight_dtype))
+        torch.autograd.backward(roots, grads)
+
+    store.put(run, inp.untyped_storage().nbytes() + grad_output.untyped_storage().nbytes())
+    return grad_input.view(*inp_shape), _dummy_grad(weight_param), _dummy_grad(bias_param), None
+
+
 def install_wgrad_hooks() -> None:
-    """Route megatron's linear layers through the splittable autograd function (idempotent)."""
-    global _ORIGINAL, _SPLIT
+    """Route megatron's linear layers and MoE router gates through the splittable autograd functions
+    (idempotent)."""
+    global _ORIGINAL, _SPLIT, _ORIGINAL_ROUTER, _SPLIT_ROUTER
     from megatron.core.tensor_parallel import layers as mlayers
+    from megatron.core.transformer.moe import moe_utils
 
     if _SPLIT is None:
         _ORIGINAL = mlayers.LinearWithGradAccumulationAndAsyncCommunication
         _SPLIT = _make_split_function(_ORIGINAL)
+    if _SPLIT_ROUTER is None:
+        _ORIGINAL_ROUTER = moe_utils.RouterGatingLinearFunction
+        _SPLIT_ROUTER = _make_split_router(_ORIGINAL_ROUTER)
     mlayers.LinearWithGradAccumulationAndAsyncCommunication = _SPLIT
+    moe_utils.RouterGatingLinearFunction = _SPLIT_ROUTER
     get_weight_grad_store().hooks_installed = True
 
 
 def uninstall_wgrad_hooks() -> None:
     from megatron.core.tensor_parallel import layers as mlayers
+    from megatron.core.transformer.moe import moe_utils
 
     if _ORIGINAL is not None:
         mlayers.LinearWithGradAccumulationAndAsyncCommunication = _ORIGINAL
+    if _ORIGINAL_ROUTER is not None:
+        moe_utils.RouterGatingLinearFunction = _ORIGINAL_ROUTER
     get_weight_grad_store().hooks_installed = False

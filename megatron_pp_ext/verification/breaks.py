@@ -15,7 +15,9 @@ inside the rank process and undone afterwards (rank-pool workers run other specs
 * ``dp-reduction-early``: each chunk's derived data-parallel reduction launched after its first backward
   instead of its last (later micro-batches' gradients miss the reduction);
 * ``fsdp-stale-shards``: FSDP gathers each chunk's first shard again in every iteration (the optimizer's
-  updates never reach the gathered parameters).
+  updates never reach the gathered parameters);
+* ``moe-aux-loss-twice``: MoE models: the router's load-balancing loss gets twice the scale megatron's
+  ``forward_step`` sets per micro-batch (an auxiliary loss counted twice).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ BREAKS = (
     "dp-reduction-missing",
     "dp-reduction-early",
     "fsdp-stale-shards",
+    "moe-aux-loss-twice",
 )
 
 
@@ -178,6 +181,15 @@ def _fsdp_stale_shards() -> contextlib.AbstractContextManager[None]:
     return _patched(ShardedChunk, "unshard", make)
 
 
+def _moe_aux_loss_twice() -> contextlib.AbstractContextManager[None]:
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    def make(original: Any) -> Any:
+        return staticmethod(lambda scale: original.__func__(scale * 2))
+
+    return _patched(MoEAuxLossAutoScaler, "set_loss_scale", make)
+
+
 _APPLY: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "w-skipped": _w_skipped,
     "w-twice": _w_twice,
@@ -185,4 +197,5 @@ _APPLY: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "dp-reduction-missing": _dp_reduction_missing,
     "dp-reduction-early": _dp_reduction_early,
     "fsdp-stale-shards": _fsdp_stale_shards,
+    "moe-aux-loss-twice": _moe_aux_loss_twice,
 }

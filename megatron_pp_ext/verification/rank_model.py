@@ -44,7 +44,7 @@ def build_rank_model(spec: RunSpec, schedule: Any) -> RankModel:
         from ..runtime.wgrad_hooks import install_wgrad_hooks
 
         install_wgrad_hooks()
-    config = tiny_gpt.make_config(spec.model, tp=spec.tp, sequence_parallel=spec.sequence_parallel)
+    config = tiny_gpt.make_config(spec.model, tp=spec.tp, sequence_parallel=spec.sequence_parallel, ep=spec.ep)
     chunks, layouts = tiny_gpt.build_chunks(config, spec.model, placement, pp_rank)
     if spec.float64:
         chunks = tiny_gpt.widen_to_float64(chunks, config)

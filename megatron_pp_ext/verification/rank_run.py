@@ -40,6 +40,7 @@ def run_on_rank(spec: RunSpec, rank: int, init_method: str) -> dict[str, Any]:
         timeout_s=max(30.0, spec.timeout_s),
         tp=spec.tp,
         pp=spec.pp,
+        ep=spec.ep,
         device=spec.device,
         stage_p2p_through_host=spec.hooks.stage_p2p_through_host,
     ):
@@ -239,7 +240,8 @@ class _Training:
     def _key(self, name: str, layout: Any) -> str:
         from . import tiny_gpt
 
-        global_key = tiny_gpt.global_name(name, layout, self.spec.model.tied_embeddings)
+        model = self.spec.model
+        global_key = tiny_gpt.global_name(name, layout, model.tied_embeddings, tiny_gpt.expert_offset(model))
         return f"{global_key}#tp{self.tp_rank}#stage{layout.stage}"
 
     def _record_fsdp_grads(self) -> None:

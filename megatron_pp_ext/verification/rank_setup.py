@@ -52,13 +52,15 @@ def rank_process_group(
     timeout_s: float | None = None,
     tp: int | None = None,
     pp: int | None = None,
+    ep: int = 1,
     device: str = "auto",
     stage_p2p_through_host: bool = False,
     backend: str = "gloo",
 ) -> Iterator[Any]:
     """Set this rank up (:func:`prepare_device`), join the ``world_size``-rank group at ``init_method``
     and, unless ``tp`` and ``pp`` are both None, build megatron's model-parallel groups of those sizes
-    (None counts as 1); yields ``torch.distributed``. On exit, whatever happened inside: the
+    (None counts as 1) and expert-parallel groups of size ``ep`` (carved out of the data-parallel
+    ranks, as megatron does); yields ``torch.distributed``. On exit, whatever happened inside: the
     model-parallel groups and the process group are destroyed and the cycle collector runs.
 
     ``timeout_s``: the groups' collective timeout (None: torch's default). ``backend``: ``"gloo"``, or
@@ -76,19 +78,33 @@ def rank_process_group(
         if model_parallel:
             from megatron.core import parallel_state as ps
 
-            ps.initialize_model_parallel(tensor_model_parallel_size=tp or 1, pipeline_model_parallel_size=pp or 1)
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=tp or 1, pipeline_model_parallel_size=pp or 1, expert_model_parallel_size=ep
+            )
         yield dist
     finally:
         if model_parallel:
             from megatron.core import parallel_state as ps
 
             ps.destroy_model_parallel()
+            _reset_moe_state()
         dist.destroy_process_group()
         # A run's megatron modules form reference cycles (the config holds DDP's bound sync functions, the
         # modules hold the config) that keep its process groups alive until the cycle collector runs, and
         # an idle pool worker allocates too little to trigger it: collect now, or each run's gloo groups
         # (~19 threads per run, spinning once their peers are gone) pile up in the reused worker.
         gc.collect()
+
+
+def _reset_moe_state() -> None:
+    """megatron's process-wide MoE state, as a fresh process has it: the metrics tracker sizes its
+    per-layer buffers by the first run's layer count, and the load-balancing loss scale keeps the
+    first run's dtype."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    destroy_moe_metrics_tracker()
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
 
 def single_rank_group(timeout_s: float = 60.0) -> None:

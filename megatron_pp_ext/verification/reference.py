@@ -32,7 +32,8 @@ def is_megatron_1f1b(schedule: Any) -> bool:
 def reference_specs(spec: RunSpec) -> tuple[RunSpec, RunSpec]:
     """The two references of ``spec``'s run (:mod:`.criterion`): megatron's no-pipelining schedule on the
     same model, data and training, in float64 on one replica (the exact result) and in fp32 with the
-    run's data-parallel grouping (``dp`` replicas, DDP or distributed optimizer as the run)."""
+    run's data-parallel grouping (``dp`` replicas, DDP or distributed optimizer as the run, and the run's
+    expert parallelism; the exact one holds every expert on its one rank)."""
     common: dict[str, Any] = {
         "pp": 1,
         "mode": NATIVE,
@@ -51,6 +52,7 @@ def reference_specs(spec: RunSpec) -> tuple[RunSpec, RunSpec]:
     reference = RunSpec(
         num_microbatches=spec.num_microbatches,
         dp=spec.dp,
+        ep=spec.ep,
         distributed_optimizer=spec.distributed_optimizer,
         **common,
     )

@@ -67,6 +67,9 @@ class RunSpec:
     # micro-batches. With dp > 1 gradients are reduced by megatron DDP with overlap_grad_reduce,
     # launched where the collectives pass places each chunk's reduction.
     dp: int = 1
+    # MoE (model.num_experts): experts split over this many of the data-parallel ranks (megatron's expert
+    # parallelism: the token dispatcher's all-to-all runs among them); must divide dp and num_experts.
+    ep: int = 1
     distributed_optimizer: bool = False  # megatron's DistributedOptimizer (reduce-scatter + param all-gather)
     # Fully sharded data parallelism per chunk (runtime/fsdp.py) instead of megatron DDP: the executor
     # gathers and frees each chunk's parameters where the collectives pass places it, at most

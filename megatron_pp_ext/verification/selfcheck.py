@@ -16,7 +16,7 @@ from .rank_setup import rank_process_group
 
 @dataclass(frozen=True)
 class LinearCase:
-    layer: str  # "column" | "row" | "output"
+    layer: str  # "column" | "row" | "output" | "router" (a MoE router's gate: megatron's router_gating_linear)
     tp: int = 1
     sequence_parallel: bool = False
     bias: bool = True
@@ -59,7 +59,27 @@ def _layer(case: LinearCase, config: Any) -> Any:
             gather_output=False,
             skip_weight_param_allocation=True,
         )
+    if case.layer == "router":
+        return _router_gate(case)
     raise ValueError(f"unknown layer {case.layer!r}")
+
+
+def _router_gate(case: LinearCase) -> Any:
+    """A MoE router's gate as ``TopKRouter.gating`` runs it: ``router_gating_linear`` over a weight of
+    ``ffn`` experts (and a bias, if ``case.bias``), in the input's dtype."""
+    import torch
+    from megatron.core.transformer.moe.moe_utils import router_gating_linear
+
+    class RouterGate(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(case.ffn, case.hidden))
+            self.bias = torch.nn.Parameter(torch.randn(case.ffn)) if case.bias else None
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+            return router_gating_linear(x, self.weight, self.bias, x.dtype), None
+
+    return RouterGate()
 
 
 def _run(case: LinearCase, config: Any, split: bool) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from ..runtime.layer_map import ChunkLayout, LayerSplit, chunk_layouts
 from ..schedules.placement import Placement
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT_RE = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,12 @@ class TinyGPTSpec:
     split: LayerSplit | None = None  # uneven stages (megatron's first/last-stage options)
     transformer_impl: str = "local"  # "transformer_engine": megatron's TE layer spec (CUDA; tests/gpu)
     recompute: str | None = None  # megatron's activation recomputation: "full" (uniform, 1 layer) or "selective"
+    # MoE: every layer's MLP is megatron's MoE layer with this many experts (SequentialMLP), routed top-k,
+    # with the load-balancing loss at this coefficient and this token dispatcher ("alltoall", "allgather").
+    num_experts: int | None = None
+    moe_topk: int = 2
+    moe_aux_loss_coeff: float = 1e-2
+    moe_dispatcher: str = "alltoall"
 
 
 RECOMPUTE = ("full", "selective")
@@ -54,10 +61,21 @@ def recompute_options(recompute: str | None) -> dict[str, Any]:
     return {"recompute_granularity": "selective"}
 
 
-def make_config(spec: TinyGPTSpec, tp: int = 1, sequence_parallel: bool = False) -> Any:
+def make_config(spec: TinyGPTSpec, tp: int = 1, sequence_parallel: bool = False, ep: int = 1) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    moe: dict[str, Any] = {}
+    if spec.num_experts:
+        moe = {
+            "num_moe_experts": spec.num_experts,
+            "moe_router_topk": spec.moe_topk,
+            "moe_aux_loss_coeff": spec.moe_aux_loss_coeff,
+            "moe_token_dispatcher_type": spec.moe_dispatcher,
+            "expert_model_parallel_size": ep,
+            "add_bias_linear": False,
+        }
     return TransformerConfig(
+        **moe,
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
@@ -89,7 +107,7 @@ def _gpt(config: Any, spec: TinyGPTSpec, num_layers: int, pre: bool, post: bool,
 
         layer_spec, norm = get_gpt_layer_with_transformer_engine_spec(), TENorm
     else:
-        layer_spec, norm = get_gpt_layer_local_spec(), LayerNormImpl
+        layer_spec, norm = get_gpt_layer_local_spec(num_experts=spec.num_experts), LayerNormImpl
     block = TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=norm)
     return GPTModel(
         config=config,
@@ -109,11 +127,50 @@ def build_full_model(config: Any, spec: TinyGPTSpec) -> Any:
 
     torch.manual_seed(spec.seed)
     model_parallel_cuda_manual_seed(spec.seed)
-    return _gpt(config, spec, spec.num_layers, True, True, None)
+    model = _gpt(config, spec, spec.num_layers, True, True, None)
+    if spec.num_experts:
+        _seed_by_name(model, spec, expert_offset(spec))
+    return model
 
 
-def global_name(name: str, layout: ChunkLayout, tied: bool) -> str:
-    """Name of a chunk parameter in the unpartitioned model."""
+def expert_offset(spec: TinyGPTSpec) -> int:
+    """Global index of this rank's first local expert (0 without experts or expert parallelism)."""
+    from megatron.core import parallel_state as ps
+
+    if not spec.num_experts or not ps.model_parallel_is_initialized():
+        return 0
+    return ps.get_expert_model_parallel_rank() * (spec.num_experts // ps.get_expert_model_parallel_world_size())
+
+
+def _seed_by_name(model: Any, spec: TinyGPTSpec, offset: int) -> None:
+    """MoE models: every matrix drawn from a generator seeded by its global name, so that an expert's
+    weights (and every other layer's) do not depend on how many experts this rank holds (megatron's
+    initialisation draws the local experts in turn from one stream). Vectors (norms, biases) keep
+    megatron's constant initialisation."""
+    import zlib
+
+    std = model.config.init_method_std
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() < 2:
+                continue
+            key = f"{spec.seed}:{expert_global_name(name, offset)}"
+            gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+            param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float64).mul_(std))
+
+
+def expert_global_name(name: str, offset: int) -> str:
+    """``name`` with its local expert index (``experts.local_experts.<i>``) made global (``+ offset``)."""
+    match = _EXPERT_RE.search(name)
+    if not match or not offset:
+        return name
+    return f"{name[: match.start(1)]}{int(match.group(1)) + offset}{name[match.end(1) :]}"
+
+
+def global_name(name: str, layout: ChunkLayout, tied: bool, first_expert: int = 0) -> str:
+    """Name of a chunk parameter in the unpartitioned model (``first_expert``: the global index of this
+    rank's first local expert, with expert parallelism)."""
+    name = expert_global_name(name, first_expert)
     match = _LAYER_RE.match(name)
     if match:
         return f"decoder.layers.{int(match.group(1)) + layout.layer_offset}.{name[match.end() :]}"
@@ -126,14 +183,15 @@ def build_chunks(
     config: Any, spec: TinyGPTSpec, placement: Placement, rank: int
 ) -> tuple[list[Any], list[ChunkLayout]]:
     """This rank's chunks, with weights copied from the seeded full model."""
-    full = dict(build_full_model(config, spec).named_parameters())
+    offset = expert_offset(spec)
+    full = {expert_global_name(name, offset): p for name, p in build_full_model(config, spec).named_parameters()}
     layouts = chunk_layouts(placement, spec.num_layers, rank, spec.split)
     chunks = []
     for layout in layouts:
         chunk = _gpt(config, spec, layout.num_layers, layout.pre_process, layout.post_process, layout.chunk)
         with torch.no_grad():
             for name, param in chunk.named_parameters():
-                param.copy_(full[global_name(name, layout, spec.tied_embeddings)])
+                param.copy_(full[global_name(name, layout, spec.tied_embeddings, offset)])
         chunks.append(chunk)
     return chunks, layouts
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from . import criterion
 from .compare import check_bitwise, check_fsdp_collectives, compare
+from .moe_check import moe_problem
 from .rank_pool import check_errors
 from .rank_run import RankPool
 from .reference import is_megatron_1f1b, reference_runs
@@ -20,7 +21,14 @@ from .run_spec import NATIVE, OURS, RunHooks, RunSpec
 from .tiny_gpt import TinyGPTSpec
 from .verify_report import VerifyReport
 
-__all__ = ["verify_schedule"]
+__all__ = ["check_moe", "verify_schedule"]
+
+
+def check_moe(model: TinyGPTSpec, ep: int, dp: int, tp: int = 1, fsdp: bool = False) -> None:
+    """Refuse (ValueError, one line naming the options) an expert-parallel request megatron cannot build."""
+    problem = moe_problem(model.num_experts, model.moe_topk, ep, dp, tp, fsdp)
+    if problem:
+        raise ValueError(problem)
 
 
 def verify_schedule(
@@ -37,6 +45,7 @@ def verify_schedule(
     tol: float | None = None,
     p2p_tags: bool = True,
     dp: int = 1,
+    ep: int = 1,
     distributed_optimizer: bool = False,
     fsdp: bool = False,
     fsdp_max_unsharded: int = 1,
@@ -61,6 +70,9 @@ def verify_schedule(
     ``hooks``: testing aids for the schedule's run (:class:`~.run_spec.RunHooks`), e.g. deliberate faults
     (:mod:`.breaks`; tests of the verdict's sharpness).
 
+    ``ep``: with a MoE ``model`` (``num_experts``), the experts split over ``ep`` of the ``dp`` data-parallel
+    ranks (:func:`check_moe` says what is accepted).
+
     ``device`` (:class:`RunSpec`): ``"cuda"`` runs every rank on GPU 0 (p2p staged through host memory);
     a pool's processes keep the device of their first run, so give a ``"cuda"`` run a pool of its own.
     """
@@ -81,6 +93,7 @@ def verify_schedule(
         fsdp_grad_reduce_unit = resolved or m  # a unit of m micro-batches: once per iteration, whatever is declared
     if model is None:
         model = TinyGPTSpec(num_layers=schedule.placement.stages_per_replica)
+    check_moe(model, ep, dp, tp, fsdp)
     split = schedule.splits_backward
     common: dict[str, Any] = {
         "tp": tp,
@@ -106,6 +119,7 @@ def verify_schedule(
             pp=p,
             num_microbatches=m,
             dp=dp,
+            ep=ep,
             distributed_optimizer=distributed_optimizer,
             fsdp=fsdp,
             fsdp_max_unsharded=fsdp_max_unsharded,

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from ..argtypes import nonnegative_float, positive_float, positive_int
+from .moe_check import moe_problem
 
 
 def add_verify_parser(subparsers: Any) -> None:
@@ -39,6 +40,31 @@ def add_verify_parser(subparsers: Any) -> None:
     parser.add_argument("--sequence-parallel", action="store_true", help="megatron sequence parallelism (tp > 1)")
     parser.add_argument(
         "--dp", type=int, default=1, help="data-parallel replicas of the pipeline (P x TP x DP ranks; default 1)"
+    )
+    parser.add_argument(
+        "--num-experts",
+        type=positive_int,
+        default=None,
+        help="a MoE model: every layer's MLP is megatron's MoE layer with this many experts (default: dense)",
+    )
+    parser.add_argument("--moe-topk", type=positive_int, default=2, help="with --num-experts: experts per token (2)")
+    parser.add_argument(
+        "--moe-aux-loss-coeff",
+        type=nonnegative_float,
+        default=1e-2,
+        help="with --num-experts: the router's load-balancing loss coefficient (default 0.01)",
+    )
+    parser.add_argument(
+        "--moe-dispatcher",
+        choices=("alltoall", "allgather"),
+        default="alltoall",
+        help="with --num-experts: megatron's token dispatcher (default alltoall)",
+    )
+    parser.add_argument(
+        "--ep",
+        type=positive_int,
+        default=1,
+        help="with --num-experts: expert-parallel size, carved out of the --dp ranks as megatron does (default 1)",
     )
     parser.add_argument(
         "--distributed-optimizer",
@@ -139,6 +165,10 @@ def run_verify(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    moe_problem = _moe_problem(args)
+    if moe_problem:
+        print(f"{PROG}: {moe_problem}", file=sys.stderr)
+        return 2
     schedule = _schedule_from_args(args)
     too_many = check_local_ranks(
         schedule.num_ranks * args.tp * args.dp, f"-p {schedule.num_ranks} x --tp {args.tp} x --dp {args.dp}"
@@ -167,6 +197,10 @@ def run_verify(args: argparse.Namespace) -> int:
         num_layers=schedule.placement.stages_per_replica * args.layers_per_stage,
         tied_embeddings=not args.untied_embeddings,
         recompute=args.recompute_granularity,
+        num_experts=args.num_experts,
+        moe_topk=args.moe_topk,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_dispatcher=args.moe_dispatcher,
     )
     try:
         report = verify_schedule(
@@ -179,6 +213,7 @@ def run_verify(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
             tol=args.tolerance,
             dp=args.dp,
+            ep=args.ep,
             distributed_optimizer=args.distributed_optimizer,
             fsdp=args.fsdp,
             fsdp_max_unsharded=args.fsdp_max_unsharded,
@@ -197,6 +232,25 @@ def run_verify(args: argparse.Namespace) -> int:
     if args.post_validation:
         return _run_post_validation(args, schedule, model)
     return 0
+
+
+def _moe_problem(args: argparse.Namespace) -> str | None:
+    """One line for a MoE request that cannot run (before any rank starts), else None."""
+    if args.num_experts is None:
+        given = [
+            flag
+            for flag, value, default in (
+                ("--ep", args.ep, 1),
+                ("--moe-topk", args.moe_topk, 2),
+                ("--moe-aux-loss-coeff", args.moe_aux_loss_coeff, 1e-2),
+                ("--moe-dispatcher", args.moe_dispatcher, "alltoall"),
+            )
+            if value != default
+        ]
+        return f"{given[0]} goes with a MoE model: add --num-experts" if given else None
+    if args.post_validation:
+        return "--post-validation with --num-experts: not supported for MoE models (drop one of them)"
+    return moe_problem(args.num_experts, args.moe_topk, args.ep, args.dp, args.tp, args.fsdp)
 
 
 def _run_post_validation(args: argparse.Namespace, schedule: Any, model: Any) -> int:

@@ -183,6 +183,27 @@ def test_combined_1f1b_is_refused() -> None:
     assert err.flag == "--overlap-moe-expert-parallel-comm"
 
 
+def test_megatron_weight_gradient_delay_is_refused_with_a_schedule() -> None:
+    err = error_of(make_args(["--pipeline-schedule", "zb-h1"], delay_wgrad_compute=True))
+    assert err.flag == "--delay-wgrad-compute" and "--pipeline-schedule" in str(err) and "zb-h1" in str(err)
+    validate_arguments(make_args([], delay_wgrad_compute=True))  # megatron's own schedule: megatron's business
+
+
+@pytest.mark.parametrize(
+    ("megatron", "flag"),
+    [
+        ({"moe_grouped_gemm": True}, "--moe-grouped-gemm"),
+        ({"moe_use_legacy_grouped_gemm": True}, "--moe-use-legacy-grouped-gemm"),
+        ({"moe_token_dispatcher_type": "flex"}, "--moe-token-dispatcher-type"),
+        ({"moe_paged_stash": True}, "--moe-paged-stash"),
+    ],
+)
+def test_cpu_mode_refuses_moe_options_that_need_a_gpu(megatron: dict, flag: str) -> None:
+    err = error_of(make_args(["--cpu", "--pipeline-schedule", "zb-h1"], num_experts=2, **megatron))
+    assert err.flag == flag and "--cpu" in str(err)
+    validate_arguments(make_args(["--cpu"], num_experts=2, moe_token_dispatcher_type="alltoall"))
+
+
 def test_cpu_flag_checks_cpu_settings() -> None:
     validate_arguments(make_args(["--cpu"]))
     err = error_of(make_args(["--cpu"], distributed_backend="nccl"))

@@ -37,3 +37,27 @@ def run_with_recording_hook(spec: Any, rank: int, init_method: str) -> dict[str,
         tiny_gpt.build_chunks = original
     result["overlap_calls"] = calls
     return result
+
+
+def run_with_moe_overlap(spec: Any, rank: int, init_method: str) -> dict[str, Any]:
+    """:func:`~megatron_pp_ext.verification.rank_run.run_on_rank` with a
+    :class:`~megatron_pp_ext.runtime.moe_overlap.MoEOverlapHook` on every chunk; adds each chunk's events."""
+    from megatron_pp_ext.runtime.moe_overlap import install_moe_overlap
+    from megatron_pp_ext.verification import tiny_gpt
+    from megatron_pp_ext.verification.rank_run import run_on_rank
+
+    hooks: list[Any] = []
+    original = tiny_gpt.build_chunks
+
+    def build_chunks(*args: Any, **kwargs: Any) -> Any:
+        chunks, layouts = original(*args, **kwargs)
+        hooks.extend(install_moe_overlap(chunks))
+        return chunks, layouts
+
+    tiny_gpt.build_chunks = build_chunks
+    try:
+        result = run_on_rank(spec, rank, init_method)
+    finally:
+        tiny_gpt.build_chunks = original
+    result["moe_overlap_events"] = [hook.events for hook in hooks]
+    return result

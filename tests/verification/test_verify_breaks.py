@@ -25,6 +25,7 @@ CASES = {
     "dp-reduction-missing": ("1f1b", 2, 2, 2, {}),
     "dp-reduction-early": ("1f1b", 2, 4, 2, {}),
     "fsdp-stale-shards": ("1f1b", 2, 2, 2, {"fsdp": True, "model": TinyGPTSpec(num_layers=2, tied_embeddings=False)}),
+    "moe-aux-loss-twice": ("zb-h1", 2, 4, 1, {"model": TinyGPTSpec(num_layers=2, num_experts=4)}),
 }
 
 

@@ -29,6 +29,8 @@ LAYER_CASES = [
     LinearCase("column", tp=2, sequence_parallel=True, bias=False),
     LinearCase("row", tp=2, sequence_parallel=True, bias=True),
     LinearCase("output", tp=2, sequence_parallel=True),
+    LinearCase("router", tp=1, bias=True),
+    LinearCase("router", tp=1, bias=False),
 ]
 
 
@@ -49,6 +51,7 @@ PROBE_CASES = [
     LinearCase("row", tp=2, bias=True),
     LinearCase("column", tp=2, sequence_parallel=True, bias=True),
     LinearCase("output", tp=2),
+    LinearCase("router", tp=1, bias=True),
 ]
 
 
