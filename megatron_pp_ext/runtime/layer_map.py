@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ..schedules.ir import ScheduleError
 from ..schedules.placement import Placement
+from ..schedules.values import parse_layer_layout
 
 
 class LayerSplitError(ScheduleError):
@@ -39,12 +40,20 @@ class LayerSplit:
     ``embedding`` / ``loss``: the embedding / the loss counts as one layer of the first / last
     slice (``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split``).
     The remaining layers split evenly over the other slices.
+    ``layout``: every slice's layer symbols (``--pipeline-model-parallel-layout``, parsed by
+    :func:`~megatron_pp_ext.schedules.values.parse_layer_layout`): slice ``i`` holds the ``t`` of stage ``i``.
     """
 
     first: int | None = None
     last: int | None = None
     embedding: bool = False
     loss: bool = False
+    layout: tuple[str, ...] | None = None
+
+    @classmethod
+    def from_layout(cls, text: str) -> LayerSplit:
+        """The split a ``--pipeline-model-parallel-layout`` string gives (raises ValueError on bad syntax)."""
+        return cls(layout=parse_layer_layout(text))
 
     @property
     def even(self) -> bool:
@@ -56,6 +65,8 @@ def stage_layer_counts(num_layers: int, num_slices: int, split: LayerSplit | Non
     if num_slices < 1:
         raise LayerSplitError(f"need at least one stage, got {num_slices}")
     split = split or LayerSplit()
+    if split.layout is not None:
+        return _layout_counts(num_layers, num_slices, split)
     if num_slices == 1:  # one stage holds the whole model (megatron ignores the options without PP)
         return [num_layers]
     if split.embedding or split.loss:
@@ -87,12 +98,55 @@ def stage_layer_counts(num_layers: int, num_slices: int, split: LayerSplit | Non
         flags = " and ".join(
             f"--decoder-{'first' if i == 0 else 'last'}-pipeline-num-layers {n}" for i, n in fixed.items()
         )
+        if not flags:
+            hint = f" (choose a multiple of {num_slices})"
+        elif free == 0:
+            hint = f": the {num_slices} stages hold {sum(fixed.values())} layers (make the counts add up to it)"
+        elif rest < 0:
+            hint = f": they hold more layers than the model has (e.g. --num-layers {sum(fixed.values()) + free})"
+        else:
+            fits = num_layers + (-rest) % free
+            hint = f": the other {free} stages need equal shares of the remaining {rest} (e.g. --num-layers {fits})"
         raise LayerSplitError(
             f"--num-layers {num_layers} does not split evenly into the placement's {num_slices} stages"
-            + (f" with {flags}" if flags else f" (choose a multiple of {num_slices})")
+            + (f" with {flags}" if flags else "")
+            + hint
         )
     per = rest // free if free else 0
     return [fixed.get(i, per) for i in range(num_slices)]
+
+
+LAYOUT_FLAG = "--pipeline-model-parallel-layout"
+
+
+def _layout_counts(num_layers: int, num_slices: int, split: LayerSplit) -> list[int]:
+    """A layout string's stages map onto the model slices in order: slice ``i`` gets stage ``i``'s layers."""
+    assert split.layout is not None
+    stages = split.layout
+    if split.first is not None or split.last is not None or split.embedding or split.loss:
+        raise LayerSplitError(
+            f"{LAYOUT_FLAG} gives every stage's layers: not with --decoder-first/last-pipeline-num-layers or "
+            "--account-for-embedding/loss-in-pipeline-split (give one or the other)"
+        )
+    text = "|".join(stages)
+    if len(stages) != num_slices:
+        raise LayerSplitError(
+            f"layout {text!r} has {len(stages)} stage(s); this schedule's placement has {num_slices} "
+            f"model stages (write {num_slices} stages separated by |)"
+        )
+    if any("m" in stage for stage in stages):
+        raise LayerSplitError(f"layout {text!r}: multi-token prediction layers (m) are not supported")
+    ends_ok = "".join(stages).count("E") == stages[0].count("E") == 1 and (
+        "".join(stages).count("L") == stages[-1].count("L") == 1
+    )
+    if not ends_ok:
+        raise LayerSplitError(f"layout {text!r}: needs E once, in the first stage, and L once, in the last")
+    counts = [stage.count("t") for stage in stages]
+    if sum(counts) != num_layers:
+        raise LayerSplitError(
+            f"layout {text!r} holds {sum(counts)} transformer layer(s) (t), --num-layers is {num_layers}"
+        )
+    return counts
 
 
 def chunk_layouts(
