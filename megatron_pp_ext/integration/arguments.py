@@ -24,6 +24,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ..runtime.layer_map import SPLIT_FLAGS
 from ..schedules import registry
 from ..schedules.ir import ScheduleError
 from ..schedules.schedule import Schedule
@@ -88,13 +89,7 @@ VIRTUAL_FLAGS = (
     ("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage"),
     ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout"),
 )
-UNEVEN_FLAGS = (
-    ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers"),
-    ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers"),
-    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout"),
-    ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split"),
-    ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split"),
-)
+UNEVEN_FLAGS = SPLIT_FLAGS  # megatron's uneven-split flags (runtime/layer_map.py)
 
 
 # Resolved configurations by args object: kept out of ``args`` itself (which megatron pickles).
@@ -357,16 +352,9 @@ def _schedule_error(
 def layer_split_from_args(args: Any) -> Any:
     """Megatron's uneven-split flags as a :class:`~megatron_pp_ext.runtime.layer_map.LayerSplit`
     (raises ValueError on a layout string that does not parse)."""
-    from ..runtime.layer_map import LayerSplit
+    from ..runtime.layer_map import split_from_args
 
-    layout = getattr(args, "pipeline_model_parallel_layout", None)
-    return LayerSplit(
-        first=getattr(args, "decoder_first_pipeline_num_layers", None),
-        last=getattr(args, "decoder_last_pipeline_num_layers", None),
-        embedding=bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
-        loss=bool(getattr(args, "account_for_loss_in_pipeline_split", False)),
-        layout=None if layout is None else LayerSplit.from_layout(layout).layout,
-    )
+    return split_from_args(args)
 
 
 def _check_uneven_split(args: Any, schedule: Schedule, given: list[str]) -> None:

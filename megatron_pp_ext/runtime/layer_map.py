@@ -9,6 +9,7 @@ under another).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..schedules.ir import ScheduleError
 from ..schedules.placement import Placement
@@ -65,10 +66,10 @@ def stage_layer_counts(num_layers: int, num_slices: int, split: LayerSplit | Non
     if num_slices < 1:
         raise LayerSplitError(f"need at least one stage, got {num_slices}")
     split = split or LayerSplit()
-    if split.layout is not None:
-        return _layout_counts(num_layers, num_slices, split)
     if num_slices == 1:  # one stage holds the whole model (megatron ignores the options without PP)
         return [num_layers]
+    if split.layout is not None:
+        return _layout_counts(num_layers, num_slices, split)
     if split.embedding or split.loss:
         if split.first is not None or split.last is not None:
             raise LayerSplitError(
@@ -117,6 +118,38 @@ def stage_layer_counts(num_layers: int, num_slices: int, split: LayerSplit | Non
 
 
 LAYOUT_FLAG = "--pipeline-model-parallel-layout"
+# megatron's flags for an uneven split, as (attribute, flag): megatron's training parser defines them for
+# ``pretrain()``; :func:`add_split_arguments` gives other commands (``megatron-pp verify``) the same ones
+SPLIT_FLAGS = (
+    ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers"),
+    ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers"),
+    ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split"),
+    ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split"),
+    ("pipeline_model_parallel_layout", LAYOUT_FLAG),
+)
+
+
+def add_split_arguments(parser: Any) -> None:
+    """Megatron's uneven-split flags (same names, types and meaning as megatron's) on an argparse parser."""
+    first, last, embedding, loss, layout = (flag for _, flag in SPLIT_FLAGS)
+    parser.add_argument(first, type=int, default=None, help="transformer layers of the first model stage")
+    parser.add_argument(last, type=int, default=None, help="transformer layers of the last model stage")
+    parser.add_argument(embedding, action="store_true", help="the embedding counts as one layer of the first stage")
+    parser.add_argument(loss, action="store_true", help="the loss counts as one layer of the last stage")
+    parser.add_argument(layout, default=None, help="every model stage's layers, e.g. 'Et|tt|t|tL' (docs/uneven.md)")
+
+
+def split_from_args(args: Any) -> LayerSplit:
+    """The :class:`LayerSplit` megatron's uneven-split flags in ``args`` ask for (raises ValueError on a
+    layout string that does not parse)."""
+    layout = getattr(args, "pipeline_model_parallel_layout", None)
+    return LayerSplit(
+        first=getattr(args, "decoder_first_pipeline_num_layers", None),
+        last=getattr(args, "decoder_last_pipeline_num_layers", None),
+        embedding=bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
+        loss=bool(getattr(args, "account_for_loss_in_pipeline_split", False)),
+        layout=None if layout is None else parse_layer_layout(layout),
+    )
 
 
 def _layout_counts(num_layers: int, num_slices: int, split: LayerSplit) -> list[int]:

@@ -11,6 +11,7 @@ from ..argtypes import nonnegative_float, positive_float, positive_int
 
 
 def add_verify_parser(subparsers: Any) -> None:
+    from ..runtime.layer_map import add_split_arguments
     from ..schedule_args import add_source_args as _add_source_args
 
     parser = subparsers.add_parser(
@@ -27,6 +28,13 @@ def add_verify_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--layers-per-stage", type=positive_int, default=1, help="transformer layers per stage (default 1)"
     )
+    parser.add_argument(
+        "--num-layers",
+        type=positive_int,
+        default=None,
+        help="transformer layers of the model (default: model stages x --layers-per-stage)",
+    )
+    add_split_arguments(parser)  # megatron's uneven-split flags, per model stage of the placement (docs/uneven.md)
     parser.add_argument("--untied-embeddings", action="store_true", help="separate input and output embeddings")
     parser.add_argument("--no-ddp", action="store_true", help="plain autograd gradients instead of megatron DDP")
     parser.add_argument("--sequence-parallel", action="store_true", help="megatron sequence parallelism (tp > 1)")
@@ -156,9 +164,14 @@ def run_verify(args: argparse.Namespace) -> int:
         from ..schedules.collectives import declared_fsdp_limit
 
         args.fsdp_max_unsharded = declared_fsdp_limit(schedule) or 1
+    split = _layer_split(args, schedule)
+    if isinstance(split, str):
+        print(f"{PROG}: error: {split}", file=sys.stderr)
+        return 2
     model = TinyGPTSpec(
-        num_layers=schedule.placement.stages_per_replica * args.layers_per_stage,
+        num_layers=args.num_layers or schedule.placement.stages_per_replica * args.layers_per_stage,
         tied_embeddings=not args.untied_embeddings,
+        split=split,
     )
     try:
         report = verify_schedule(
@@ -189,6 +202,24 @@ def run_verify(args: argparse.Namespace) -> int:
     if args.post_validation:
         return _run_post_validation(args, schedule, model)
     return 0
+
+
+def _layer_split(args: argparse.Namespace, schedule: Any) -> Any:
+    """The uneven split the flags ask for (None: even), or the one-line refusal naming the flag."""
+    from ..runtime.layer_map import SPLIT_FLAGS, LayerSplitError, split_from_args, stage_layer_counts
+
+    given = [flag for attr, flag in SPLIT_FLAGS if getattr(args, attr, None) not in (None, False)]
+    if not given:
+        return None
+    try:
+        split = split_from_args(args)
+        num_layers = args.num_layers or schedule.placement.stages_per_replica * args.layers_per_stage
+        stage_layer_counts(num_layers, schedule.placement.stages_per_replica, split)
+    except (ValueError, LayerSplitError) as exc:
+        placement = schedule.placement
+        where = f"{schedule.name}: {placement.style} placement, {placement.stages_per_replica} model stages"
+        return f"argument {given[0]}: {exc} ({where})"
+    return split
 
 
 def _run_post_validation(args: argparse.Namespace, schedule: Any, model: Any) -> int:
