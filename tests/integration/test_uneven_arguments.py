@@ -139,3 +139,25 @@ def test_account_for_flags_split_the_model_stages() -> None:
             account_for_loss_in_pipeline_split=True,
         )
     )
+
+
+@pytest.mark.slow  # imports megatron
+def test_megatron_validation_does_not_see_a_layout_of_a_v_schedule(megatron, monkeypatch) -> None:
+    """megatron's validate_args would derive v = stages / p from the string (and refuse it at p = 2)."""
+    import megatron.training.arguments as megatron_arguments
+
+    from megatron_pp_ext.integration.uneven import megatron_validation_for_placement
+
+    seen = []
+    monkeypatch.setattr(
+        megatron_arguments,
+        "validate_args",
+        lambda args, *rest: seen.append((args.pipeline_model_parallel_layout, args.decoder_first_pipeline_num_layers)),
+    )
+    for schedule in ("v-half", "bitpipe", "zb-h1"):
+        args = make_args(["--pipeline-schedule", schedule], pipeline_model_parallel_size=2, **{LAYOUT: "Et|tt|t|tL"})
+        with megatron_validation_for_placement():
+            megatron_arguments.validate_args(args, {})
+        assert (args.pipeline_model_parallel_layout, args.decoder_first_pipeline_num_layers) == ("Et|tt|t|tL", None)
+    # a loop placement's layout is megatron's own; V / bidirectional ones are hidden from its checks
+    assert seen == [(None, 0), (None, 0), ("Et|tt|t|tL", None)]
