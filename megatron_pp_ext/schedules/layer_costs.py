@@ -14,7 +14,7 @@ of the schedule gets the weight of its model stage (both replicas of a bidirecti
 from __future__ import annotations
 
 from .costs import Costs, expand_cost
-from .layer_split import LayerSplit, stage_layer_counts
+from .layer_split import LayerSplit, placement_layer_counts, stage_layer_counts
 from .placement import Placement
 
 __all__ = ["stage_costs_from_layout", "stage_weights"]
@@ -51,6 +51,7 @@ def stage_costs_from_layout(
     """``costs`` (one stage of the even split) as per-global-stage costs for ``split`` of ``num_layers`` layers
     over ``placement``'s model stages. ``t_comm`` is unchanged (an activation has the same size on every stage).
     Costs already given per stage are scaled stage by stage."""
+    placement_layer_counts(num_layers, placement, split)  # refuses a split megatron applies per rank
     weights = stage_weights(
         num_layers,
         placement.stages_per_replica,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .ir import ScheduleError
+from .placement import Placement
 from .values import parse_layer_layout
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "LayerSplit",
     "LayerSplitError",
     "add_split_arguments",
+    "placement_layer_counts",
     "split_from_args",
     "stage_layer_counts",
 ]
@@ -179,3 +181,14 @@ def _layout_counts(num_layers: int, num_slices: int, split: LayerSplit) -> list[
             f"layout {text!r} holds {sum(counts)} transformer layer(s) (t), --num-layers is {num_layers}"
         )
     return counts
+
+
+def placement_layer_counts(num_layers: int, placement: Placement, split: LayerSplit | None = None) -> list[int]:
+    """:func:`stage_layer_counts` over ``placement``'s model stages, refusing where the flags mean something
+    else: megatron applies them per pipeline rank when it interleaves chunks (loop placement, v > 1)."""
+    if split is not None and not split.even and placement.style == "loop" and placement.chunks_per_rank > 1:
+        raise LayerSplitError(
+            f"with {placement.chunks_per_rank} interleaved chunks per rank megatron splits by pipeline rank, not by "
+            "model stage: the per-stage mapping covers one-chunk loop, V and bidirectional placements"
+        )
+    return stage_layer_counts(num_layers, placement.stages_per_replica, split)

@@ -206,7 +206,7 @@ def run_verify(args: argparse.Namespace) -> int:
 
 def _layer_split(args: argparse.Namespace, schedule: Any) -> Any:
     """The uneven split the flags ask for (None: even), or the one-line refusal naming the flag."""
-    from ..runtime.layer_map import SPLIT_FLAGS, LayerSplitError, split_from_args, stage_layer_counts
+    from ..schedules.layer_split import SPLIT_FLAGS, LayerSplitError, placement_layer_counts, split_from_args
 
     given = [flag for attr, flag in SPLIT_FLAGS if getattr(args, attr, None) not in (None, False)]
     if not given:
@@ -214,7 +214,7 @@ def _layer_split(args: argparse.Namespace, schedule: Any) -> Any:
     try:
         split = split_from_args(args)
         num_layers = args.num_layers or schedule.placement.stages_per_replica * args.layers_per_stage
-        stage_layer_counts(num_layers, schedule.placement.stages_per_replica, split)
+        placement_layer_counts(num_layers, schedule.placement, split)
     except (ValueError, LayerSplitError) as exc:
         placement = schedule.placement
         where = f"{schedule.name}: {placement.style} placement, {placement.stages_per_replica} model stages"

@@ -81,3 +81,9 @@ def test_simulate_refuses_a_split_in_one_line(capsys: pytest.CaptureFixture[str]
     assert main(["simulate", "v-half", "-p", "2", "-m", "4", *flags]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and all(w in err for w in words), err
+
+
+def test_interleaved_loop_placements_keep_megatrons_per_rank_meaning() -> None:
+    with pytest.raises(LayerSplitError, match="megatron splits by pipeline rank"):
+        stage_costs_from_layout(GIVEN, loop_placement(2, 2), 7, LayerSplit(first=1))
+    assert stage_costs_from_layout(GIVEN, loop_placement(2, 2), 8).t_f == (2.0,) * 4  # even: no split to refuse
