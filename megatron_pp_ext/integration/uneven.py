@@ -14,9 +14,11 @@ not, so for these placements megatron never sees them where it checks them:
   ``core_transformer_config_from_args`` builds the ``TransformerConfig`` without the flags (its
   ``__post_init__`` would raise), then the first / last counts are put back as plain values so that
   megatron's model config still knows the split is uneven (the layer counts themselves come from the hooks);
-* :func:`megatron_validation_for_placement`: around megatron's ``parse_and_validate_args``, a layout string
-  given with a V / bidirectional schedule is hidden from megatron's ``validate_args`` (which would derive a
-  virtual pipeline size from it and, at ``--pipeline-model-parallel-size 2``, refuse it) and put back after.
+* :func:`megatron_validation_for_placement`: around megatron's ``parse_and_validate_args``, the flags given
+  with a V / bidirectional schedule are hidden from megatron's ``validate_args`` and put back after: it would
+  derive a virtual pipeline size from a layout string (and refuse it at ``--pipeline-model-parallel-size 2``)
+  and assert, with a traceback, that the layers divide by the pipeline size (the plugin checks them against
+  the placement's model stages instead, with a one-line refusal).
 
 Loop placements (``1f1b``, ``zb-h1``, ``interleaved-1f1b``, ...) keep megatron's own meaning and checks.
 """
@@ -72,8 +74,9 @@ def layout_is_ours(args: Any) -> bool:
 # ---- megatron's validate_args ---------------------------------------------------------------------------
 @contextlib.contextmanager
 def megatron_validation_for_placement() -> Iterator[None]:
-    """While active, megatron's ``validate_args`` does not see a layout string that is ours
-    (:func:`layout_is_ours`); the string is back in ``args`` when it returns."""
+    """While active, megatron's ``validate_args`` does not see the uneven-split flags of a V / bidirectional
+    schedule, nor checks its layer count against the pipeline size; the flags are back in ``args`` when it
+    returns."""
     patcher = Patcher()
     try:
         import megatron.training.arguments as arguments_module
@@ -83,21 +86,21 @@ def megatron_validation_for_placement() -> Iterator[None]:
     original = arguments_module.validate_args
 
     def validate_args(args: Any, *rest: Any, **kwargs: Any) -> Any:
-        if not layout_is_ours(args):
+        style = selected_placement_style(args)
+        if style is None or style == "loop":
             return original(args, *rest, **kwargs)
-        layout = getattr(args, LAYOUT_ATTR)
-        setattr(args, LAYOUT_ATTR, None)
-        # megatron checks that --num-layers divides by --pipeline-model-parallel-size unless a first /
-        # last stage count is given: the layout gives every stage's count, so that check is not megatron's
-        placeholder = args.decoder_first_pipeline_num_layers is None and args.decoder_last_pipeline_num_layers is None
-        if placeholder:
-            args.decoder_first_pipeline_num_layers = 0
+        saved = {attr: getattr(args, attr, None) for attr in SPLIT_ATTRS}
+        for attr in SPLIT_ATTRS:
+            setattr(args, attr, False if attr.startswith("account_for") else None)
+        # megatron checks that --num-layers (plus the embedding / loss) divides by --pipeline-model-parallel-size
+        # unless a first / last stage count is given: the split is over the placement's model stages (checked
+        # later, with the flag and what would work), so that check is not megatron's here
+        args.decoder_first_pipeline_num_layers = 0
         try:
             return original(args, *rest, **kwargs)
         finally:
-            if placeholder:
-                args.decoder_first_pipeline_num_layers = None
-            setattr(args, LAYOUT_ATTR, layout)
+            for attr, value in saved.items():
+                setattr(args, attr, value)
 
     patcher.replace("megatron.training.arguments", "validate_args", validate_args)
     try:

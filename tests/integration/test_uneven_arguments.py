@@ -149,15 +149,22 @@ def test_megatron_validation_does_not_see_a_layout_of_a_v_schedule(megatron, mon
     from megatron_pp_ext.integration.uneven import megatron_validation_for_placement
 
     seen = []
-    monkeypatch.setattr(
-        megatron_arguments,
-        "validate_args",
-        lambda args, *rest: seen.append((args.pipeline_model_parallel_layout, args.decoder_first_pipeline_num_layers)),
-    )
-    for schedule in ("v-half", "bitpipe", "zb-h1"):
-        args = make_args(["--pipeline-schedule", schedule], pipeline_model_parallel_size=2, **{LAYOUT: "Et|tt|t|tL"})
+
+    def record(args, *rest) -> None:
+        layout, first = args.pipeline_model_parallel_layout, args.decoder_first_pipeline_num_layers
+        seen.append((layout, first, args.account_for_loss_in_pipeline_split))
+
+    monkeypatch.setattr(megatron_arguments, "validate_args", record)
+    cases = [
+        ("v-half", {LAYOUT: "Et|tt|t|tL"}),
+        ("bitpipe", {"account_for_loss_in_pipeline_split": True}),
+        ("zb-h1", {LAYOUT: "Et|tt|t|tL"}),
+    ]
+    for schedule, flags in cases:
+        args = make_args(["--pipeline-schedule", schedule], pipeline_model_parallel_size=2, **flags)
+        before = vars(args).copy()
         with megatron_validation_for_placement():
             megatron_arguments.validate_args(args, {})
-        assert (args.pipeline_model_parallel_layout, args.decoder_first_pipeline_num_layers) == ("Et|tt|t|tL", None)
-    # a loop placement's layout is megatron's own; V / bidirectional ones are hidden from its checks
-    assert seen == [(None, 0), (None, 0), ("Et|tt|t|tL", None)]
+        assert vars(args) == before
+    # a loop placement's flags are megatron's own; V / bidirectional ones are hidden from its checks
+    assert seen == [(None, 0, False), (None, 0, False), ("Et|tt|t|tL", None, False)]
