@@ -52,6 +52,7 @@ from megatron_pp_ext.integration.arguments import (  # noqa: E402
     validate_arguments_or_exit,
 )
 from megatron_pp_ext.integration.fsdp_flags import check_argv as check_fsdp_argv  # noqa: E402
+from megatron_pp_ext.integration.uneven import megatron_validation_for_placement  # noqa: E402
 
 
 def _cpu_requested(argv: list[str]) -> bool:
@@ -317,7 +318,8 @@ def main() -> None:
         if os.environ.get("RANK", "0") == "0":
             error_line(os.path.basename(sys.argv[0]), exc)
         raise SystemExit(2) from None
-    args = parse_and_validate_args(extra_args_provider=megatron_pp_ext.add_arguments, args_defaults=defaults)
+    with megatron_validation_for_placement():  # a layout string of a V / bidirectional schedule is ours
+        args = parse_and_validate_args(extra_args_provider=megatron_pp_ext.add_arguments, args_defaults=defaults)
     if mock:
         args.mock_data = True
     if CPU_MODE:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from .. import argtypes
 from ..argtypes import fraction
 from ..schedule_args import CliError, add_source_args, dp_options, parse_costs, schedule_from_args
+from ..schedules.layer_split import add_split_arguments
 from ..schedules.schedule import Schedule
 from .formatting import building_block_of, data_parallel_summary, num, summary
 from .support import step_times
@@ -42,14 +43,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if options and (args.iterations > 1 or args.post_validation or args.step_time != 0.0):
         raise CliError("--iterations / --post-validation / --step-time are simulated without --dp only")
     w_retained = 1.0 if args.w_memory is None else args.w_memory
+    costs = uneven_costs(args, schedule)
     if options:
-        result = simulate(
-            schedule, parse_costs(args.costs), lowered=validate(schedule), w_retained_fraction=w_retained, **options
-        )
+        result = simulate(schedule, costs, lowered=validate(schedule), w_retained_fraction=w_retained, **options)
     else:
         result = simulate(
             schedule,
-            parse_costs(args.costs),
+            costs,
             lowered=validate(schedule),
             overlap=args.overlap,
             w_retained_fraction=w_retained,
@@ -76,6 +76,27 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print()
         print(schedule.table())
     return 0
+
+
+def uneven_costs(args: argparse.Namespace, schedule: Schedule) -> Costs | None:
+    """``--costs`` (one stage of an even split), per stage in proportion to its layers when megatron's uneven-split
+    flags are given (:func:`~megatron_pp_ext.schedules.layer_costs.stage_costs_from_layout`)."""
+    from ..schedules.costs import Costs
+    from ..schedules.layer_costs import stage_costs_from_layout
+    from ..schedules.layer_split import SPLIT_FLAGS, LayerSplitError, split_from_args
+
+    costs = parse_costs(args.costs)
+    given = [flag for attr, flag in SPLIT_FLAGS if getattr(args, attr, None) not in (None, False)]
+    if not given:
+        return costs
+    placement = schedule.placement
+    if args.num_layers is None:
+        raise CliError(f"{given[0]} needs --num-layers (the model's transformer layers)")
+    try:
+        return stage_costs_from_layout(costs or Costs.unit(), placement, args.num_layers, split_from_args(args))
+    except (ValueError, LayerSplitError) as exc:
+        where = f"{schedule.name}: {placement.style} placement, {placement.stages_per_replica} model stages"
+        raise CliError(f"{given[0]}: {exc} ({where})") from None
 
 
 def add_parser(subparsers: Any) -> None:
@@ -112,6 +133,12 @@ def add_parser(subparsers: Any) -> None:
         metavar="T[,T...]",
         help="optimizer step time between iterations: one for every rank or one per rank (default 0)",
     )
+    uneven = sim.add_argument_group(
+        "uneven stages (megatron's flags, per model stage of the placement: docs/uneven.md); --costs are then those "
+        "of one stage of the even split, scaled by each stage's layers"
+    )
+    uneven.add_argument("--num-layers", type=argtypes.positive_int, default=None, help="transformer layers")
+    add_split_arguments(uneven)
     dp = sim.add_argument_group("data parallelism (a collective stream per rank; --costs then read as ms)")
     dp.add_argument("--dp", type=int, default=None, metavar="N", help="data-parallel size (ranks per stage), >= 2")
     dp.add_argument("--dp-bandwidth", metavar="GBPS", help="data-parallel bus bandwidth per rank, GB/s")

@@ -24,6 +24,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ..runtime.layer_map import SPLIT_FLAGS
 from ..schedules import registry
 from ..schedules.ir import ScheduleError
 from ..schedules.schedule import Schedule
@@ -40,6 +41,7 @@ from .config import (
     parse_schedule_name,
 )
 from .flags import GROUP_TITLE, add_arguments, flags_needing, values_from_args
+from .uneven import layout_is_ours
 
 __all__ = [
     "AUTO",
@@ -87,13 +89,7 @@ VIRTUAL_FLAGS = (
     ("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage"),
     ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout"),
 )
-UNEVEN_FLAGS = (
-    ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers"),
-    ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers"),
-    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout"),
-    ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split"),
-    ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split"),
-)
+UNEVEN_FLAGS = SPLIT_FLAGS  # megatron's uneven-split flags (runtime/layer_map.py)
 
 
 # Resolved configurations by args object: kept out of ``args`` itself (which megatron pickles).
@@ -121,8 +117,11 @@ def _given(args: Any, name: str) -> bool:
 
 
 def _virtual_flag(args: Any) -> str | None:
+    """The virtual pipeline flag the user gave (a layout string mapped onto a V / bidirectional placement's
+    stages is not one: :mod:`.uneven`)."""
+    ours = layout_is_ours(args)
     for name, flag in VIRTUAL_FLAGS:
-        if _given(args, name):
+        if _given(args, name) and not (ours and name == "pipeline_model_parallel_layout"):
             return flag
     return None
 
@@ -176,6 +175,8 @@ def _flag_for(message: str, config: PipelineConfig, kwargs: dict[str, object], v
 def config_from_args(args: Any) -> PipelineConfig:
     """The plugin configuration megatron's ``args`` ask for (no checks beyond parsing)."""
     vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    if layout_is_ours(args) and _virtual_flag(args) is None:
+        vp = None  # megatron derived it from the layout string for its loop placement
     return PipelineConfig(
         **values_from_args(args),
         num_virtual_stages=int(vp) if vp else None,
@@ -278,6 +279,12 @@ def check_schedule_flags(args: Any, config: PipelineConfig) -> PipelineConfig:
 
 def check_auto_flags(args: Any, config: PipelineConfig) -> None:
     """``--pipeline-schedule auto``'s flags, from their values alone (the decision runs in ``install``)."""
+    if _given(args, "pipeline_model_parallel_layout"):
+        raise PipelineArgumentError(
+            "--pipeline-model-parallel-layout",
+            "not with --pipeline-schedule auto: a layout names every stage, and auto's stages are known only "
+            "after its search (name a schedule, or use --decoder-first/last-pipeline-num-layers)",
+        )
     budget = config.memory_budget
     if budget is not None and not (math.isfinite(budget) and budget > 0):
         raise PipelineArgumentError("--pipeline-memory-budget", f"must be a number of GiB > 0, got {budget}")
@@ -341,47 +348,55 @@ def _schedule_error(
 
 
 def layer_split_from_args(args: Any) -> Any:
-    """Megatron's uneven-split flags as a :class:`~megatron_pp_ext.runtime.layer_map.LayerSplit`."""
-    from ..runtime.layer_map import LayerSplit
+    """Megatron's uneven-split flags as a :class:`~megatron_pp_ext.runtime.layer_map.LayerSplit`
+    (raises ValueError on a layout string that does not parse)."""
+    from ..runtime.layer_map import split_from_args
 
-    return LayerSplit(
-        first=getattr(args, "decoder_first_pipeline_num_layers", None),
-        last=getattr(args, "decoder_last_pipeline_num_layers", None),
-        embedding=bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
-        loss=bool(getattr(args, "account_for_loss_in_pipeline_split", False)),
-    )
+    return split_from_args(args)
 
 
-def _check_uneven_split(args: Any, schedule: Schedule) -> None:
-    """Uneven splits under V / bidirectional placements: our layout splits the model slices."""
+def _check_uneven_split(args: Any, schedule: Schedule, given: list[str]) -> None:
+    """Uneven splits under V / bidirectional placements: the flags split the placement's model stages."""
     from ..runtime.layer_map import LayerSplitError, stage_layer_counts
 
-    split = layer_split_from_args(args)
+    flag = given[0]
+    try:
+        split = layer_split_from_args(args)
+    except ValueError as exc:
+        raise PipelineArgumentError("--pipeline-model-parallel-layout", str(exc)) from None
     num_layers = getattr(args, "num_layers", None)
     if num_layers is None:
         return
+    placement = schedule.placement
     try:
-        stage_layer_counts(num_layers, schedule.placement.stages_per_replica, split)
+        stage_layer_counts(num_layers, placement.stages_per_replica, split)
     except LayerSplitError as exc:
-        flag = next(flag for attr, flag in UNEVEN_FLAGS if _given(args, attr))
-        raise PipelineArgumentError(flag, f"{exc} ({schedule.name}, {schedule.placement.style} placement)") from None
+        where = (
+            f"--pipeline-schedule {schedule.name}: {placement.style} placement, "
+            f"{placement.stages_per_replica} model stages over {placement.num_ranks} ranks"
+        )
+        raise PipelineArgumentError(flag, f"{exc} ({where})") from None
     args.pipeline_layer_split = split
 
 
 def _check_layers(args: Any, schedule: Schedule, virtual_flag: str | None) -> None:
     placement = schedule.placement
     uneven = [flag for attr, flag in UNEVEN_FLAGS if _given(args, attr)]
+    layout_flag = "--pipeline-model-parallel-layout"
+    if layout_flag in uneven and len(uneven) > 1:  # megatron's TransformerConfig refuses it with a traceback
+        others = " / ".join(f for f in uneven if f != layout_flag)
+        message = f"gives every stage's layers: not with {others} (give one or the other)"
+        raise PipelineArgumentError(layout_flag, message)
     if uneven:
         if placement.style == "loop":
             return  # megatron splits the layers itself (and checks them)
-        if _given(args, "pipeline_model_parallel_layout"):
+        if layout_flag in uneven and virtual_flag is not None:
             raise PipelineArgumentError(
-                "--pipeline-model-parallel-layout",
-                f"custom layouts are supported with loop placements only; {schedule.name} uses a "
-                f"{placement.style} placement (use --decoder-first/last-pipeline-num-layers or "
-                "--account-for-embedding/loss-in-pipeline-split)",
+                layout_flag,
+                f"not with {virtual_flag}: under {schedule.name}'s {placement.style} placement the layout's stages "
+                "are the placement's model stages, which fix the chunks per rank (leave the virtual flag out)",
             )
-        _check_uneven_split(args, schedule)
+        _check_uneven_split(args, schedule, uneven)
         return
     num_layers = getattr(args, "num_layers", None)
     if num_layers is None:

@@ -25,6 +25,7 @@ from ..schedules import registry
 from ..schedules.ir import ScheduleError
 from ..schedules.placement import make_placement
 from .arguments import AUTO, layer_split_from_args
+from .uneven import layout_is_ours
 
 Chunk = tuple[int, int, bool, bool]  # (first layer, layer count, embedding, loss)
 LayoutTable = tuple[tuple[Chunk, ...], ...]  # per pipeline rank, per local chunk
@@ -69,12 +70,14 @@ def table_from_args(args: Any) -> LayoutTable | None:
 
     Derived like the run builds its chunks: the schedule's placement style (megatron's own schedule:
     the loop placement), ``virtual_pipeline_model_parallel_size`` chunks per rank, megatron's uneven-split
-    flags. Not derivable: a schedule file, ``auto`` (its choice is not in ``args``), megatron's explicit
-    ``--pipeline-model-parallel-layout``.
+    flags (a layout string too under a V / bidirectional placement). Not derivable: a schedule file, ``auto``
+    (its choice is not in ``args``), megatron's explicit ``--pipeline-model-parallel-layout`` of its loop placement.
     """
-    if getattr(args, "pipeline_model_parallel_layout", None) or getattr(args, "pipeline_schedule_file", None):
-        return None
     name = getattr(args, "pipeline_schedule", None)
+    if getattr(args, "pipeline_schedule_file", None):
+        return None
+    if getattr(args, "pipeline_model_parallel_layout", None) and not (name and name != AUTO and layout_is_ours(args)):
+        return None  # megatron's own layout of its loop placement
     p = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     chunks = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
     num_layers = getattr(args, "num_layers", None)

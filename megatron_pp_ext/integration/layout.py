@@ -218,12 +218,19 @@ _BUILDERS = (
 def activate(placement: Placement, num_layers: int, split: LayerSplit | None = None) -> None:
     """Make megatron's layer placement and first/last-stage answers follow ``placement`` (idempotent)."""
     global _ACTIVE
+    counts = stage_layer_counts(num_layers, placement.stages_per_replica, split)  # raises LayerSplitError
+    _ACTIVE = (placement, num_layers, split)
+    if not _PATCHER.active:
+        _install_hooks()
+    if split is not None and not split.even and placement.style != "loop":
+        from .uneven import patch_transformer_config
+
+        patch_transformer_config(_PATCHER, counts)  # megatron's own checks of the flags assume its placement
+
+
+def _install_hooks() -> None:
     import importlib
 
-    stage_layer_counts(num_layers, placement.stages_per_replica, split)  # raises LayerSplitError
-    _ACTIVE = (placement, num_layers, split)
-    if _PATCHER.active:
-        return
     for name in _IMPORTERS:
         importlib.import_module(name)
     for name in _OPTIONAL_IMPORTERS:

@@ -3,7 +3,8 @@
 Pure Python (no torch, no megatron): the megatron integration and the verify
 harness both build model chunks from this table, so layers keep their global
 numbers whatever the placement (a checkpoint written under one placement loads
-under another).
+under another). The layer count of each model stage: :mod:`megatron_pp_ext.schedules.layer_split`
+(re-exported here).
 """
 
 from __future__ import annotations
@@ -11,11 +12,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..schedules.ir import ScheduleError
+from ..schedules.layer_split import (
+    LAYOUT_FLAG,
+    SPLIT_FLAGS,
+    LayerSplit,
+    LayerSplitError,
+    add_split_arguments,
+    split_from_args,
+    stage_layer_counts,
+)
 from ..schedules.placement import Placement
 
-
-class LayerSplitError(ScheduleError):
-    """The model's layers cannot be split into the placement's stages."""
+__all__ = [
+    "LAYOUT_FLAG",
+    "SPLIT_FLAGS",
+    "ChunkLayout",
+    "LayerSplit",
+    "LayerSplitError",
+    "add_split_arguments",
+    "chunk_layouts",
+    "split_from_args",
+    "stage_layer_counts",
+]
 
 
 @dataclass(frozen=True)
@@ -28,71 +46,6 @@ class ChunkLayout:
     num_layers: int
     pre_process: bool  # holds the embedding (first slice)
     post_process: bool  # holds the final norm, output layer and loss (last slice)
-
-
-@dataclass(frozen=True)
-class LayerSplit:
-    """Megatron's uneven pipeline splits, for any placement (slices in model order).
-
-    ``first`` / ``last``: transformer layers of the first / last model slice
-    (``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``);
-    ``embedding`` / ``loss``: the embedding / the loss counts as one layer of the first / last
-    slice (``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split``).
-    The remaining layers split evenly over the other slices.
-    """
-
-    first: int | None = None
-    last: int | None = None
-    embedding: bool = False
-    loss: bool = False
-
-    @property
-    def even(self) -> bool:
-        return self == LayerSplit()
-
-
-def stage_layer_counts(num_layers: int, num_slices: int, split: LayerSplit | None = None) -> list[int]:
-    """Transformer layers of each of ``num_slices`` model slices (even unless ``split`` says otherwise)."""
-    if num_slices < 1:
-        raise LayerSplitError(f"need at least one stage, got {num_slices}")
-    split = split or LayerSplit()
-    if num_slices == 1:  # one stage holds the whole model (megatron ignores the options without PP)
-        return [num_layers]
-    if split.embedding or split.loss:
-        if split.first is not None or split.last is not None:
-            raise LayerSplitError(
-                "--account-for-embedding/loss-in-pipeline-split cannot be combined with "
-                "--decoder-first/last-pipeline-num-layers"
-            )
-        units = num_layers + int(split.embedding) + int(split.loss)
-        if units % num_slices:
-            raise LayerSplitError(
-                f"--num-layers {num_layers} plus the embedding/loss counted as layers ({units}) does not split "
-                f"evenly into the placement's {num_slices} stages (choose --num-layers so that the sum is a "
-                f"multiple of {num_slices})"
-            )
-        counts = [units // num_slices] * num_slices
-        counts[0] -= int(split.embedding)
-        counts[-1] -= int(split.loss)
-        if min(counts) < 0:
-            raise LayerSplitError(f"--num-layers {num_layers} is too small for {num_slices} stages")
-        return counts
-    fixed = {0: split.first, num_slices - 1: split.last}
-    fixed = {i: n for i, n in fixed.items() if n is not None}
-    if any(n < 0 for n in fixed.values()):
-        raise LayerSplitError("--decoder-first/last-pipeline-num-layers must be >= 0")
-    rest = num_layers - sum(fixed.values())
-    free = num_slices - len(fixed)
-    if rest < 0 or (free == 0 and rest != 0) or (free and rest % free):
-        flags = " and ".join(
-            f"--decoder-{'first' if i == 0 else 'last'}-pipeline-num-layers {n}" for i, n in fixed.items()
-        )
-        raise LayerSplitError(
-            f"--num-layers {num_layers} does not split evenly into the placement's {num_slices} stages"
-            + (f" with {flags}" if flags else f" (choose a multiple of {num_slices})")
-        )
-    per = rest // free if free else 0
-    return [fixed.get(i, per) for i in range(num_slices)]
 
 
 def chunk_layouts(

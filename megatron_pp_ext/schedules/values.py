@@ -16,6 +16,9 @@ The meanings (also in ``docs/flags.md``):
   planner and the simulator's cost ratios divide by them), W and COMM may be 0 (W = 0: weight
   gradients cost nothing, e.g. folded into B).
 * unit size: ``zeropp``'s scheduling unit, an integer number of micro-batches >= 1, or ``auto``.
+* layer layout: megatron's ``--pipeline-model-parallel-layout`` string, stages separated by ``|``, one
+  symbol per layer (``E`` embedding, ``t`` transformer layer, ``m`` multi-token prediction, ``L`` loss),
+  ``X*n`` and ``(...)*n`` repeat, commas are cosmetic: ``"Et|(tt|)*2,tL"`` is 4 stages.
 
 Pure Python, no torch.
 """
@@ -28,11 +31,13 @@ from dataclasses import dataclass
 
 __all__ = [
     "COSTS_RULE",
+    "LAYER_LAYOUT_RULE",
     "MAX_VALUE",
     "MEMORY_LIMIT_RULE",
     "UNIT_SIZE_RULE",
     "ActivationLimit",
     "parse_costs",
+    "parse_layer_layout",
     "parse_memory_limit",
     "parse_unit_size",
 ]
@@ -46,6 +51,9 @@ MEMORY_LIMIT_RULE = (
 )
 COSTS_RULE = f"F,B,W or F,B,W,COMM: finite numbers in [0, {MAX_VALUE:g}], F and B > 0"
 UNIT_SIZE_RULE = "an integer number of micro-batches >= 1, or auto"
+LAYER_LAYOUT_RULE = (
+    "stages separated by |, layers E (embedding), t (transformer), m (MTP), L (loss); X*n and (...)*n repeat"
+)
 
 # A plain decimal number (no sign, no underscores, no hexadecimal, no inf / nan), then an optional ``p``.
 _NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?"
@@ -110,3 +118,33 @@ def parse_unit_size(text: str) -> int | str:
     if value < 1:
         raise ValueError(f"must be >= 1 or 'auto', got {value}")
     return value
+
+
+_LAYOUT_SYMBOLS = frozenset("EtmL")
+_REPEAT_GROUP = re.compile(r"\(([^()]*)\)\*(\d+)")
+_REPEAT_ONE = re.compile(r"([EtmL])\*(\d+)")
+_MAX_LAYOUT = 100_000  # symbols once expanded: far beyond a real model, small enough to refuse ``(t)*1e9``
+
+
+def parse_layer_layout(text: str) -> tuple[str, ...]:
+    """Megatron's pipeline layout string as one string of layer symbols per stage, in model order.
+
+    ``"Et|(tt|)*2,tL"`` -> ``("Et", "tt", "tt", "tL")``. Only the syntax is checked here (symbols,
+    repeats); where ``E`` / ``L`` may go and how many stages there must be depend on the schedule.
+    """
+    expanded = str(text).replace(",", "").replace(" ", "")
+    for pattern in (_REPEAT_GROUP, _REPEAT_ONE):
+        while True:
+            match = pattern.search(expanded)
+            if match is None:
+                break
+            count = int(match.group(2))
+            if len(match.group(1)) * count > _MAX_LAYOUT:
+                raise ValueError(f"layout expands to more than {_MAX_LAYOUT} layers: {text!r}")
+            expanded = expanded[: match.start()] + match.group(1) * count + expanded[match.end() :]
+    stages = tuple(expanded.split("|"))
+    bad = sorted({c for stage in stages for c in stage} - _LAYOUT_SYMBOLS)
+    if not expanded or bad:
+        shown = f" (unknown {''.join(bad)!r})" if bad else ""
+        raise ValueError(f"expected {LAYER_LAYOUT_RULE}, got {text!r}{shown}")
+    return stages

@@ -12,6 +12,7 @@ from .moe_check import moe_problem
 
 
 def add_verify_parser(subparsers: Any) -> None:
+    from ..runtime.layer_map import add_split_arguments
     from ..schedule_args import add_source_args as _add_source_args
     from .tiny_gpt import RECOMPUTE
 
@@ -35,6 +36,13 @@ def add_verify_parser(subparsers: Any) -> None:
         default=None,
         help="megatron's activation recomputation in every run: full (each layer) or selective (core attention)",
     )
+    parser.add_argument(
+        "--num-layers",
+        type=positive_int,
+        default=None,
+        help="transformer layers of the model (default: model stages x --layers-per-stage)",
+    )
+    add_split_arguments(parser)  # megatron's uneven-split flags, per model stage of the placement (docs/uneven.md)
     parser.add_argument("--untied-embeddings", action="store_true", help="separate input and output embeddings")
     parser.add_argument("--no-ddp", action="store_true", help="plain autograd gradients instead of megatron DDP")
     parser.add_argument("--sequence-parallel", action="store_true", help="megatron sequence parallelism (tp > 1)")
@@ -193,14 +201,19 @@ def run_verify(args: argparse.Namespace) -> int:
         from ..schedules.collectives import declared_fsdp_limit
 
         args.fsdp_max_unsharded = declared_fsdp_limit(schedule) or 1
+    split = _layer_split(args, schedule)
+    if isinstance(split, str):
+        print(f"{PROG}: error: {split}", file=sys.stderr)
+        return 2
     model = TinyGPTSpec(
-        num_layers=schedule.placement.stages_per_replica * args.layers_per_stage,
+        num_layers=args.num_layers or schedule.placement.stages_per_replica * args.layers_per_stage,
         tied_embeddings=not args.untied_embeddings,
         recompute=args.recompute_granularity,
         num_experts=args.num_experts,
         moe_topk=args.moe_topk,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         moe_dispatcher=args.moe_dispatcher,
+        split=split,
     )
     try:
         report = verify_schedule(
@@ -251,6 +264,24 @@ def _moe_problem(args: argparse.Namespace) -> str | None:
     if args.post_validation:
         return "--post-validation with --num-experts: not supported for MoE models (drop one of them)"
     return moe_problem(args.num_experts, args.moe_topk, args.ep, args.dp, args.tp, args.fsdp)
+
+
+def _layer_split(args: argparse.Namespace, schedule: Any) -> Any:
+    """The uneven split the flags ask for (None: even), or the one-line refusal naming the flag."""
+    from ..schedules.layer_split import SPLIT_FLAGS, LayerSplitError, placement_layer_counts, split_from_args
+
+    given = [flag for attr, flag in SPLIT_FLAGS if getattr(args, attr, None) not in (None, False)]
+    if not given:
+        return None
+    try:
+        split = split_from_args(args)
+        num_layers = args.num_layers or schedule.placement.stages_per_replica * args.layers_per_stage
+        placement_layer_counts(num_layers, schedule.placement, split)
+    except (ValueError, LayerSplitError) as exc:
+        placement = schedule.placement
+        where = f"{schedule.name}: {placement.style} placement, {placement.stages_per_replica} model stages"
+        return f"argument {given[0]}: {exc} ({where})"
+    return split
 
 
 def _run_post_validation(args: argparse.Namespace, schedule: Any, model: Any) -> int:

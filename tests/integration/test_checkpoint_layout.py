@@ -163,3 +163,16 @@ def test_mapping_refuses_what_it_cannot_fill_exactly() -> None:
         map_chunks(files, saved, current, 1)
     with pytest.raises(MappingError, match="chunks per rank"):
         map_chunks([files[0], []], saved, current, 0)
+
+
+def test_a_v_schedules_layout_string_is_derivable() -> None:
+    from megatron_pp_ext.runtime.layer_map import LayerSplit
+
+    layout = "E" + "t" * (NUM_LAYERS - 3) + "|t|t|tL"
+    saved = _args("v-half", 2, pipeline_model_parallel_layout=layout)
+    placement = _placement_of("v-half", 2)
+    split = LayerSplit.from_layout(layout)
+    assert table_from_args(saved) == table_of_layouts(
+        [chunk_layouts(placement, NUM_LAYERS, r, split) for r in range(2)]
+    )
+    assert table_from_args(saved) != _table("v-half", 2)

@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 
 from megatron_pp_ext.integration import layout
-from megatron_pp_ext.runtime.layer_map import chunk_layouts
+from megatron_pp_ext.runtime.layer_map import LayerSplit, chunk_layouts
 from megatron_pp_ext.schedules.placement import bidirectional_placement, loop_placement, v_placement
 
 NUM_LAYERS = 8
@@ -92,10 +92,10 @@ def megatron_answers(ps: Any, config: Any, p: int, v: int | None) -> dict[tuple[
     return answers
 
 
-def expected_answers(placement: Any, p: int) -> dict[tuple[int, int], tuple[Any, ...]]:
+def expected_answers(placement: Any, p: int, split: Any = None) -> dict[tuple[int, int], tuple[Any, ...]]:
     answers = {}
     for rank in range(p):
-        layouts = chunk_layouts(placement, NUM_LAYERS, rank)
+        layouts = chunk_layouts(placement, NUM_LAYERS, rank, split)
         for c in layouts:
             answers[(rank, c.chunk)] = (
                 c.layer_offset,
@@ -162,6 +162,18 @@ def test_hooks_split_layers_of_two_replicas(mpu: Any) -> None:
     assert {a[1] for a in answers.values()} == {NUM_LAYERS // (2 * p)}
     # each replica's embedding and loss: first stages on ranks 0 (down) and p-1 (up)
     assert layout.get_position_embedding_ranks([0, 1]) == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "split", [LayerSplit(first=5), LayerSplit(first=2, last=4), LayerSplit.from_layout("E|ttttt|tt|tL")], ids=str
+)
+@pytest.mark.parametrize("placement", [v_placement(2), bidirectional_placement(2)], ids=lambda p: p.style)
+def test_hooks_build_an_uneven_split_of_v_and_bidirectional_placements(mpu: Any, placement: Any, split: Any) -> None:
+    config = transformer_config(2, placement.chunks_per_rank)
+    layout.activate(placement, NUM_LAYERS, split)
+    answers = megatron_answers(mpu, config, 2, placement.chunks_per_rank)
+    assert answers == expected_answers(placement, 2, split)
+    assert len({a[1] for a in answers.values()}) > 1  # really uneven
 
 
 def test_activate_rejects_an_uneven_split(mpu: Any) -> None:
