@@ -25,6 +25,7 @@ What it does (docs/architecture.md, "CPU / gloo mode"):
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import sys
@@ -257,6 +258,35 @@ def _patch_moe_split_sizes() -> None:
     replace_everywhere("megatron.core.transformer.moe.moe_utils", "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
 
 
+def _patch_sequence_parallel_norm() -> None:
+    """megatron's torch norm (the local layer spec's, used on CPU) under sequence parallelism.
+
+    ``WrappedTorchNorm`` refuses ``sequence_parallel``: a norm applied to a rank's sequence shard gets weight
+    and bias gradients from that shard only, and something must sum them over the tensor-parallel group.
+    Megatron's Apex and TE norms do it by marking their weight and bias ``sequence_parallel``, which
+    ``finalize_model_grads`` all-reduces over the tensor-parallel group. This builds the same torch norm and
+    marks its parameters the same way: the forward is torch's, the summed gradients megatron's own.
+    """
+    from megatron.core.transformer import torch_norm
+
+    original = torch_norm.WrappedTorchNorm.__new__
+    if getattr(original, "_megatron_pp_cpu", False):
+        return
+
+    def new_norm(cls: Any, config: Any, *args: Any, **kwargs: Any) -> Any:
+        if not config.sequence_parallel:
+            return original(cls, config, *args, **kwargs)
+        unsplit = copy.copy(config)  # the same config for torch's norm, which asks only this flag of it
+        unsplit.sequence_parallel = False
+        norm = original(cls, unsplit, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    new_norm._megatron_pp_cpu = True  # type: ignore[attr-defined]
+    torch_norm.WrappedTorchNorm.__new__ = new_norm  # type: ignore[method-assign,assignment]
+
+
 def _stub_triton_modules() -> None:
     """megatron-core imports triton unconditionally for a MoE kernel; stub that module."""
     name = "megatron.core.transformer.moe.ops.paged_stash"
@@ -350,6 +380,7 @@ def enable_cpu_mode(force: bool = False, threads: int | None = None) -> bool:
     _patch_torch_cuda()
     _patch_factories()
     _patch_sequence_parallel_collectives()
+    _patch_sequence_parallel_norm()
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()
     _patch_rng_tracker()
