@@ -12,6 +12,9 @@ A cell is one of
 * :class:`Refused`: the combination stops with one line before any process group (``test_compat_matrix``
   checks the line).
 
+The cells run at ``p = 2``, ``m = 4``; MoE with 4 experts, top-2; the uneven split gives the first model stage one
+of 7 layers (``--decoder-first-pipeline-num-layers 1``).
+
 No cell may be missing: ``tests/test_compat_readme.py`` checks that every row has every column and that the
 README's table is :func:`render`'s.
 """
@@ -20,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from megatron_pp_ext.schedules.layer_split import LayerSplit
 
 P, M = 2, 4  # every cell: two pipeline ranks, four micro-batches
 
@@ -71,10 +76,11 @@ class Covered:
 
 @dataclass(frozen=True)
 class Refused:
-    """``pretrain_gpt.py`` flags that stop with one line naming ``flag`` (exit 2, no process group)."""
+    """``megatron-pp verify SCHEDULE -p 2 -m 4 ARGV`` stops with one line containing ``words`` (exit 2, before any
+    rank starts); the training flags go through the same check (``docs/uneven.md``, ``docs/moe.md``)."""
 
     argv: tuple[str, ...]
-    flag: str
+    words: tuple[str, ...]
 
 
 Cell = Verify | PostValidated | Covered | Refused
@@ -105,6 +111,36 @@ CELLS.update(
     }
 )
 CELLS.update({(row, "bf16"): Covered(f"{_BF16}[{schedule}]") for row, schedule in ROWS.items()})
+
+_MOE = {"num_experts": 4, "moe_topk": 2}
+_MOE_TESTS = "tests/verification/test_verify_moe.py"
+_MOE_COVERED = {
+    1: (("1f1b", "zb-h1"), "test_moe_without_expert_parallelism"),
+    2: (("1f1b", "zb-h1", "v-zb", "dualpipev"), "test_moe_with_expert_parallelism"),
+}
+for _ep, (_covered, _test) in _MOE_COVERED.items():
+    for _row, _schedule in ROWS.items():
+        CELLS[_row, f"MoE EP={_ep}"] = (
+            Covered(f"{_MOE_TESTS}::{_test}[{_schedule}]")
+            if _schedule in _covered
+            else Verify(options={"dp": _ep, "ep": _ep}, model=_MOE)
+        )
+
+_UNEVEN_MODEL = {"num_layers": 7, "split": LayerSplit(first=1)}
+_UNEVEN = "tests/verification/test_verify_uneven.py::"
+CELLS.update(
+    {
+        ("loop, 1F1B", "uneven layout"): Covered(f"{_UNEVEN}test_megatron_1f1b_on_the_uneven_split"),
+        ("loop, interleaved", "uneven layout"): Refused(
+            ("--num-layers", "8", "--decoder-first-pipeline-num-layers", "2"),
+            ("argument --decoder-first-pipeline-num-layers:", "interleaved chunks per rank"),
+        ),
+        ("loop, B/W split", "uneven layout"): Covered(f"{_UNEVEN}test_split_schedules_on_the_uneven_split[zb-h1]"),
+        ("V, B/W split", "uneven layout"): Covered(f"{_UNEVEN}test_split_schedules_on_the_uneven_split[v-zb]"),
+        ("V, overlapped pairs", "uneven layout"): Verify(model=_UNEVEN_MODEL),
+        ("bidirectional", "uneven layout"): Covered(f"{_UNEVEN}test_bidirectional_placement_on_a_layout_string"),
+    }
+)
 
 MARK = {Verify: "✔", PostValidated: "✔", Covered: "✔", Refused: "refused"}
 

@@ -45,6 +45,8 @@ LOADS = {
     "torch-interleaved-1f1b": ("torch", "interleaved-1f1b", [], "refused"),  # optimizer state cannot move
     "torch_dist-interleaved-1f1b": ("torch_dist", "interleaved-1f1b", [], "same"),
     "torch_dist-v-half": ("torch_dist", "v-half", [], "same"),
+    "torch_dist-v-zb": ("torch_dist", "v-zb", [], "same"),
+    "torch_dist-dualpipev": ("torch_dist", "dualpipev", [], "same"),
 }
 WAVE = 4  # runs at a time (2 processes each)
 HOLD = """

@@ -15,7 +15,7 @@ from megatron_pp_ext.schedules import generate
 from megatron_pp_ext.verification.post_validation_check import compare_weights, run_pair
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
 from megatron_pp_ext.verification.verify import verify_schedule
-from tests.compat_matrix import CELLS, ROWS, M, P, PostValidated, Verify
+from tests.compat_matrix import CELLS, ROWS, M, P, PostValidated, Refused, Verify
 
 
 def _cells(kind: type) -> list[object]:
@@ -28,7 +28,7 @@ def test_verify_cell(pool, row, column):
     cell = CELLS[row, column]
     assert isinstance(cell, Verify)
     schedule = generate(ROWS[row], P, M)
-    model = TinyGPTSpec(num_layers=schedule.placement.stages_per_replica, **cell.model)
+    model = TinyGPTSpec(**{"num_layers": schedule.placement.stages_per_replica, **cell.model})
     report = verify_schedule(schedule, pool, model=model, iterations=2, trace=False, **cell.options)
     assert report.problems == [], report
     assert report.ok, report
@@ -42,3 +42,16 @@ def test_post_validation_cell(pool, row, column):
     report = compare_weights(schedule.name, sync, post)
     assert report.ok and report.bitwise_equal, report
     assert report.rollbacks > 0, report  # the forced rollback happened: the cell tested the rollback path
+
+
+@pytest.mark.parametrize(("row", "column"), _cells(Refused))
+def test_refused_cell(capsys, row, column):
+    from megatron_pp_ext.cli.main import main
+
+    cell = CELLS[row, column]
+    assert isinstance(cell, Refused)
+    assert main(["verify", ROWS[row], "-p", str(P), "-m", str(M), *cell.argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    for word in cell.words:
+        assert word in err, err
