@@ -39,12 +39,16 @@ class LayerSplit:
     ``embedding`` / ``loss``: the embedding / the loss counts as one layer of the first / last
     slice (``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split``).
     The remaining layers split evenly over the other slices.
+
+    ``counts``: the transformer layers of every slice, given outright (a hybrid layer pattern's
+    ``|`` segments, :mod:`.hybrid_pattern`); excludes the other fields.
     """
 
     first: int | None = None
     last: int | None = None
     embedding: bool = False
     loss: bool = False
+    counts: tuple[int, ...] | None = None
 
     @property
     def even(self) -> bool:
@@ -56,6 +60,13 @@ def stage_layer_counts(num_layers: int, num_slices: int, split: LayerSplit | Non
     if num_slices < 1:
         raise LayerSplitError(f"need at least one stage, got {num_slices}")
     split = split or LayerSplit()
+    if split.counts is not None:
+        if len(split.counts) != num_slices or sum(split.counts) != num_layers:
+            raise LayerSplitError(
+                f"{len(split.counts)} given stage layer counts ({sum(split.counts)} layers) do not fit the "
+                f"placement's {num_slices} stages of {num_layers} layers"
+            )
+        return list(split.counts)
     if num_slices == 1:  # one stage holds the whole model (megatron ignores the options without PP)
         return [num_layers]
     if split.embedding or split.loss:
