@@ -113,3 +113,19 @@ def _layer_types(names: list[str], chunk: int) -> list[str]:
         kind = "*" if sub.startswith(("self_attention", "input_layernorm")) else "E" if ".experts." in sub else "-"
         kinds[int(index)] = "E" if kinds.get(int(index)) == "E" else kind
     return [kinds[i] for i in sorted(kinds)]
+
+
+@pytest.mark.gloo
+def test_pattern_that_does_not_fit_stops_with_one_line(tmp_path: Path) -> None:
+    """Two segments for v-zb's four stages: one line from rank 0, exit status 2, no megatron traceback."""
+    extra = ["--hybrid-layer-pattern", PATTERN, "--pipeline-schedule", "v-zb"]
+    proc, log = launch(tmp_path, "bad", "pretrain_hybrid.py", _flags(extra))
+    assert proc.wait(timeout=300) != 0
+    text = log.read_text()
+    errors = [line for line in text.splitlines() if "pretrain_hybrid.py: error:" in line]
+    assert errors == [
+        "pretrain_hybrid.py: error: argument --hybrid-layer-pattern: '*-|-*' has 2 segments; v-zb with p=2 "
+        "needs 4 (2 per rank)"
+    ], text[-3000:]
+    assert "exitcode  : 2" in text and "initialize_model_parallel" not in text
+    assert not any(line.startswith("[rank") and "Traceback" in line for line in text.splitlines()), text[-3000:]
