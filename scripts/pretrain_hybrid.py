@@ -29,10 +29,10 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import pretrain_gpt  # noqa: E402  (sets up CPU mode before megatron is imported)
-from megatron.training.argument_utils import hybrid_config_from_args  # noqa: E402
+import pretrain_gpt  # sets up CPU mode before megatron is imported
+from megatron.training.argument_utils import hybrid_config_from_args
 
-from megatron_pp_ext.integration.arguments import error_line  # noqa: E402
+from megatron_pp_ext.integration.arguments import error_line
 
 
 def hybrid_model_config(args: Any) -> Any:

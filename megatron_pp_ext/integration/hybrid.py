@@ -55,9 +55,7 @@ def local_hybrid_stack_spec(num_experts: int | None = None) -> Any:
     attention = TransformerLayerSubmodules(
         input_layernorm=dense.input_layernorm, self_attention=dense.self_attention, self_attn_bda=dense.self_attn_bda
     )
-    mlp = TransformerLayerSubmodules(
-        pre_mlp_layernorm=dense.pre_mlp_layernorm, mlp=dense.mlp, mlp_bda=dense.mlp_bda
-    )
+    mlp = TransformerLayerSubmodules(pre_mlp_layernorm=dense.pre_mlp_layernorm, mlp=dense.mlp, mlp_bda=dense.mlp_bda)
     layers: dict[str, Any] = {
         "attention_layer": ModuleSpec(module=TransformerLayer, submodules=attention),
         "mlp_layer": ModuleSpec(module=MLPLayer, submodules=mlp),

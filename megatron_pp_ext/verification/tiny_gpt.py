@@ -125,7 +125,9 @@ def _model(config: Any, spec: TinyGPTSpec, layout: ChunkLayout | None, vp_stage:
     from ..runtime.hybrid_pattern import chunk_layer_types
 
     offset = 0 if layout is None else layout.layer_offset
-    types = list(spec.hybrid_pattern.replace("|", "")) if layout is None else chunk_layer_types(spec.hybrid_pattern, layout)
+    types = (
+        list(spec.hybrid_pattern.replace("|", "")) if layout is None else chunk_layer_types(spec.hybrid_pattern, layout)
+    )
     return build_hybrid_model(
         config,
         types,

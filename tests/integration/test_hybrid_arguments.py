@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_pp_ext.integration.argv_check import hybrid_pattern_problems
 from megatron_pp_ext.integration.arguments import validate_arguments
+from megatron_pp_ext.integration.argv_check import hybrid_pattern_problems
 from megatron_pp_ext.integration.config import PipelineArgumentError
 from tests.integration.megatron_args_helpers import make_args
 
@@ -15,7 +15,9 @@ P2 = {"pipeline_model_parallel_size": 2, "num_layers": 4}
 
 def _refusal(schedule: str, pattern: str, **megatron) -> str:
     with pytest.raises(PipelineArgumentError) as info:
-        validate_arguments(make_args(["--pipeline-schedule", schedule], hybrid_layer_pattern=pattern, **{**P2, **megatron}))
+        validate_arguments(
+            make_args(["--pipeline-schedule", schedule], hybrid_layer_pattern=pattern, **{**P2, **megatron})
+        )
     text = str(info.value)
     assert text.startswith("argument --hybrid-layer-pattern: ") and "\n" not in text
     return text
@@ -31,7 +33,9 @@ def test_mamba_and_moe_bias_refused_on_cpu() -> None:
     assert "--disable-bias-linear" in _refusal("1f1b", "*E|-*", cpu=True, add_bias_linear=True)
 
 
-@pytest.mark.parametrize(("schedule", "pattern", "counts"), [("v-zb", "*-|-*|*|-", (2, 2, 1, 1)), ("zb-h1", "*--|*", (3, 1))])
+@pytest.mark.parametrize(
+    ("schedule", "pattern", "counts"), [("v-zb", "*-|-*|*|-", (2, 2, 1, 1)), ("zb-h1", "*--|*", (3, 1))]
+)
 def test_fitting_pattern_gives_the_placements_split(schedule: str, pattern: str, counts: tuple[int, ...]) -> None:
     args = make_args(["--pipeline-schedule", schedule], hybrid_layer_pattern=pattern, **P2)
     config = validate_arguments(args)

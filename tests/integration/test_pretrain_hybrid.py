@@ -90,7 +90,11 @@ def test_v_zb_chunks_hold_their_stages_segments(tmp_path: Path) -> None:
     weights = tmp_path / "weights"
     extra = ["--hybrid-layer-pattern", V_PATTERN, "--pipeline-schedule", "v-zb"]
     extra += ["--num-experts", "2", "--disable-bias-linear"]
-    runs = {"vzb": launch(tmp_path, "vzb", "pretrain_hybrid.py", _flags(extra), {"MEGATRON_PP_EXT_WEIGHTS_FILE": str(weights)})}
+    runs = {
+        "vzb": launch(
+            tmp_path, "vzb", "pretrain_hybrid.py", _flags(extra), {"MEGATRON_PP_EXT_WEIGHTS_FILE": str(weights)}
+        )
+    }
     wait_all(runs)
     placement = v_placement(2)
     split = hybrid_layer_split(V_PATTERN, placement, "v-zb")

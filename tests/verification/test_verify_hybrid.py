@@ -7,8 +7,8 @@ import pytest
 
 from megatron_pp_ext.runtime.hybrid_pattern import (
     HybridPatternError,
-    chunk_layer_types,
     check_runnable,
+    chunk_layer_types,
     hybrid_layer_split,
     missing_mamba_kernels,
 )
