@@ -7,7 +7,11 @@ import pytest
 
 from megatron_pp_ext.integration.arguments import validate_arguments
 from megatron_pp_ext.integration.argv_check import hybrid_pattern_problems
+from megatron_pp_ext.integration.checkpoint_layout import table_from_args, table_of_layouts
 from megatron_pp_ext.integration.config import PipelineArgumentError
+from megatron_pp_ext.runtime.hybrid_pattern import hybrid_layer_split
+from megatron_pp_ext.runtime.layer_map import chunk_layouts
+from megatron_pp_ext.schedules.placement import v_placement
 from tests.integration.megatron_args_helpers import make_args
 
 P2 = {"pipeline_model_parallel_size": 2, "num_layers": 4}
@@ -50,3 +54,15 @@ def test_megatrons_own_assertions_become_one_line_before_parsing() -> None:
     ]
     assert "unknown layer symbol(s) x" in hybrid_pattern_problems([*base, "*x|-*"])[0]
     assert hybrid_pattern_problems([*base, "*-|-*"]) == [] and hybrid_pattern_problems(["--num-layers", "4"]) == []
+
+
+def test_checkpoint_layout_of_a_hybrid_run_follows_the_pattern() -> None:
+    """A checkpoint's layer table (derived from its args) is the one the run built: the pattern's segments."""
+    pattern = "*--|-|*|-*-"
+    args = make_args(["--pipeline-schedule", "v-zb"], hybrid_layer_pattern=pattern, num_layers=8)
+    args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size = 2, 2
+    split = hybrid_layer_split(pattern, v_placement(2), "v-zb")
+    expected = table_of_layouts([chunk_layouts(v_placement(2), 8, r, split) for r in range(2)])
+    assert table_from_args(args) == expected
+    args.hybrid_layer_pattern = None  # the same run without the pattern: an even split, another table
+    assert table_from_args(args) not in (expected, None)
