@@ -111,6 +111,7 @@ def pool2():
         ("interleaved-1f1b", 2, FOUR_STAGES),
         ("v-zb", None, FOUR_STAGES),
         ("dualpipev", None, FOUR_STAGES),
+        ("bitpipe", None, FOUR_STAGES),  # bidirectional: both copies of the model build the same segments
     ],
 )
 def test_hybrid_model_matches_references(pool2, name: str, v: int | None, pattern: str) -> None:
