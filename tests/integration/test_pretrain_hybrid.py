@@ -10,14 +10,14 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from test_megatron_pretrain import FLAGS, ITERS, ROOT, free_port, results
+from test_megatron_pretrain import FLAGS, ITERS, ROOT, results
+from warm_launch import launch as warm_launch
+from warm_launch import run_env
 
 from megatron_pp_ext.runtime.hybrid_pattern import chunk_layer_types, hybrid_layer_split
 from megatron_pp_ext.runtime.layer_map import chunk_layouts
@@ -35,15 +35,13 @@ def _flags(extra: list[str]) -> list[str]:
     return [*flags[:i], *flags[i + 2 :], *extra]
 
 
-def launch(tmp: Path, name: str, script: str, extra: list[str], env_extra: dict[str, str] | None = None):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRON_PP_EXT_LOSS_FILE": str(tmp / name), **(env_extra or {})}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    log = tmp / f"{name}.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
-    proc = subprocess.Popen(
-        [*cmd, str(SCRIPTS / script), *extra], cwd=tmp, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT
-    )
-    return proc, log
+def launch(
+    tmp: Path, name: str, script: str, flags: list[str], env_extra: dict[str, str] | None = None, torchrun: bool = False
+):
+    """``scripts/SCRIPT FLAGS`` on 2 ranks (the warm launcher; ``torchrun``: real torchrun), its exact losses in
+    ``tmp/NAME.rank*``."""
+    env = run_env(MEGATRON_PP_EXT_LOSS_FILE=str(tmp / name), **(env_extra or {}))
+    return warm_launch(tmp, name, flags, env=env, script=SCRIPTS / script, torchrun=torchrun)
 
 
 def wait_all(runs: dict) -> None:
@@ -123,7 +121,7 @@ def _layer_types(names: list[str], chunk: int) -> list[str]:
 def test_pattern_that_does_not_fit_stops_with_one_line(tmp_path: Path) -> None:
     """Two segments for v-zb's four stages: one line from rank 0, exit status 2, no megatron traceback."""
     extra = ["--hybrid-layer-pattern", PATTERN, "--pipeline-schedule", "v-zb"]
-    proc, log = launch(tmp_path, "bad", "pretrain_hybrid.py", _flags(extra))
+    proc, log = launch(tmp_path, "bad", "pretrain_hybrid.py", _flags(extra), torchrun=True)  # its exit status
     assert proc.wait(timeout=300) != 0
     text = log.read_text()
     errors = [line for line in text.splitlines() if "pretrain_hybrid.py: error:" in line]
