@@ -301,7 +301,9 @@ def _check_environment_or_exit() -> None:
         raise SystemExit(2) from None
 
 
-def main() -> None:
+def main(model_config_from_args: Any = gpt_config_from_args) -> None:
+    """Parse and check the flags, install the plugin's schedule, run ``pretrain()`` on the model that
+    ``model_config_from_args(args)`` configures (a GPTModel here; ``pretrain_hybrid.py``: a HybridModel)."""
     _tolerate_bad_help_strings()
     set_startup_timestamps(program_start=_PROGRAM_START, main_entry=time.time())
     mock = not (_argv_has("--data-path") or _argv_has("--train-data-path") or _argv_has("--data-args-path"))
@@ -348,7 +350,7 @@ def main() -> None:
         post_validation_training.add_listener(_drop_discarded_losses)
     if _WEIGHTS_FILE:  # after install(): wraps post-validation's train (validated last step)
         _save_weights_after_training()
-    model_cfg = gpt_config_from_args(args)
+    model_cfg = model_config_from_args(args)
     try:
         pretrain(
             pretrain_cfg_container_from_args(args, model_cfg),

@@ -379,8 +379,33 @@ def _check_uneven_split(args: Any, schedule: Schedule, given: list[str]) -> None
     args.pipeline_layer_split = split
 
 
+def _check_hybrid_pattern(args: Any, schedule: Schedule) -> None:
+    """A hybrid layer pattern's segments against the schedule's placement (stage s builds segment s), and
+    its layer types against what this run can build (``runtime/hybrid_pattern.py``)."""
+    from ..runtime.hybrid_pattern import HybridPatternError, check_runnable, hybrid_layer_split
+
+    flag, pattern = "--hybrid-layer-pattern", args.hybrid_layer_pattern
+    try:
+        split = hybrid_layer_split(pattern, schedule.placement, schedule.name, flag)
+        if bool(getattr(args, "cpu", False)):
+            from .hybrid import LOCAL_SYMBOLS
+
+            check_runnable(pattern, LOCAL_SYMBOLS, "on CPU (megatron-core's local layers)", flag)
+            if "E" in pattern and getattr(args, "add_bias_linear", False):
+                raise HybridPatternError(
+                    f"{flag} MoE layers ('E') on CPU need --disable-bias-linear (megatron-core's expert bias "
+                    "fails on CPU)"
+                )
+    except HybridPatternError as exc:
+        raise PipelineArgumentError(flag, str(exc).removeprefix(f"{flag} ")) from None
+    args.pipeline_layer_split = split
+
+
 def _check_layers(args: Any, schedule: Schedule, virtual_flag: str | None) -> None:
     placement = schedule.placement
+    if getattr(args, "hybrid_layer_pattern", None):
+        _check_hybrid_pattern(args, schedule)
+        return
     uneven = [flag for attr, flag in UNEVEN_FLAGS if _given(args, attr)]
     layout_flag = "--pipeline-model-parallel-layout"
     if layout_flag in uneven and len(uneven) > 1:  # megatron's TransformerConfig refuses it with a traceback

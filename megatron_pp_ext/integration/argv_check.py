@@ -76,9 +76,43 @@ def argv_problems(
     return problems
 
 
+def _value(argv: Sequence[str], flag: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def hybrid_pattern_problems(argv: Sequence[str]) -> list[str]:
+    """What megatron's own validation would reject in ``--hybrid-layer-pattern`` with an assertion or a
+    ValueError on every rank: a layer symbol it does not know, a segment count that is no multiple of
+    ``--pipeline-model-parallel-size``. (Whether the segments fit the selected schedule's placement is
+    checked after parsing, :func:`~.arguments.check_schedule_flags`.)"""
+    from ..runtime.hybrid_pattern import HybridPatternError, pattern_segments
+
+    flag = "--hybrid-layer-pattern"
+    pattern = _value(argv, flag)
+    if pattern is None:
+        return []
+    try:
+        segments = pattern_segments(pattern.split("/")[0], flag)
+    except HybridPatternError as exc:
+        return [f"argument {flag}: {str(exc).removeprefix(flag + ' ')}"]
+    p_text = _value(argv, "--pipeline-model-parallel-size") or "1"
+    p = int(p_text) if p_text.isdigit() and int(p_text) > 0 else 1
+    if len(segments) > 1 and len(segments) % p:
+        return [
+            f"argument {flag}: {pattern!r} has {len(segments)} segments: megatron needs a multiple of "
+            f"--pipeline-model-parallel-size {p} (the segments are the pipeline stages, p x chunks per rank)"
+        ]
+    return []
+
+
 def check_argv_or_exit(argv: Sequence[str], prog: str | None = None) -> None:
     """Exit with status 2 on every rank if ``argv`` has a problem; rank 0 prints one line per problem."""
-    problems = argv_problems(argv)
+    problems = argv_problems(argv) or hybrid_pattern_problems(argv)
     if not problems:
         return
     if os.environ.get("RANK", "0") == "0":

@@ -45,6 +45,7 @@ PLACEMENT_ARGS = (
     "decoder_last_pipeline_num_layers",
     "account_for_embedding_in_pipeline_split",
     "account_for_loss_in_pipeline_split",
+    "hybrid_layer_pattern",
 )
 
 
@@ -87,6 +88,11 @@ def table_from_args(args: Any) -> LayoutTable | None:
         style = registry.get(name).placement if name else "loop"
         placement = make_placement(style, p, chunks)
         split = layer_split_from_args(args)
+        pattern = getattr(args, "hybrid_layer_pattern", None)
+        if pattern:  # a HybridModel: stage s holds the pattern's segment s
+            from ..runtime.hybrid_pattern import hybrid_layer_split
+
+            split = hybrid_layer_split(pattern.split("/")[0], placement, name or "megatron's schedule")
         return table_of_layouts([chunk_layouts(placement, int(num_layers), r, split) for r in range(p)])
     except (ScheduleError, LayerSplitError, TypeError, ValueError):
         return None

@@ -22,7 +22,8 @@ For megatron's loop placement (``1f1b``, ``interleaved-1f1b``, ...) these alread
   exactly "this chunk holds the embedding / the loss" for every placement;
 * ``parallel_state.is_pipeline_first_stage / last_stage``: the same, per chunk when
   ``ignore_virtual=False``, per rank otherwise;
-* layer offset and count of a chunk: from :func:`chunk_layouts`;
+* layer offset and count of a chunk: from :func:`chunk_layouts`; a ``HybridModel`` chunk's layers
+  (``select_pipeline_segment``): the pattern's segment of the chunk's model stage;
 * ``is_last_rank``: the rank holding the last stage in the pipeline of the global last rank.
 
 A user's own ``model_provider(pre_process, post_process, vp_stage, ...)`` gets the right
@@ -139,6 +140,16 @@ def get_num_layers_to_build(config: Any, vp_stage: int | None = None, pp_rank: i
     return _chunk(_this_pp_rank() if pp_rank is None else pp_rank, vp_stage).num_layers
 
 
+def select_pipeline_segment(
+    main_pattern: str, pp_group: Any, vp_stage: int | None, *unused: Any, **unused_kw: Any
+) -> tuple[list[str], int]:
+    """``HybridModel``'s layers of a chunk: the pattern's layers of the chunk's model stage (its segment)."""
+    from ..runtime.hybrid_pattern import chunk_layer_types
+
+    layout = _chunk(_group_rank(pp_group), vp_stage)
+    return chunk_layer_types(main_pattern, layout), layout.layer_offset
+
+
 def loss_pp_rank(placement: Placement) -> int:
     """The pipeline rank whose losses megatron logs: the highest one holding a last stage."""
     return max(placement.rank_of(s) for s in range(placement.num_stages) if placement.is_last(s))
@@ -163,6 +174,8 @@ _HOOKS: tuple[tuple[str, str, Callable[..., Any]], ...] = (
     ("megatron.core.parallel_state", "is_pipeline_last_stage", is_pipeline_last_stage),
     ("megatron.core.transformer.transformer_layer", "get_transformer_layer_offset", get_transformer_layer_offset),
     ("megatron.core.transformer.transformer_block", "get_num_layers_to_build", get_num_layers_to_build),
+    # HybridModel imports it when it builds a chunk
+    ("megatron.core.models.hybrid.hybrid_layer_allocation", "select_pipeline_segment", select_pipeline_segment),
 )
 _OPTIONAL_HOOKS: tuple[tuple[str, str, Callable[..., Any]], ...] = (
     ("megatron.training.utils.common_utils", "is_last_rank", is_last_rank),
@@ -177,7 +190,12 @@ _IMPORTERS = (
     "megatron.core.distributed.finalize_model_grads",
     "megatron.core.transformer.multi_token_prediction",
 )
-_OPTIONAL_IMPORTERS = ("megatron.training.training", "megatron.training.models.gpt", "megatron.training.utils")
+_OPTIONAL_IMPORTERS = (
+    "megatron.training.training",
+    "megatron.training.models.gpt",
+    "megatron.training.models.hybrid",
+    "megatron.training.utils",
+)
 
 
 def _unwrap(module: Any) -> Any:

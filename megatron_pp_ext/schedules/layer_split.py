@@ -44,6 +44,8 @@ class LayerSplit:
     The remaining layers split evenly over the other slices.
     ``layout``: every slice's layer symbols (``--pipeline-model-parallel-layout``, parsed by
     :func:`~megatron_pp_ext.schedules.values.parse_layer_layout`): slice ``i`` holds the ``t`` of stage ``i``.
+    ``counts``: the transformer layers of every slice, given outright (a hybrid layer pattern's ``|``
+    segments, ``runtime/hybrid_pattern.py``); excludes the other fields.
     """
 
     first: int | None = None
@@ -51,6 +53,7 @@ class LayerSplit:
     embedding: bool = False
     loss: bool = False
     layout: tuple[str, ...] | None = None
+    counts: tuple[int, ...] | None = None
 
     @classmethod
     def from_layout(cls, text: str) -> LayerSplit:
@@ -67,6 +70,13 @@ def stage_layer_counts(num_layers: int, num_slices: int, split: LayerSplit | Non
     if num_slices < 1:
         raise LayerSplitError(f"need at least one stage, got {num_slices}")
     split = split or LayerSplit()
+    if split.counts is not None:
+        if len(split.counts) != num_slices or sum(split.counts) != num_layers:
+            raise LayerSplitError(
+                f"{len(split.counts)} given stage layer counts ({sum(split.counts)} layers) do not fit the "
+                f"placement's {num_slices} stages of {num_layers} layers"
+            )
+        return list(split.counts)
     if num_slices == 1:  # one stage holds the whole model (megatron ignores the options without PP)
         return [num_layers]
     if split.layout is not None:

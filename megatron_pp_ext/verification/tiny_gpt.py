@@ -1,6 +1,7 @@
-"""A tiny megatron-core GPTModel split by a schedule's placement (for ``verify`` and tests).
+"""A tiny megatron-core GPTModel (or HybridModel) split by a schedule's placement (for ``verify`` and tests).
 
-Every chunk is a real ``GPTModel`` (local layer spec) holding the layers
+Every chunk is a real ``GPTModel`` (local layer spec), or with ``hybrid_pattern`` a real ``HybridModel``
+(``integration/hybrid.py``), holding the layers
 :func:`~megatron_pp_ext.runtime.layer_map.chunk_layouts` assigns to it. All
 chunks share one ``TransformerConfig``; a chunk's weights are copied from a
 full-depth model built with the same seed, mapped by *global* layer number, so
@@ -44,6 +45,34 @@ class TinyGPTSpec:
     moe_topk: int = 2
     moe_aux_loss_coeff: float = 1e-2
     moe_dispatcher: str = "alltoall"
+    # A HybridModel of this layer pattern ("*" attention, "-" MLP, "E" MoE; "|" between stages) instead
+    # of a GPTModel; num_layers then follows the pattern. Segment s goes to model stage s (hybrid_pattern.py).
+    # With "E" layers and no num_experts, 4 experts.
+    hybrid_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.hybrid_pattern is not None:
+            from ..runtime.hybrid_pattern import num_pattern_layers
+
+            object.__setattr__(self, "num_layers", num_pattern_layers(self.hybrid_pattern))
+            if "E" in self.hybrid_pattern and self.num_experts is None:
+                object.__setattr__(self, "num_experts", 4)
+
+
+def layer_split(spec: TinyGPTSpec, placement: Placement) -> LayerSplit | None:
+    """The layers of each model stage: ``spec.split``, or the hybrid pattern's segments. A placement with
+    fewer stages than segments (the references' one stage) takes consecutive segments together: the
+    model is the same, only its cut differs."""
+    if spec.hybrid_pattern is None:
+        return spec.split
+    from ..runtime.hybrid_pattern import hybrid_layer_split, pattern_segments
+
+    segments = pattern_segments(spec.hybrid_pattern)
+    stages = placement.stages_per_replica
+    if len(segments) > stages and len(segments) % stages == 0:
+        k = len(segments) // stages
+        return LayerSplit(counts=tuple(len("".join(segments[i * k : (i + 1) * k])) for i in range(stages)))
+    return hybrid_layer_split(spec.hybrid_pattern, placement, f"a {placement.style} placement")
 
 
 RECOMPUTE = ("full", "selective")
@@ -96,6 +125,33 @@ def make_config(spec: TinyGPTSpec, tp: int = 1, sequence_parallel: bool = False,
     )
 
 
+def _model(config: Any, spec: TinyGPTSpec, layout: ChunkLayout | None, vp_stage: int | None) -> Any:
+    """A chunk holding ``layout``'s layers (the whole model when None)."""
+    pre, post = (True, True) if layout is None else (layout.pre_process, layout.post_process)
+    num_layers = spec.num_layers if layout is None else layout.num_layers
+    if spec.hybrid_pattern is None:
+        return _gpt(config, spec, num_layers, pre, post, vp_stage)
+    from ..integration.hybrid import build_hybrid_model
+    from ..runtime.hybrid_pattern import chunk_layer_types
+
+    offset = 0 if layout is None else layout.layer_offset
+    types = (
+        list(spec.hybrid_pattern.replace("|", "")) if layout is None else chunk_layer_types(spec.hybrid_pattern, layout)
+    )
+    return build_hybrid_model(
+        config,
+        types,
+        offset,
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.seq_length,
+        pre_process=pre,
+        post_process=post,
+        share_embeddings_and_output_weights=spec.tied_embeddings,
+        vp_stage=vp_stage,
+        num_experts=spec.num_experts if "E" in types else None,
+    )
+
+
 def _gpt(config: Any, spec: TinyGPTSpec, num_layers: int, pre: bool, post: bool, vp_stage: int | None) -> Any:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -127,7 +183,7 @@ def build_full_model(config: Any, spec: TinyGPTSpec) -> Any:
 
     torch.manual_seed(spec.seed)
     model_parallel_cuda_manual_seed(spec.seed)
-    model = _gpt(config, spec, spec.num_layers, True, True, None)
+    model = _model(config, spec, None, None)
     if spec.num_experts:
         _seed_by_name(model, spec, expert_offset(spec))
     return model
@@ -185,10 +241,10 @@ def build_chunks(
     """This rank's chunks, with weights copied from the seeded full model."""
     offset = expert_offset(spec)
     full = {expert_global_name(name, offset): p for name, p in build_full_model(config, spec).named_parameters()}
-    layouts = chunk_layouts(placement, spec.num_layers, rank, spec.split)
+    layouts = chunk_layouts(placement, spec.num_layers, rank, layer_split(spec, placement))
     chunks = []
     for layout in layouts:
-        chunk = _gpt(config, spec, layout.num_layers, layout.pre_process, layout.post_process, layout.chunk)
+        chunk = _model(config, spec, layout, layout.chunk)
         with torch.no_grad():
             for name, param in chunk.named_parameters():
                 param.copy_(full[global_name(name, layout, spec.tied_embeddings, offset)])

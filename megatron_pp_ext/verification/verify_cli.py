@@ -43,6 +43,14 @@ def add_verify_parser(subparsers: Any) -> None:
         help="transformer layers of the model (default: model stages x --layers-per-stage)",
     )
     add_split_arguments(parser)  # megatron's uneven-split flags, per model stage of the placement (docs/uneven.md)
+    parser.add_argument(
+        "--hybrid-pattern",
+        default=None,
+        metavar="PATTERN",
+        help="verify a megatron-core HybridModel of this layer pattern instead of a GPTModel: '*' attention, "
+        "'-' MLP, 'E' MoE, '|' between model stages (one segment per stage of the schedule's placement, "
+        "stage s gets segment s; e.g. '*-|*-|*-|*-' for v-zb at p=2); replaces --layers-per-stage",
+    )
     parser.add_argument("--untied-embeddings", action="store_true", help="separate input and output embeddings")
     parser.add_argument("--no-ddp", action="store_true", help="plain autograd gradients instead of megatron DDP")
     parser.add_argument("--sequence-parallel", action="store_true", help="megatron sequence parallelism (tp > 1)")
@@ -132,6 +140,22 @@ def add_verify_parser(subparsers: Any) -> None:
     parser.set_defaults(func=run_verify)
 
 
+def hybrid_refusal(pattern: str, schedule: Any, tp: int = 1) -> str | None:
+    """Why ``--hybrid-pattern`` cannot be verified with ``schedule`` (one line), or None. Pure: before any rank."""
+    from ..integration.hybrid import LOCAL_SYMBOLS
+    from ..runtime.hybrid_pattern import HybridPatternError, check_runnable, hybrid_layer_split
+
+    flag = "--hybrid-pattern"
+    try:
+        hybrid_layer_split(pattern, schedule.placement, schedule.name, flag)
+        check_runnable(pattern, LOCAL_SYMBOLS, "by verify (megatron-core's local layers)", flag)
+    except HybridPatternError as exc:
+        return str(exc)
+    if tp > 1 and "E" in pattern:
+        return f"{flag} {pattern!r}: MoE layers ('E') are verified with --tp 1 only"
+    return None
+
+
 def _iteration_stage(text: str) -> tuple[int, int]:
     parts = text.split(":")
     if len(parts) != 2 or not all(x.strip().isdigit() for x in parts):
@@ -178,6 +202,11 @@ def run_verify(args: argparse.Namespace) -> int:
         print(f"{PROG}: {moe_problem}", file=sys.stderr)
         return 2
     schedule = _schedule_from_args(args)
+    if args.hybrid_pattern is not None:
+        refusal = hybrid_refusal(args.hybrid_pattern, schedule, args.tp)
+        if refusal is not None:
+            print(f"{PROG}: {refusal}", file=sys.stderr)
+            return 2
     too_many = check_local_ranks(
         schedule.num_ranks * args.tp * args.dp, f"-p {schedule.num_ranks} x --tp {args.tp} x --dp {args.dp}"
     )
@@ -214,6 +243,7 @@ def run_verify(args: argparse.Namespace) -> int:
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         moe_dispatcher=args.moe_dispatcher,
         split=split,
+        hybrid_pattern=args.hybrid_pattern,
     )
     try:
         report = verify_schedule(

@@ -135,18 +135,18 @@ _SERVER = _Server()
 @launches_ranks
 def launch(
     tmp: Path, name: str, flags: list[str], *, nproc: int = 2, env: dict[str, str] | None = None,
-    torchrun: bool = False,
+    torchrun: bool = False, script: Path = SCRIPT,
 ) -> tuple[Run | subprocess.Popen, Path]:  # fmt: skip
-    """Start ``pretrain_gpt.py FLAGS`` on ``nproc`` ranks in ``tmp``; output in ``tmp/NAME.log``. ``env``: the
-    whole environment (default :func:`run_env`)."""
+    """Start ``pretrain_gpt.py FLAGS`` (or another driver, ``script``) on ``nproc`` ranks in ``tmp``; output in
+    ``tmp/NAME.log``. ``env``: the whole environment (default :func:`run_env`)."""
     env = run_env() if env is None else env
     log = tmp / f"{name}.log"
     log.write_text("")
     if not torchrun and os.environ.get("WARM_LAUNCH", "1") != "0":
-        run = _SERVER.launch(tmp, nproc, [str(SCRIPT), *flags], env, log)
+        run = _SERVER.launch(tmp, nproc, [str(script), *flags], env, log)
         if run is not None:
             return run, log
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(free_port()), str(SCRIPT), *flags]  # fmt: skip
+           str(free_port()), str(script), *flags]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     return proc, log
