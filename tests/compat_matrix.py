@@ -69,9 +69,11 @@ class PostValidated:
 
 @dataclass(frozen=True)
 class Covered:
-    """A test elsewhere: ``path::function`` (optionally ``[parameter id]``)."""
+    """A test elsewhere: ``path::function``, run with the parameter ``param`` (a literal of that file, or the row's
+    schedule for a test parametrized over :data:`ROWS`)."""
 
     test: str
+    param: str | None = None
 
 
 @dataclass(frozen=True)
@@ -100,17 +102,19 @@ _BF16 = "tests/integration/test_compat_pretrain.py::test_bf16_losses_equal_megat
 CELLS: dict[tuple[str, str], Cell] = {(row, col): cell for row in ROWS for col, cell in _BY_COLUMN.items()}
 CELLS.update(
     {
-        ("loop, 1F1B", "checkpoint interchange"): Covered(f"{_CHECKPOINT}[torch_dist-v-half]"),
-        ("loop, interleaved", "checkpoint interchange"): Covered(f"{_CHECKPOINT}[torch_dist-interleaved-1f1b]"),
-        ("loop, B/W split", "checkpoint interchange"): Covered(f"{_CHECKPOINT}[torch-zb-h1]"),
-        ("V, B/W split", "checkpoint interchange"): Covered(f"{_CHECKPOINT}[torch_dist-v-zb]"),
-        ("V, overlapped pairs", "checkpoint interchange"): Covered(f"{_CHECKPOINT}[torch_dist-dualpipev]"),
+        ("loop, 1F1B", "checkpoint interchange"): Covered(_CHECKPOINT, "torch_dist-v-half"),
+        ("loop, interleaved", "checkpoint interchange"): Covered(_CHECKPOINT, "torch_dist-interleaved-1f1b"),
+        ("loop, B/W split", "checkpoint interchange"): Covered(_CHECKPOINT, "torch-zb-h1"),
+        ("V, B/W split", "checkpoint interchange"): Covered(_CHECKPOINT, "torch_dist-v-zb"),
+        ("V, overlapped pairs", "checkpoint interchange"): Covered(_CHECKPOINT, "torch_dist-dualpipev"),
         ("bidirectional", "checkpoint interchange"): Covered(
-            "tests/integration/test_bitpipe_checkpoint.py::test_checkpoint_resumes_under_the_other_schedule[bitpipe]"
+            "tests/integration/test_bitpipe_checkpoint.py::test_checkpoint_resumes_under_the_other_schedule", "bitpipe"
         ),
     }
 )
-CELLS.update({(row, "bf16"): Covered(f"{_BF16}[{schedule}]") for row, schedule in ROWS.items()})
+CELLS.update({(row, "bf16"): Covered(_BF16, schedule) for row, schedule in ROWS.items()})
+_HYBRID = "tests/verification/test_verify_hybrid.py::test_hybrid_model_matches_references"
+CELLS.update({(row, "HybridModel"): Covered(_HYBRID, schedule) for row, schedule in ROWS.items()})
 
 _MOE = {"num_experts": 4, "moe_topk": 2}
 _MOE_TESTS = "tests/verification/test_verify_moe.py"
@@ -121,7 +125,7 @@ _MOE_COVERED = {
 for _ep, (_covered, _test) in _MOE_COVERED.items():
     for _row, _schedule in ROWS.items():
         CELLS[_row, f"MoE EP={_ep}"] = (
-            Covered(f"{_MOE_TESTS}::{_test}[{_schedule}]")
+            Covered(f"{_MOE_TESTS}::{_test}", _schedule)
             if _schedule in _covered
             else Verify(options={"dp": _ep, "ep": _ep}, model=_MOE)
         )
@@ -135,8 +139,8 @@ CELLS.update(
             ("--num-layers", "8", "--decoder-first-pipeline-num-layers", "2"),
             ("argument --decoder-first-pipeline-num-layers:", "interleaved chunks per rank"),
         ),
-        ("loop, B/W split", "uneven layout"): Covered(f"{_UNEVEN}test_split_schedules_on_the_uneven_split[zb-h1]"),
-        ("V, B/W split", "uneven layout"): Covered(f"{_UNEVEN}test_split_schedules_on_the_uneven_split[v-zb]"),
+        ("loop, B/W split", "uneven layout"): Covered(f"{_UNEVEN}test_split_schedules_on_the_uneven_split", "zb-h1"),
+        ("V, B/W split", "uneven layout"): Covered(f"{_UNEVEN}test_split_schedules_on_the_uneven_split", "v-zb"),
         ("V, overlapped pairs", "uneven layout"): Verify(model=_UNEVEN_MODEL),
         ("bidirectional", "uneven layout"): Covered(f"{_UNEVEN}test_bidirectional_placement_on_a_layout_string"),
     }

@@ -19,11 +19,10 @@ def test_covered_cells_name_tests_that_exist():
     for (row, col), cell in CELLS.items():
         if not isinstance(cell, Covered):
             continue
-        path, _, node = cell.test.partition("::")
-        function, _, param = node.partition("[")
+        path, _, function = cell.test.partition("::")
         text = (ROOT / path).read_text()
         assert re.search(rf"^def {re.escape(function)}\(", text, re.M), (row, col, cell.test)
-        param = param.rstrip("]")
+        param = cell.param
         if param:  # a literal parameter of the test, or a schedule of a test parametrized over the matrix rows
             assert f'"{param}"' in text or (param in ROWS.values() and "ROWS" in text), (row, col, cell.test)
 

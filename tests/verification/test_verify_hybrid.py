@@ -15,11 +15,9 @@ from megatron_pp_ext.runtime.hybrid_pattern import (
 from megatron_pp_ext.runtime.layer_map import chunk_layouts
 from megatron_pp_ext.schedules import generate
 from megatron_pp_ext.schedules.placement import bidirectional_placement, loop_placement, v_placement
-from megatron_pp_ext.verification.rank_run import RankPool
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
 from megatron_pp_ext.verification.verify import verify_schedule
 from megatron_pp_ext.verification.verify_cli import hybrid_refusal
-from tests.tiers import launches_ranks
 
 TWO_STAGES = "*-|-*"  # loop placements at p = 2
 FOUR_STAGES = "*|E-|-|*"  # interleaved (v = 2), V-shape and bidirectional placements at p = 2
@@ -96,13 +94,6 @@ def test_mamba_refused_without_its_kernels() -> None:
     assert "do not import here" in str(info.value) and "\n" not in str(info.value)
 
 
-@pytest.fixture(scope="module")
-@launches_ranks
-def pool2():
-    with RankPool(2) as ranks:
-        yield ranks
-
-
 @pytest.mark.parametrize(
     ("name", "v", "pattern"),
     [
@@ -114,11 +105,11 @@ def pool2():
         ("bitpipe", None, FOUR_STAGES),  # bidirectional: both copies of the model build the same segments
     ],
 )
-def test_hybrid_model_matches_references(pool2, name: str, v: int | None, pattern: str) -> None:
+def test_hybrid_model_matches_references(pool, name: str, v: int | None, pattern: str) -> None:
     """Losses and every gradient within the derived verdict of the float64 and fp32 references (megatron's
     own schedule, unpartitioned); 1F1B also bit for bit equal to megatron's 1F1B on the same ranks."""
     schedule = generate(name, 2, 4, **({"v": v} if v else {}))
-    report = verify_schedule(schedule, pool2, model=TinyGPTSpec(hybrid_pattern=pattern), iterations=2)
+    report = verify_schedule(schedule, pool, model=TinyGPTSpec(hybrid_pattern=pattern), iterations=2)
     assert report.problems == []
     assert report.ok, report
     assert report.bitwise_megatron_1f1b is (True if name == "1f1b" else None)
