@@ -234,7 +234,7 @@ class Planner:
 
     def profile(self, key: tuple[Any, ...], schedule: Schedule, layout: Sequence[StageInfo]) -> ActivationProfile:
         """The activation profile of a built schedule over a layer layout, computed once per memo."""
-        pkey = (key, tuple(i.layers for i in layout), self.setup.w_retained_fraction)
+        pkey = (key, tuple(i.activation_layers for i in layout), self.setup.w_retained_fraction)
         prof = self._profiles.get(pkey)
         if prof is None:
             prof = activation_profile(schedule, layout, self.setup.w_retained_fraction)

@@ -16,6 +16,13 @@ The meanings (also in ``docs/flags.md``):
   planner and the simulator's cost ratios divide by them), W and COMM may be 0 (W = 0: weight
   gradients cost nothing, e.g. folded into B).
 * unit size: ``zeropp``'s scheduling unit, an integer number of micro-batches >= 1, or ``auto``.
+* layer costs: measured times of one layer of each kind for one micro-batch, ``KIND=F,B,W`` entries
+  separated by ``;`` (kinds: ``dense``, ``moe``, ``mamba``, ``attention``, ``mlp``, ``moe-mlp``,
+  ``embedding``, ``head`` = output layer + loss), optionally ``micro_batch=N`` and ``tp=N`` (what they
+  were measured at, default 1); F, B, W in milliseconds, finite in [0, 1e12].
+* layout: megatron's ``--pipeline-model-parallel-layout`` text: stages separated by ``|``, ``E``
+  embedding, ``t`` a decoder layer, ``L`` output layer + loss, ``x*N`` and ``(...)*N`` repeat, commas
+  ignored; e.g. ``Et*3|t*4|t*4|t*3L``.
 
 Pure Python, no torch.
 """
@@ -28,11 +35,15 @@ from dataclasses import dataclass
 
 __all__ = [
     "COSTS_RULE",
+    "LAYER_COST_KINDS",
+    "LAYOUT_RULE",
     "MAX_VALUE",
     "MEMORY_LIMIT_RULE",
     "UNIT_SIZE_RULE",
     "ActivationLimit",
     "parse_costs",
+    "parse_layer_costs",
+    "parse_layout",
     "parse_memory_limit",
     "parse_unit_size",
 ]
@@ -110,3 +121,70 @@ def parse_unit_size(text: str) -> int | str:
     if value < 1:
         raise ValueError(f"must be >= 1 or 'auto', got {value}")
     return value
+
+
+LAYER_COST_KINDS = ("dense", "moe", "mamba", "attention", "mlp", "moe-mlp", "embedding", "head")
+LAYER_COSTS_RULE = (
+    "KIND=F,B,W entries separated by ';' (milliseconds of one layer for one micro-batch; KIND one of "
+    + ", ".join(LAYER_COST_KINDS)
+    + "), optionally micro_batch=N and tp=N"
+)
+
+
+def parse_layer_costs(text: str) -> tuple[dict[str, tuple[float, float, float]], int, int]:
+    """``"dense=1.2,2.3,1.1;head=3,3,2.8;micro_batch=2"`` as ``({kind: (F, B, W)}, micro_batch, tp)``."""
+    entries: dict[str, tuple[float, float, float]] = {}
+    sizes = {"micro_batch": 1, "tp": 1}
+    for cell in (c.strip() for c in str(text).split(";")):
+        if not cell:
+            continue
+        key, sep, value = (x.strip() for x in cell.partition("="))
+        key = key.lower()
+        if not sep:
+            raise ValueError(f"expected {LAYER_COSTS_RULE}, got {cell!r}")
+        if key in sizes:
+            try:
+                sizes[key] = int(value)
+            except ValueError:
+                raise ValueError(f"{key} must be an integer >= 1, got {value!r}") from None
+            if sizes[key] < 1:
+                raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
+            continue
+        if key not in LAYER_COST_KINDS:
+            raise ValueError(f"unknown layer kind {key!r}: expected {LAYER_COSTS_RULE}")
+        try:
+            numbers = [float(x) for x in value.split(",")]
+        except ValueError:
+            numbers = []
+        if len(numbers) != 3 or any(not (math.isfinite(x) and 0 <= x <= MAX_VALUE) for x in numbers):
+            raise ValueError(f"{key}: expected F,B,W finite numbers in [0, {MAX_VALUE:g}], got {value!r}")
+        entries[key] = (numbers[0], numbers[1], numbers[2])
+    if not entries:
+        raise ValueError(f"expected {LAYER_COSTS_RULE}, got {text!r}")
+    return entries, sizes["micro_batch"], sizes["tp"]
+
+
+LAYOUT_RULE = "stages separated by '|' of E (embedding), t (decoder layer), L (loss), with x*N / (...)*N repeats"
+_REPEAT_GROUP = re.compile(r"\(([^()]+)\)\*(\d+)")
+_REPEAT_ONE = re.compile(r"([EtL|])\*(\d+)")
+
+
+def parse_layout(text: str) -> list[str]:
+    """A pipeline layout as one string per stage (characters ``E``, ``t``, ``L``), e.g.
+    ``"Et*2|(tt|)*2tL"`` -> ``["Ett", "tt", "tt", "tL"]``. Only the syntax is checked here; whether the
+    layout fits a model and a placement is the planner's check (it names the stage)."""
+    flat = str(text).replace(",", "").replace(" ", "")
+    if not flat:
+        raise ValueError(f"expected a layout: {LAYOUT_RULE}")
+    for pattern in (_REPEAT_GROUP, _REPEAT_ONE):
+        while True:
+            expanded = pattern.sub(lambda x: x.group(1) * int(x.group(2)), flat)
+            if expanded == flat:
+                break
+            if len(expanded) > 1 << 20:
+                raise ValueError("layout expands to more than 1M characters")
+            flat = expanded
+    bad = sorted(set(flat) - set("EtL|"))
+    if bad:
+        raise ValueError(f"layout has unknown character(s) {''.join(bad)!r}: expected {LAYOUT_RULE}")
+    return flat.split("|")
