@@ -18,6 +18,11 @@ Presets (``megatron-pp plan --model NAME``; ``models_table()`` prints them):
 * breadth-first paper (Lamy-Poirier, MLSys 2023): ``bf-6.6b``, ``bf-52b`` -- only the
   parameter counts are confirmed; layers / hidden / heads are the standard GPT shapes that give
   those counts, sequence length and vocabulary are assumed.
+* layer-layout presets (``megatron-pp plan --layer-split search``): ``llama3-8b``, ``llama3-70b`` (Llama 3
+  paper and model cards: a 128256 vocabulary makes the output layer + loss worth 2.1 / 1.1 layers),
+  ``deepseek-v2-lite`` (DeepSeek-V2 paper, Appendix B: MoE with a dense first layer; its multi-head latent
+  attention is costed as plain attention), ``nemotron-h-8b`` (Nemotron-H paper and model card: Mamba-2,
+  attention and MLP layers in megatron's hybrid pattern); cluster size and batch assumed.
 * ``tiny``: the CPU smoke-test model of ``scripts/run_tiny_cpu.sh`` (for the local launcher).
 """
 
@@ -299,6 +304,20 @@ class ModelSpec:
 _ZB = "Qi et al., Zero Bubble Pipeline Parallelism, ICLR 2024, Table 3"
 _CM = "Qi et al., Pipeline Parallelism with Controllable Memory, NeurIPS 2024, Table 2"
 _BF = "Lamy-Poirier, Breadth-First Pipeline Parallelism, MLSys 2023"
+_LLAMA3 = "Llama Team (Meta), The Llama 3 Herd of Models, 2024, Table 3, and the Meta-Llama-3 model cards"
+_DSV2 = "DeepSeek-AI, DeepSeek-V2 (2024), Appendix B (DeepSeek-V2-Lite) and the DeepSeek-V2-Lite model card"
+_NEMOTRON_H = "NVIDIA, Nemotron-H: Hybrid Mamba-Transformer Models (2025) and the Nemotron-H-8B-Base-8K model card"
+# Llama-style decoder: SwiGLU, RMSNorm, RoPE, no biases, no dropout, untied output layer
+_MODERN = {
+    "swiglu": True,
+    "untie_embeddings_and_output_weights": True,
+    "position_embedding_type": "rope",
+    "normalization": "RMSNorm",
+    "add_bias_linear": False,
+    "hidden_dropout": 0.0,
+    "attention_dropout": 0.0,
+}
+_NEMOTRON_H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
 
 PRESETS: dict[str, ModelSpec] = {
     m.name: m
@@ -435,6 +454,86 @@ PRESETS: dict[str, ModelSpec] = {
                 "default_gpus",
                 "default_global_batch",
             ),
+        ),
+        ModelSpec(
+            "llama3-8b",
+            32,
+            4096,
+            32,
+            8192,
+            vocab_size=128256,
+            ffn_hidden_size=14336,
+            num_query_groups=8,
+            **_MODERN,  # type: ignore[arg-type]
+            default_gpus=8,
+            default_micro_batch=1,
+            default_global_batch=128,
+            source=_LLAMA3 + " (32 layers, 4096 hidden, 32 heads / 8 KV, FFN 14336, vocabulary 128256, 8K context)",
+            assumed=("default_gpus", "default_global_batch"),
+        ),
+        ModelSpec(
+            "llama3-70b",
+            80,
+            8192,
+            64,
+            8192,
+            vocab_size=128256,
+            ffn_hidden_size=28672,
+            num_query_groups=8,
+            **_MODERN,  # type: ignore[arg-type]
+            default_gpus=64,
+            default_micro_batch=1,
+            default_global_batch=512,
+            source=_LLAMA3 + " (80 layers, 8192 hidden, 64 heads / 8 KV, FFN 28672, vocabulary 128256, 8K context)",
+            assumed=("default_gpus", "default_global_batch"),
+        ),
+        ModelSpec(
+            "deepseek-v2-lite",
+            27,
+            2048,
+            16,
+            4096,
+            vocab_size=102400,
+            ffn_hidden_size=10944,
+            kv_channels=128,
+            **_MODERN,  # type: ignore[arg-type]
+            num_experts=64,
+            moe_ffn_hidden_size=1408,
+            moe_router_topk=6,
+            moe_shared_expert_ffn=2 * 1408,
+            moe_first_dense_layers=1,
+            default_gpus=16,
+            default_micro_batch=1,
+            default_global_batch=256,
+            source=_DSV2 + " (27 layers, 2048 hidden, 16 heads, 64 routed experts of 1408 / 6 active + 2 shared, "
+            "first layer dense with FFN 10944, vocabulary 102400, 4K context)",
+            assumed=(
+                "attention (MLA costed as 16-head attention of head size 128)",
+                "default_gpus",
+                "default_global_batch",
+            ),
+        ),
+        ModelSpec(
+            "nemotron-h-8b",
+            52,
+            4096,
+            32,
+            8192,
+            vocab_size=131072,
+            ffn_hidden_size=21504,
+            kv_channels=128,
+            num_query_groups=8,
+            **{**_MODERN, "swiglu": False},  # type: ignore[arg-type]
+            hybrid_pattern=_NEMOTRON_H_8B_PATTERN,
+            mamba_state_dim=128,
+            mamba_head_dim=64,
+            mamba_num_groups=8,
+            default_gpus=8,
+            default_micro_batch=1,
+            default_global_batch=128,
+            source=_NEMOTRON_H + " (52 layers: 24 Mamba-2, 4 attention, 24 MLP of 21504 (squared ReLU), 4096 hidden, "
+            "32 heads / 8 KV, 128 Mamba heads of 64, state 128, 8K context)",
+            assumed=("vocab_size", "mamba_num_groups", "default_gpus", "default_global_batch"),
         ),
         ModelSpec(
             "tiny",

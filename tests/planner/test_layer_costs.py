@@ -148,3 +148,34 @@ def test_parse_layout() -> None:
 def test_parse_layer_costs_refuses(text: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         parse_layer_costs(text)
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "llama3-70b"])
+def test_llama3_output_layer_is_worth_layers(name: str) -> None:
+    """The 128256-entry vocabulary: the head's F + B + W in layers' worth is its FLOPs (2 s b h V per pass)
+    over a layer's (GEMMs + causal attention, B and W counted as the paper's 2x forward)."""
+    from megatron_pp_ext.planner.models import get_model
+
+    model = get_model(name)
+    table = layer_cost_table(cost(model), 1, 1, "none")
+    head, layer = table.head, table.layers[0]
+    gemm, core = kind_flops(model, "dense", 1)
+    expected = 3 * 2.0 * model.seq_length * model.hidden_size * model.padded_vocab_size(1) / (3 * gemm + 3 * core)
+    assert (head.f + head.b + head.w) / (layer.f + layer.b + layer.w) == pytest.approx(expected, rel=0.03)
+    assert expected > 1
+
+
+def test_moe_preset_plans_with_per_layer_costs() -> None:
+    from megatron_pp_ext.planner.models import get_model
+    from megatron_pp_ext.planner.search import Planner
+    from megatron_pp_ext.planner.space import SearchSpace
+
+    model = get_model("deepseek-v2-lite")
+    space = SearchSpace(
+        tp=(1,), pp=(4,), micro_batch=(1,), recompute=("full",), schedules=("1f1b",), virtual=(1,), layer_split="search"
+    )
+    plan = Planner(model, 8, 64, cost(model), space=space)
+    assert plan.per_layer  # MoE layers differ from the dense first one
+    rows = plan.run(progress=False).rows
+    assert rows and all(r.config.layout for r in rows)  # 27 layers: no uniform split over 4 stages
+    assert sum(m.parameters for m in rows[0].memory) == pytest.approx(model.num_parameters(), rel=1e-6)
