@@ -23,8 +23,9 @@ def evaluate_layouts(
     planner: Planner, var: Variant, t: int, p: int, d: int, b: int, m: int, recompute: str, fsdp: bool
 ) -> list[PlanRow | float | str]:
     """Rows of one candidate: without the layout search (``--layer-split`` other than ``search``) its one
-    evaluation; with it the fastest fitting row of the uniform split and of the planned layouts (one each
-    at most), else the smallest over-budget peak (bytes) or the first reason it does not apply."""
+    evaluation; with it the fastest fitting row of the uniform split and, when faster or when the uniform
+    split does not fit or exist, of the planned layouts; else the smallest over-budget peak (bytes) or the
+    first reason it does not apply."""
     if planner.space.layer_split != "search":
         return [evaluate(planner, var, t, p, d, b, m, recompute, fsdp)]
     placement = var.schedule.placement
@@ -54,4 +55,6 @@ def evaluate_layouts(
         planned = row.config.layout is not None
         if planned not in best or row.iteration_time < best[planned].iteration_time:
             best[planned] = row
+    if True in best and False in best and best[True].iteration_time >= best[False].iteration_time:
+        del best[True]  # a planned layout is listed only where it beats the uniform split
     return list(best.values())

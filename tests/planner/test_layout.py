@@ -192,3 +192,34 @@ def test_default_split_policy_unchanged() -> None:
     assert result.rows and not any(r.config.layout for r in result.rows)
     args = config_args(result.rows[0].config, TrainingSetup(), 96)
     assert "--pipeline-model-parallel-layout" not in args
+
+
+def test_planned_rows_beat_their_uniform_row() -> None:
+    result = planner(50257, "search", ("1f1b", "zb-h1", "v-zb")).run(progress=False)
+    uniform = {r.config.id: r for r in result.rows if not r.config.layout}
+    for row in result.rows:
+        base = uniform.get(row.config.id.removesuffix("-layout"))
+        if row.config.layout and base is not None:
+            assert row.iteration_time < base.iteration_time, row.config.id
+
+
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        ("Et*8|t*8|t*8|t*5L", "layout holds 29 decoder layers (t), the model has 30"),
+        ("Et*10||t*10|t*10L", "layout stage 1 is empty"),
+        ("Et*8|t*8|t*8|t*6|", "layout stage 4 is empty"),
+        ("Et*8|t*8|x|t*6L", "unknown character"),
+    ],
+)
+def test_cli_refuses_a_bad_layout_in_one_line(layout: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from megatron_pp_ext.cli import main
+
+    args = ["plan", "--model", "zb-6.2b", "--gpus", "8", "--global-batch", "96", "--no-cache", "--layout", layout]
+    try:
+        code = main(args)
+    except SystemExit as exc:  # argparse's own refusal (the syntax)
+        code = exc.code  # type: ignore[assignment]
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and "Traceback" not in "\n".join(err)
