@@ -22,12 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_pp_ext.planner.cost_model import CostModel, get_device  # noqa: E402
-from megatron_pp_ext.planner.memory import TrainingSetup  # noqa: E402
-from megatron_pp_ext.planner.models import get_model  # noqa: E402
-from megatron_pp_ext.planner.result import PlanRow  # noqa: E402
-from megatron_pp_ext.planner.search import Planner  # noqa: E402
-from megatron_pp_ext.planner.space import SearchSpace  # noqa: E402
+from megatron_pp_ext.planner.cost_model import CostModel, get_device
+from megatron_pp_ext.planner.memory import TrainingSetup
+from megatron_pp_ext.planner.models import get_model
+from megatron_pp_ext.planner.result import PlanRow
+from megatron_pp_ext.planner.search import Planner
+from megatron_pp_ext.planner.space import SearchSpace
 
 FAMILIES = ("1f1b", "zb-h1", "interleaved-1f1b", "v-zb", "dualpipev")
 CASES = {  # name: (preset, device, GPUs, global batch)
