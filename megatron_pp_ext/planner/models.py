@@ -29,7 +29,7 @@ Presets (``megatron-pp plan --model NAME``; ``models_table()`` prints them):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 __all__ = [
     "HYBRID_KINDS",
@@ -293,6 +293,15 @@ class ModelSpec:
         args += ["--hidden-dropout", f"{self.hidden_dropout:g}", "--attention-dropout", f"{self.attention_dropout:g}"]
         return args
 
+    def to_json_dict(self) -> dict[str, object]:
+        """Every field, less the MoE / hybrid ones a dense GPT leaves at their defaults (a plan of a dense
+        model reads as it did before those fields existed)."""
+        out = asdict(self)
+        for name in _LAYER_KIND_FIELDS:
+            if out[name] == _DEFAULTS[name]:
+                del out[name]
+        return out
+
     def with_overrides(self, **changes: object) -> ModelSpec:
         """A copy with some fields replaced (``None`` values are ignored)."""
         given = {k: v for k, v in changes.items() if v is not None}
@@ -300,6 +309,19 @@ class ModelSpec:
             return self
         return replace(self, **given)  # type: ignore[arg-type]
 
+
+_LAYER_KIND_FIELDS = (
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_router_topk",
+    "moe_shared_expert_ffn",
+    "moe_first_dense_layers",
+    "hybrid_pattern",
+    "mamba_state_dim",
+    "mamba_head_dim",
+    "mamba_num_groups",
+)
+_DEFAULTS = {f.name: f.default for f in fields(ModelSpec)}
 
 _ZB = "Qi et al., Zero Bubble Pipeline Parallelism, ICLR 2024, Table 3"
 _CM = "Qi et al., Pipeline Parallelism with Controllable Memory, NeurIPS 2024, Table 2"

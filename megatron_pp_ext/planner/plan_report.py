@@ -135,7 +135,7 @@ def plan_document(result: PlanResult, planner: Planner, rows: Sequence[PlanRow])
         docs.append(entry)
     doc = {
         "format": "megatron-pp plan v1",
-        "model": asdict(planner.model),
+        "model": planner.model.to_json_dict(),
         "gpus": planner.num_gpus,
         "global_batch": planner.global_batch,
         "device": planner.costs.device.name,
