@@ -28,6 +28,7 @@ from megatron_pp_ext.planner.layout import (
 from megatron_pp_ext.planner.megatron_args import config_args
 from megatron_pp_ext.planner.memory import TrainingSetup
 from megatron_pp_ext.planner.models import get_model
+from megatron_pp_ext.planner.sbatch import check_tokens
 from megatron_pp_ext.planner.search import Planner
 from megatron_pp_ext.planner.space import SearchSpace
 from megatron_pp_ext.schedules.placement import loop_placement, v_placement
@@ -182,6 +183,7 @@ def test_search_plans_layouts_against_the_uniform_split() -> None:
     assert "--pipeline-model-parallel-layout" in args and "--num-virtual-stages-per-pipeline-rank" not in args
     assert "--account-for-embedding-in-pipeline-split" not in args
     assert row.to_json_dict()["layout"] == row.config.layout and row.config.id.endswith("-layout")
+    check_tokens(args, "a planned configuration")  # the Slurm script passes the layout as one plain word
 
 
 def test_default_split_policy_unchanged() -> None:
