@@ -92,7 +92,8 @@ def main() -> None:
     print("| --- | --- | --- | --- |")
     for (schedule, layout), seconds in sorted(predicted.items()):
         ms = statistics.median(measured[(schedule, layout)])
-        print(f"| {schedule} | `{layout}` | {ms:.0f} | {1e3 * seconds:.0f} |")
+        cell = layout.replace("|", "\\|")  # a table cell
+        print(f"| {schedule} | `{cell}` | {ms:.0f} | {1e3 * seconds:.0f} |")
     print("\n| schedule | planned layout | measured planned / uniform | predicted planned / uniform |")
     print("| --- | --- | --- | --- |")
     for schedule in SCHEDULES:
@@ -100,7 +101,8 @@ def main() -> None:
         for key in planned:
             m_ratio = statistics.median(measured[key]) / statistics.median(measured[(schedule, UNIFORM)])
             p_ratio = predicted[key] / predicted[(schedule, UNIFORM)]
-            print(f"| {schedule} | `{key[1]}` | {m_ratio:.2f} | {p_ratio:.2f} |")
+            cell = key[1].replace("|", "\\|")
+            print(f"| {schedule} | `{cell}` | {m_ratio:.2f} | {p_ratio:.2f} |")
 
 
 if __name__ == "__main__":

@@ -82,6 +82,7 @@ def run_case(name: str, micro_batches: tuple[int, ...] | None) -> None:
     for schedule in (*FAMILIES, None):
         uniform, joint = best(result.rows, schedule, False), best(result.rows, schedule, None)
         layout = joint.config.layout if joint is not None and joint.config.layout else "(uniform)"
+        layout = layout.replace("|", "\\|")  # a table cell
         label = schedule or "**any (joint)**"
         print(f"| {label} | {describe(uniform)} | {describe(joint)} | `{layout}` | {gain(uniform, joint)} |")
 
