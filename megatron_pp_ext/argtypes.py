@@ -95,6 +95,14 @@ unit_size = _shared(values.parse_unit_size, "unit_size")
 memory_limit = _shared(values.parse_memory_limit, "memory_limit")
 # ``F,B,W[,COMM]`` as a tuple of four floats.
 costs = _shared(values.parse_costs, "costs")
+# ``KIND=F,B,W;...`` measured per-layer times: ``({kind: (F, B, W)}, micro_batch, tp)``.
+layer_costs = _shared(values.parse_layer_costs, "layer_costs")
+
+
+def layout(text: str) -> str:
+    """A pipeline layout (megatron's layout text), syntax checked by the shared parser and kept as written."""
+    _shared(values.parse_layer_layout, "layout")(text)
+    return text
 
 
 def memory_limit_list(text: str) -> tuple[str, ...]:

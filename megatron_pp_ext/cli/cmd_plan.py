@@ -13,12 +13,12 @@ from ..argtypes import nonnegative_int, output_file
 from ..planner.memory import GIB
 from ..planner.options import add_plan_arguments, planner_from_args
 from ..planner.plan_report import (
-    TABLE_HEADER,
     csv_text,
     format_table,
     plan_document,
     select_rows,
     summary_lines,
+    table_header,
     table_rows,
 )
 from ..planner.result import PlanResult
@@ -94,7 +94,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(AutoDecision(result).table())
         print()
     if rows:
-        print(format_table(TABLE_HEADER, table_rows(rows)))
+        print(format_table(table_header(rows), table_rows(rows)))
     else:
         print("no configuration fits (see below)")
     print()

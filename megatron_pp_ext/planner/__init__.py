@@ -8,8 +8,11 @@ each using the others' public names only:
   shapes that divide, the ranking), :mod:`.variants` (a schedule's variants at a shape, or why it does
   not apply), :mod:`.evaluate` (one candidate's memory and time; ``estimate_memory``), :mod:`.extrapolate`
   (short anchor runs extrapolated), :mod:`.memo` (``PlannerMemo``: built schedules and simulations kept
-  across planners), :mod:`.schedule_cache` (slow generators' output on disk);
-* the models: :mod:`.models`, :mod:`.memory`, :mod:`.costs`, :mod:`.timing`, :mod:`.dp_stream`, :mod:`.fsdp`;
+  across planners), :mod:`.schedule_cache` (slow generators' output on disk), :mod:`.layout` (the layer
+  layouts a candidate tries, megatron's layout flags, a given layout's checks) and :mod:`.layout_search`
+  (a candidate under those layouts);
+* the models: :mod:`.models`, :mod:`.memory`, :mod:`.costs`, :mod:`.timing`, :mod:`.dp_stream`, :mod:`.fsdp`,
+  :mod:`.layer_costs` (each layer kind's time, activations and parameters; per-stage costs of a layout);
 * the output: :mod:`.result` (``PlanRow``, ``PlanResult``), :mod:`.megatron_args`, :mod:`.report` (table,
   summary, JSON document, CSV), :mod:`.auto` (the ``--pipeline-schedule auto`` decision), :mod:`.options`
   (the planner's flags and the ``Planner`` they describe);

@@ -206,6 +206,10 @@ class CostModel:
         return replace(self, measured=times, measured_micro_batch=micro_batch, measured_tp=tensor_parallel)
 
     # ---- compute -----------------------------------------------------------------------------
+    def gemm_rate(self, micro_batch: int, tensor_parallel: int) -> float:
+        """FLOP/s one GPU reaches on this model's GEMMs at this micro-batch and TP size."""
+        return self._rate(micro_batch, tensor_parallel)
+
     def _rate(self, micro_batch: int, tensor_parallel: int) -> float:
         """FLOP/s one GPU reaches on this layer's GEMMs."""
         eff = self.efficiency if self.efficiency is not None else self.device.efficiency

@@ -15,6 +15,7 @@ from ..schedules.schedule import Schedule
 from .cost_model import model_flops_per_iteration
 from .dp_stream import exposed_dp_time, reduction_profile
 from .extrapolate import EXACT_FALLBACK, TOLERANCE, affine_at, affine_memory
+from .layout import is_uniform, layout_text
 from .memo import Built, build_key
 from .memory import (
     RankMemory,
@@ -23,7 +24,6 @@ from .memory import (
     fsdp_rank_memory,
     rank_memory,
     split_layers,
-    stage_layout,
     stage_parameters,
 )
 from .models import ModelSpec
@@ -41,7 +41,7 @@ def evaluate(
     """A row, the worst rank's memory (bytes) if over the budget, or why ``m`` itself is refused.
     ``fsdp``: parameters sharded inside the pipeline (memory and time from planner/fsdp_axis.py)."""
     schedule = var.schedule
-    layout = stage_layout(schedule.placement, var.split)
+    layout = planner.stage_layout(schedule.placement, var.split, t, b, recompute)
     builds = var.builds
     approximate = False
     memory = variant_memory(planner, builds, layout, var.split, t, d, b, recompute, m)
@@ -66,9 +66,7 @@ def evaluate(
     worst = max(mem.total for mem in memory)
     if worst > planner.budget_bytes:
         return worst
-    costs = planner.costs.stage_costs(
-        layout, micro_batch=b, tensor_parallel=t, pipeline=p, data_parallel=d, recompute=recompute
-    )
+    costs = planner.stage_costs(layout, schedule.placement, t, p, d, b, recompute)
     times = variant_times(planner, builds, costs, m)
     if times is None:  # makespan not affine in m (a greedy schedule): simulate the real m
         if m > EXACT_FALLBACK * p:
@@ -114,6 +112,7 @@ def evaluate(
         costs_flag=",".join(f"{x:g}" for x in var.costs_key) if var.costs_key else None,
         unit_size=var.unit,
         fsdp=fsdp,
+        layout=None if is_uniform(planner.model.num_layers, var.split) else layout_text(var.split),
     )
     return PlanRow(
         config=config,
@@ -198,6 +197,7 @@ def variant_memory(
                 schedule=built.schedule,
                 split=split,
                 profile=prof,
+                layout=layout,
             )
         )
     if len(builds) == 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .layout import layout_args
 from .memory import TrainingSetup
 from .models import ModelSpec
 from .space import Config
@@ -21,7 +22,8 @@ def config_args(config: Config, setup: TrainingSetup, global_batch: int) -> list
         "--pipeline-schedule",
         config.schedule,
     ]
-    if config.v_flag is not None and config.chunks > 1:
+    planned_loop = config.layout is not None and config.placement == "loop"
+    if config.v_flag is not None and config.chunks > 1 and not planned_loop:  # a layout gives megatron the chunks
         args += ["--num-virtual-stages-per-pipeline-rank", str(config.chunks)]
     if config.memory_limit:
         args += ["--pipeline-memory-limit", config.memory_limit]
@@ -33,6 +35,8 @@ def config_args(config: Config, setup: TrainingSetup, global_batch: int) -> list
         args.append("--pipeline-fsdp")
     if config.uneven:
         args += ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+    if config.layout is not None:
+        args += layout_args(config.placement, config.split)
     if setup.uses_sp(config.tp):
         args.append("--sequence-parallel")
     if setup.distributed_optimizer and not config.fsdp:  # FSDP shards the optimizer state itself

@@ -243,21 +243,31 @@ class StageInfo:
     layers: int
     first: bool
     last: bool
+    offset: int = 0  # model index of its first decoder layer
+    weight: float | None = None  # activations in dense-layer units (None: ``layers``; mixed layer kinds)
+    params: float | None = None  # parameters of its decoder layers per TP rank (None: ``layers`` dense layers)
+
+    @property
+    def activation_layers(self) -> float:
+        return float(self.layers) if self.weight is None else self.weight
 
 
 def stage_layout(placement: Placement, split: Sequence[int]) -> tuple[StageInfo, ...]:
     """Every global stage of ``placement`` with its layers (``split`` is per model slice)."""
     if len(split) != placement.stages_per_replica:
         raise ValueError(f"layer split has {len(split)} slices, the placement {placement.stages_per_replica}")
+    offsets = [sum(split[:i]) for i in range(len(split))]
     out = []
     for stage in range(placement.num_stages):
+        piece = placement.model_slice_of(stage)
         out.append(
             StageInfo(
                 stage=stage,
                 rank=placement.rank_of(stage),
-                layers=int(split[placement.model_slice_of(stage)]),
+                layers=int(split[piece]),
                 first=placement.is_first(stage),
                 last=placement.is_last(stage),
+                offset=int(offsets[piece]),
             )
         )
     return tuple(out)
@@ -274,7 +284,7 @@ def stage_parameters(model: ModelSpec, tensor_parallel: int, layout: Sequence[St
     counts = parameter_counts(model, tensor_parallel)
     out = []
     for info in layout:
-        n = info.layers * counts.layer
+        n = info.layers * counts.layer if info.params is None else info.params
         if info.first:
             n += counts.word_embedding + counts.position_embedding
         if info.last:
@@ -320,7 +330,7 @@ def activation_profile(
     retained = float(w_retained_fraction)
     freed_by_b = 1.0 - retained
     f_kind, b_kind, bw_kind = OpKind.F, OpKind.B, OpKind.BW
-    weights = [(float(i.layers), 1.0 if i.first else 0.0, 1.0 if i.last else 0.0) for i in layout]
+    weights = [(i.activation_layers, 1.0 if i.first else 0.0, 1.0 if i.last else 0.0) for i in layout]
     result = []
     for row in schedule.ops:
         ln = fn = on = 0.0
@@ -413,9 +423,12 @@ def rank_memory(
     schedule: Schedule,
     split: Sequence[int],
     profile: ActivationProfile | None = None,
+    layout: Sequence[StageInfo] | None = None,
 ) -> list[RankMemory]:
-    """Per-rank memory of ``schedule`` (its placement and op order) for this configuration."""
-    layout = stage_layout(schedule.placement, split)
+    """Per-rank memory of ``schedule`` (its placement and op order) for this configuration; ``layout``: the
+    stages with their layer kinds' weights (:func:`.layer_costs.kind_layout`), default plain dense layers."""
+    if layout is None:
+        layout = stage_layout(schedule.placement, split)
     if profile is None:
         profile = activation_profile(schedule, layout, setup.w_retained_fraction)
     static = static_memory(model, setup, tensor_parallel, data_parallel, layout, schedule.num_ranks)

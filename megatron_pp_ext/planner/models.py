@@ -18,15 +18,36 @@ Presets (``megatron-pp plan --model NAME``; ``models_table()`` prints them):
 * breadth-first paper (Lamy-Poirier, MLSys 2023): ``bf-6.6b``, ``bf-52b`` -- only the
   parameter counts are confirmed; layers / hidden / heads are the standard GPT shapes that give
   those counts, sequence length and vocabulary are assumed.
+* layer-layout presets (``megatron-pp plan --layer-split search``): ``llama3-8b``, ``llama3-70b`` (Llama 3
+  paper and model cards: a 128256 vocabulary makes the output layer + loss worth 2.1 / 1.1 layers),
+  ``deepseek-v2-lite`` (DeepSeek-V2 paper, Appendix B: MoE with a dense first layer; its multi-head latent
+  attention is costed as plain attention), ``nemotron-h-8b`` (Nemotron-H paper and model card: Mamba-2,
+  attention and MLP layers in megatron's hybrid pattern); cluster size and batch assumed.
 * ``tiny``: the CPU smoke-test model of ``scripts/run_tiny_cpu.sh`` (for the local launcher).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
-__all__ = ["PRESETS", "ModelSpec", "ParameterCounts", "get_model", "model_names", "models_table", "parameter_counts"]
+__all__ = [
+    "HYBRID_KINDS",
+    "LAYER_KINDS",
+    "PRESETS",
+    "ModelSpec",
+    "ParameterCounts",
+    "get_model",
+    "kind_parameters",
+    "model_names",
+    "models_table",
+    "parameter_counts",
+]
+
+#: Decoder layer kinds: a GPT layer, a GPT layer with a MoE MLP, and the single-mixer layers of a hybrid model.
+LAYER_KINDS = ("dense", "moe", "mamba", "attention", "mlp", "moe-mlp")
+#: Megatron's hybrid-pattern characters and the kind each builds.
+HYBRID_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe-mlp"}
 
 
 @dataclass(frozen=True)
@@ -63,6 +84,40 @@ def parameter_counts(model: ModelSpec, tensor_parallel: int = 1) -> ParameterCou
     )
 
 
+def kind_parameters(model: ModelSpec, kind: str, tensor_parallel: int = 1) -> float:
+    """Parameters of one decoder layer of ``kind`` held by one TP rank (experts are sharded by TP, as
+    megatron's default expert tensor parallelism does; no expert parallelism)."""
+    t = int(tensor_parallel)
+    h, q, kv, f = model.hidden_size, model.q_size, model.kv_size, model.ffn
+    norm = (2 if model.normalization == "LayerNorm" else 1) * h
+    bias = model.add_bias_linear
+
+    def mlp(width: int) -> float:
+        up = 2 * width if model.swiglu else width
+        return (h * up + width * h + (up if bias else 0)) / t + (h if bias else 0)
+
+    attention = (h * (q + 2 * kv) + q * h + ((q + 2 * kv) if bias else 0)) / t + (h if bias else 0) + norm
+    experts = (model.num_experts or 0) * mlp(model.expert_ffn) + h * (model.num_experts or 0)  # + router
+    shared = mlp(model.moe_shared_expert_ffn) if model.moe_shared_expert_ffn else 0.0
+    if kind == "dense":
+        return parameter_counts(model, t).layer
+    if kind == "moe":
+        return attention + norm + experts + shared
+    if kind == "attention":
+        return attention
+    if kind == "mlp":
+        return mlp(f) + norm
+    if kind == "moe-mlp":
+        return experts + shared + norm
+    if kind == "mamba":
+        di, groups, state = 2 * h, model.mamba_num_groups, model.mamba_state_dim
+        heads = di // model.mamba_head_dim
+        in_proj = h * (2 * di + 2 * groups * state + heads)
+        conv = 4 * (di + 2 * groups * state)
+        return (in_proj + di * h + conv + 3 * heads + di) / t + norm
+    raise ValueError(f"unknown layer kind {kind!r}; kinds: {', '.join(LAYER_KINDS)}")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A dense GPT (decoder-only transformer) as Megatron builds it."""
@@ -85,6 +140,19 @@ class ModelSpec:
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     make_vocab_size_divisible_by: int = 128
+    # Mixture of experts (megatron's --num-experts, --moe-ffn-hidden-size, --moe-router-topk,
+    # --moe-shared-expert-intermediate-size, --moe-layer-freq with the first layers dense); no expert parallelism.
+    num_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None  # one expert's FFN width (default ffn)
+    moe_router_topk: int = 2
+    moe_shared_expert_ffn: int = 0  # total FFN width of the shared experts (0: none)
+    moe_first_dense_layers: int = 0  # the first layers keep a dense MLP (DeepSeek's first_k_dense_replace)
+    # Hybrid models: one character per layer in megatron's hybrid alphabet (M Mamba-2 mixer,
+    # * self-attention, - MLP, E MoE MLP); num_layers must equal its length. None: GPT layers.
+    hybrid_pattern: str | None = None
+    mamba_state_dim: int = 128
+    mamba_head_dim: int = 64
+    mamba_num_groups: int = 8
     # Paper settings (defaults for `plan`), provenance.
     default_gpus: int | None = None
     default_global_batch: int | None = None
@@ -108,6 +176,17 @@ class ModelSpec:
             raise ValueError(f"model {self.name}: unknown position embedding type {self.position_embedding_type!r}")
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"model {self.name}: unknown normalization {self.normalization!r}")
+        if self.hybrid_pattern is not None:
+            bad = sorted(set(self.hybrid_pattern) - set(HYBRID_KINDS))
+            if bad or len(self.hybrid_pattern) != self.num_layers:
+                raise ValueError(
+                    f"model {self.name}: hybrid pattern must be {self.num_layers} characters of "
+                    f"{''.join(HYBRID_KINDS)} (M Mamba, * attention, - MLP, E MoE), got {self.hybrid_pattern!r}"
+                )
+        if ("E" in (self.hybrid_pattern or "") or self.moe_first_dense_layers) and not self.num_experts:
+            raise ValueError(f"model {self.name}: MoE layers need num_experts")
+        if not 0 <= self.moe_first_dense_layers <= self.num_layers:
+            raise ValueError(f"model {self.name}: moe_first_dense_layers must be in [0, {self.num_layers}]")
 
     # ---- derived shapes ---------------------------------------------------------------------
     @property
@@ -136,6 +215,25 @@ class ModelSpec:
     def max_positions(self) -> int:
         return self.max_position_embeddings if self.max_position_embeddings is not None else self.seq_length
 
+    @property
+    def expert_ffn(self) -> int:
+        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn
+
+    def layer_kinds(self) -> tuple[str, ...]:
+        """The kind of each decoder layer in model order (:data:`LAYER_KINDS`): ``dense`` (attention + MLP),
+        ``moe`` (attention + MoE MLP), or a hybrid model's ``mamba`` / ``attention`` / ``mlp`` / ``moe-mlp``."""
+        if self.hybrid_pattern is not None:
+            return tuple(HYBRID_KINDS[c] for c in self.hybrid_pattern)
+        if self.num_experts:
+            k = self.moe_first_dense_layers
+            return ("dense",) * k + ("moe",) * (self.num_layers - k)
+        return ("dense",) * self.num_layers
+
+    @property
+    def uniform_layers(self) -> bool:
+        """Every decoder layer is the same dense transformer layer."""
+        return self.hybrid_pattern is None and not self.num_experts
+
     def padded_vocab_size(self, tensor_parallel: int) -> int:
         """Megatron pads the vocabulary to a multiple of ``make_vocab_size_divisible_by * TP``."""
         multiple = self.make_vocab_size_divisible_by * tensor_parallel
@@ -144,7 +242,12 @@ class ModelSpec:
     def num_parameters(self, tensor_parallel: int = 1) -> int:
         """Total parameters (one copy of every weight; tied embeddings counted once)."""
         counts = parameter_counts(self, tensor_parallel)
-        total = self.num_layers * counts.layer + counts.word_embedding + counts.position_embedding + counts.final_norm
+        layers = (
+            self.num_layers * counts.layer
+            if self.uniform_layers
+            else sum(kind_parameters(self, k, tensor_parallel) for k in self.layer_kinds())
+        )
+        total = layers + counts.word_embedding + counts.position_embedding + counts.final_norm
         if self.untie_embeddings_and_output_weights:
             total += counts.word_embedding
         return int(total)
@@ -179,8 +282,25 @@ class ModelSpec:
             args += ["--normalization", self.normalization]
         if not self.add_bias_linear:
             args.append("--disable-bias-linear")
+        if self.num_experts:
+            args += ["--num-experts", str(self.num_experts), "--moe-router-topk", str(self.moe_router_topk)]
+            args += ["--moe-ffn-hidden-size", str(self.expert_ffn)]
+            if self.moe_shared_expert_ffn:
+                args += ["--moe-shared-expert-intermediate-size", str(self.moe_shared_expert_ffn)]
+            if self.moe_first_dense_layers:
+                k = self.moe_first_dense_layers
+                args += ["--moe-layer-freq", f"([0]*{k}+[1]*{self.num_layers - k})"]
         args += ["--hidden-dropout", f"{self.hidden_dropout:g}", "--attention-dropout", f"{self.attention_dropout:g}"]
         return args
+
+    def to_json_dict(self) -> dict[str, object]:
+        """Every field, less the MoE / hybrid ones a dense GPT leaves at their defaults (a plan of a dense
+        model reads as it did before those fields existed)."""
+        out = asdict(self)
+        for name in _LAYER_KIND_FIELDS:
+            if out[name] == _DEFAULTS[name]:
+                del out[name]
+        return out
 
     def with_overrides(self, **changes: object) -> ModelSpec:
         """A copy with some fields replaced (``None`` values are ignored)."""
@@ -190,9 +310,36 @@ class ModelSpec:
         return replace(self, **given)  # type: ignore[arg-type]
 
 
+_LAYER_KIND_FIELDS = (
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_router_topk",
+    "moe_shared_expert_ffn",
+    "moe_first_dense_layers",
+    "hybrid_pattern",
+    "mamba_state_dim",
+    "mamba_head_dim",
+    "mamba_num_groups",
+)
+_DEFAULTS = {f.name: f.default for f in fields(ModelSpec)}
+
 _ZB = "Qi et al., Zero Bubble Pipeline Parallelism, ICLR 2024, Table 3"
 _CM = "Qi et al., Pipeline Parallelism with Controllable Memory, NeurIPS 2024, Table 2"
 _BF = "Lamy-Poirier, Breadth-First Pipeline Parallelism, MLSys 2023"
+_LLAMA3 = "Llama Team (Meta), The Llama 3 Herd of Models, 2024, Table 3, and the Meta-Llama-3 model cards"
+_DSV2 = "DeepSeek-AI, DeepSeek-V2 (2024), Appendix B (DeepSeek-V2-Lite) and the DeepSeek-V2-Lite model card"
+_NEMOTRON_H = "NVIDIA, Nemotron-H: Hybrid Mamba-Transformer Models (2025) and the Nemotron-H-8B-Base-8K model card"
+# Llama-style decoder: SwiGLU, RMSNorm, RoPE, no biases, no dropout, untied output layer
+_MODERN = {
+    "swiglu": True,
+    "untie_embeddings_and_output_weights": True,
+    "position_embedding_type": "rope",
+    "normalization": "RMSNorm",
+    "add_bias_linear": False,
+    "hidden_dropout": 0.0,
+    "attention_dropout": 0.0,
+}
+_NEMOTRON_H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
 
 PRESETS: dict[str, ModelSpec] = {
     m.name: m
@@ -329,6 +476,86 @@ PRESETS: dict[str, ModelSpec] = {
                 "default_gpus",
                 "default_global_batch",
             ),
+        ),
+        ModelSpec(
+            "llama3-8b",
+            32,
+            4096,
+            32,
+            8192,
+            vocab_size=128256,
+            ffn_hidden_size=14336,
+            num_query_groups=8,
+            **_MODERN,  # type: ignore[arg-type]
+            default_gpus=8,
+            default_micro_batch=1,
+            default_global_batch=128,
+            source=_LLAMA3 + " (32 layers, 4096 hidden, 32 heads / 8 KV, FFN 14336, vocabulary 128256, 8K context)",
+            assumed=("default_gpus", "default_global_batch"),
+        ),
+        ModelSpec(
+            "llama3-70b",
+            80,
+            8192,
+            64,
+            8192,
+            vocab_size=128256,
+            ffn_hidden_size=28672,
+            num_query_groups=8,
+            **_MODERN,  # type: ignore[arg-type]
+            default_gpus=64,
+            default_micro_batch=1,
+            default_global_batch=512,
+            source=_LLAMA3 + " (80 layers, 8192 hidden, 64 heads / 8 KV, FFN 28672, vocabulary 128256, 8K context)",
+            assumed=("default_gpus", "default_global_batch"),
+        ),
+        ModelSpec(
+            "deepseek-v2-lite",
+            27,
+            2048,
+            16,
+            4096,
+            vocab_size=102400,
+            ffn_hidden_size=10944,
+            kv_channels=128,
+            **_MODERN,  # type: ignore[arg-type]
+            num_experts=64,
+            moe_ffn_hidden_size=1408,
+            moe_router_topk=6,
+            moe_shared_expert_ffn=2 * 1408,
+            moe_first_dense_layers=1,
+            default_gpus=16,
+            default_micro_batch=1,
+            default_global_batch=256,
+            source=_DSV2 + " (27 layers, 2048 hidden, 16 heads, 64 routed experts of 1408 / 6 active + 2 shared, "
+            "first layer dense with FFN 10944, vocabulary 102400, 4K context)",
+            assumed=(
+                "attention (MLA costed as 16-head attention of head size 128)",
+                "default_gpus",
+                "default_global_batch",
+            ),
+        ),
+        ModelSpec(
+            "nemotron-h-8b",
+            52,
+            4096,
+            32,
+            8192,
+            vocab_size=131072,
+            ffn_hidden_size=21504,
+            kv_channels=128,
+            num_query_groups=8,
+            **{**_MODERN, "swiglu": False},  # type: ignore[arg-type]
+            hybrid_pattern=_NEMOTRON_H_8B_PATTERN,
+            mamba_state_dim=128,
+            mamba_head_dim=64,
+            mamba_num_groups=8,
+            default_gpus=8,
+            default_micro_batch=1,
+            default_global_batch=128,
+            source=_NEMOTRON_H + " (52 layers: 24 Mamba-2, 4 attention, 24 MLP of 21504 (squared ReLU), 4096 hidden, "
+            "32 heads / 8 KV, 128 Mamba heads of 64, state 128, 8K context)",
+            assumed=("vocab_size", "mamba_num_groups", "default_gpus", "default_global_batch"),
         ),
         ModelSpec(
             "tiny",

@@ -10,6 +10,8 @@ from dataclasses import replace
 from ..argtypes import (
     fraction,
     int_in,
+    layer_costs,
+    layout,
     memory_limit_list,
     nonnegative_float,
     positive_float,
@@ -17,6 +19,8 @@ from ..argtypes import (
     positive_int,
 )
 from .cost_model import CostModel
+from .layer_costs import MeasuredLayers
+from .layout import check_layout
 from .memo import SIM_OVERLAP, PlannerMemo
 from .memory import TrainingSetup, w_memory_fraction
 from .schedule_cache import default_cache_dir
@@ -125,7 +129,26 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "embeddings, DP >= 2): off (default; 'both' with --schedules auto), on (only sharded rows where allowed), both",
     )
     s.add_argument("--unit-sizes", type=_int_list, help="zeropp unit sizes U to try (default: every divisor of m)")
-    s.add_argument("--layer-split", choices=("auto", "even", "embedding-loss"), default="auto")
+    s.add_argument(
+        "--layer-split",
+        choices=("auto", "even", "embedding-loss", "search"),
+        default="auto",
+        help="layers per stage: even, embedding-loss (first and last stage one layer short), auto (even if "
+        "possible, else embedding-loss), search (plan each candidate's layout too, with per-layer costs: "
+        "docs/planner.md); default %(default)s",
+    )
+    s.add_argument(
+        "--layout",
+        type=layout,
+        help="evaluate this layer layout only (megatron's --pipeline-model-parallel-layout text, e.g. "
+        "'Et*3|t*4|t*4|t*3L'); the candidates whose stages it fits",
+    )
+    s.add_argument(
+        "--layer-costs",
+        type=layer_costs,
+        help="measured per-layer times, ms for one micro-batch: 'dense=F,B,W;head=F,B,W;embedding=F,B,W"
+        "[;micro_batch=N;tp=N]' (kinds: dense, moe, mamba, attention, mlp, moe-mlp, embedding, head)",
+    )
     s.add_argument(
         "--cache",
         default=str(default_cache_dir()),
@@ -198,10 +221,14 @@ def planner_from_args(args: argparse.Namespace, memo: PlannerMemo | None = None)
         recompute=tuple(args.recompute),
         schedules=None if auto else args.schedules,
         memory_limits=tuple(args.schedule_memory_limits),
-        layer_split=args.layer_split,
+        layer_split="search" if getattr(args, "layout", None) else args.layer_split,
+        layout=getattr(args, "layout", None),
         fsdp=_FSDP_CHOICES[args.fsdp] if getattr(args, "fsdp", None) else None,
         unit_sizes=getattr(args, "unit_sizes", None),
     )
+    if space.layout is not None:
+        check_layout(space.layout, model.num_layers)
+    measured = getattr(args, "layer_costs", None)
     if auto:  # every schedule and parameter (planner/auto.py)
         from .auto import auto_space
 
@@ -219,6 +246,7 @@ def planner_from_args(args: argparse.Namespace, memo: PlannerMemo | None = None)
         post_validation=bool(getattr(args, "post_validation", False)),
         memo=memo,
         overlap=args.overlap,
+        measured_layers=MeasuredLayers.from_ms(*measured) if measured else None,
     )
 
 

@@ -52,7 +52,14 @@ def row_label(config: Config) -> str:
     return label + (f"/U{config.unit_size}" if config.unit_size is not None else "")
 
 
+def table_header(rows: Sequence[PlanRow]) -> tuple[str, ...]:
+    """The table's columns: :data:`TABLE_HEADER`, and ``layout`` when a row has a planned layer layout."""
+    return (*TABLE_HEADER, "layout") if any(r.config.layout for r in rows) else TABLE_HEADER
+
+
 def table_rows(rows: Sequence[PlanRow]) -> list[list[str]]:
+    """One line per row, with the ``layout`` column when :func:`table_header` has it (``-``: uniform split)."""
+    layouts = any(r.config.layout for r in rows)
     out = []
     for r in rows:
         c = r.config
@@ -78,6 +85,7 @@ def table_rows(rows: Sequence[PlanRow]) -> list[list[str]]:
                 "fsdp" if c.fsdp else "-",
                 str(r.gathers) if c.fsdp else "-",
                 f"{r.dp_time * 1e3:.3g}",
+                *([c.layout or "-"] if layouts else []),
             ]
         )
     return out
@@ -127,7 +135,7 @@ def plan_document(result: PlanResult, planner: Planner, rows: Sequence[PlanRow])
         docs.append(entry)
     doc = {
         "format": "megatron-pp plan v1",
-        "model": asdict(planner.model),
+        "model": planner.model.to_json_dict(),
         "gpus": planner.num_gpus,
         "global_batch": planner.global_batch,
         "device": planner.costs.device.name,

@@ -71,6 +71,8 @@ class PlanRow:
             "extrapolated": self.extrapolated,
             "approximate": self.approximate,
         }
+        if c.layout is not None:
+            out["layout"] = c.layout
         if c.unit_size is not None:
             out["unit_size"] = c.unit_size
         if c.fsdp:

@@ -20,7 +20,7 @@ from typing import Any
 
 __all__ = ["DEFAULT_ENV", "TEMPLATE", "GridOptions", "check_tokens", "sbatch_text"]
 
-_SAFE_TOKEN = re.compile(r"^[A-Za-z0-9_.,@=:/+%-]+$")
+_SAFE_TOKEN = re.compile(r"^[A-Za-z0-9_.,@=:/+%|-]+$")  # | : a layer layout (read -a does not interpret it)
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 DEFAULT_ENV = {
     "CUDA_DEVICE_MAX_CONNECTIONS": "1",  # megatron: keeps TP/SP communication ordered with compute

@@ -22,11 +22,14 @@ from ..analysis.simulate import Costs, simulate
 from ..schedules import registry
 from ..schedules.ir import ScheduleError
 from ..schedules.limits import OPS_PER_PAIR
+from ..schedules.placement import Placement
 from ..schedules.schedule import Schedule
 from .cost_model import CostModel
-from .evaluate import evaluate
 from .extrapolate import EXACT_FALLBACK, anchor_counts
 from .fsdp_axis import FsdpSimulator, fsdp_options
+from .layer_costs import LayerCostTable, MeasuredLayers, kind_layout, layer_cost_table
+from .layer_costs import stage_costs as layer_stage_costs
+from .layout_search import evaluate_layouts
 from .memo import (
     POST_VALIDATION_ITERATIONS,
     SIM_KWARGS,
@@ -38,7 +41,7 @@ from .memo import (
     normalise,
     simulate_once,
 )
-from .memory import GIB, ActivationProfile, StageInfo, TrainingSetup, activation_profile
+from .memory import GIB, ActivationProfile, StageInfo, TrainingSetup, activation_profile, stage_layout
 from .models import ModelSpec
 from .result import PlanResult, PlanRow
 from .schedule_cache import DISK_CACHE_MIN_SECONDS, ScheduleCache
@@ -64,6 +67,7 @@ class Planner:
         post_validation: bool = False,
         memo: PlannerMemo | None = None,
         overlap: float = SIM_OVERLAP,
+        measured_layers: MeasuredLayers | None = None,
     ) -> None:
         if num_gpus < 1:
             raise ValueError(f"number of GPUs must be >= 1, got {num_gpus}")
@@ -96,6 +100,44 @@ class Planner:
         self.stats: Counter[str] = Counter()
         self.disk_cache = ScheduleCache(cache_dir) if cache_dir is not None else None
         self.fsdp_sim = FsdpSimulator()
+        # per-layer costs (embedding, each layer's kind, head; planner/layer_costs.py) for the layout search and
+        # for models whose layers differ; a model of equal dense layers otherwise keeps the per-stage model
+        self.measured_layers = measured_layers
+        self._tables: dict[tuple[int, int, str], LayerCostTable] = {}
+        self.memo_layouts: dict[tuple[Any, ...], list[tuple[int, ...]]] = {}  # candidate layouts per placement
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether stage costs and memory come from per-layer costs (planner/layer_costs.py)."""
+        return self.space.layer_split == "search" or not self.model.uniform_layers or self.measured_layers is not None
+
+    def layer_table(self, micro_batch: int, tensor_parallel: int, recompute: str) -> LayerCostTable:
+        """Every layer's times at this micro-batch, TP size and recompute setting (kept per planner)."""
+        key = (micro_batch, tensor_parallel, recompute)
+        table = self._tables.get(key)
+        if table is None:
+            table = layer_cost_table(self.costs, micro_batch, tensor_parallel, recompute, self.measured_layers)
+            self._tables[key] = table
+        return table
+
+    def stage_layout(
+        self, placement: Placement, split: Sequence[int], t: int, b: int, recompute: str
+    ) -> tuple[StageInfo, ...]:
+        """The stages of ``placement`` under ``split``, weighted by their layers' kinds when per-layer."""
+        if not self.per_layer:
+            return stage_layout(placement, split)
+        return kind_layout(self.model, self.setup, placement, split, t, b, recompute)
+
+    def stage_costs(
+        self, layout: Sequence[StageInfo], placement: Placement, t: int, p: int, d: int, b: int, recompute: str
+    ) -> Costs:
+        """The simulator's per-stage costs of ``layout`` (per-layer, or the cost model's per-stage ones)."""
+        if not self.per_layer:
+            return self.costs.stage_costs(
+                layout, micro_batch=b, tensor_parallel=t, pipeline=p, data_parallel=d, recompute=recompute
+            )
+        comm = self.costs.p2p_time(b, t, p, d)
+        return layer_stage_costs(self.layer_table(b, t, recompute), layout, placement, comm)
 
     # ---- enumeration ----------------------------------------------------------------------------
     def shapes(self) -> Iterator[tuple[int, int, int, int, int]]:
@@ -234,7 +276,7 @@ class Planner:
 
     def profile(self, key: tuple[Any, ...], schedule: Schedule, layout: Sequence[StageInfo]) -> ActivationProfile:
         """The activation profile of a built schedule over a layer layout, computed once per memo."""
-        pkey = (key, tuple(i.layers for i in layout), self.setup.w_retained_fraction)
+        pkey = (key, tuple(i.activation_layers for i in layout), self.setup.w_retained_fraction)
         prof = self._profiles.get(pkey)
         if prof is None:
             prof = activation_profile(schedule, layout, self.setup.w_retained_fraction)
@@ -298,15 +340,15 @@ class Planner:
                         for recompute in self.space.recompute:
                             for fsdp in shards:
                                 evaluated += 1
-                                row = evaluate(self, item, t, p, d, b, m, recompute, fsdp)
-                                if isinstance(row, str):
-                                    inapplicable.setdefault(name, Counter())[row] += 1
-                                elif isinstance(row, float):
-                                    over += 1
-                                    label = name + (f"@{limit}" if limit else "")
-                                    over_best[label] = min(over_best.get(label, math.inf), row)
-                                else:
-                                    rows.append(row)
+                                for row in evaluate_layouts(self, item, t, p, d, b, m, recompute, fsdp):
+                                    if isinstance(row, str):
+                                        inapplicable.setdefault(name, Counter())[row] += 1
+                                    elif isinstance(row, float):
+                                        over += 1
+                                        label = name + (f"@{limit}" if limit else "")
+                                        over_best[label] = min(over_best.get(label, math.inf), row)
+                                    else:
+                                        rows.append(row)
         bar.close()
         rows.sort(key=lambda r: (-r.samples_per_second, r.peak_memory))
         for i, row in enumerate(rows, 1):

@@ -39,10 +39,11 @@ class SearchSpace:
     recompute: tuple[str, ...] = ("none", "selective", "full")
     schedules: tuple[str, ...] | None = None  # default: every registered schedule
     memory_limits: tuple[str, ...] = ()  # extra memory limits ("p", "2p", "12") for memory-aware schedules
-    layer_split: str = "auto"  # auto | even | embedding-loss
+    layer_split: str = "auto"  # auto | even | embedding-loss | search (the layout axis, planner/layout.py)
     max_tp: int | None = None  # default: GPUs per node
     fsdp: tuple[bool, ...] | None = None  # FSDP off / on per candidate (planner/fsdp_axis.py); default: off only
     unit_sizes: tuple[int, ...] | None = None  # zeropp's unit sizes U; default: every divisor of m
+    layout: str | None = None  # one given layer layout (megatron's layout text) instead of the layout search
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class Config:
     costs_flag: str | None = None  # --pipeline-costs for cost-aware schedules
     unit_size: int | None = None  # --pipeline-unit-size (zeropp; None: the schedule's default)
     fsdp: bool = False  # --pipeline-fsdp
+    layout: str | None = None  # a planned layer layout (megatron's layout text); None: the split policy's
 
     @property
     def id(self) -> str:
@@ -73,8 +75,10 @@ class Config:
             f"-v{self.chunks}-{self.recompute}"
             + (f"-u{self.unit_size}" if self.unit_size is not None else "")
             + ("-fsdp" if self.fsdp else "")
+            + ("-layout" if self.layout else "")
         )
 
     @property
     def uneven(self) -> bool:
-        return len(set(self.split)) > 1
+        """The split policy's embedding-and-loss split (a planned layout has its own flags)."""
+        return self.layout is None and len(set(self.split)) > 1

@@ -8,9 +8,11 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..schedules import registry
+from ..schedules.placement import Placement
 from ..schedules.schedule import Schedule
-from ..schedules.values import parse_memory_limit
+from ..schedules.values import parse_layer_layout, parse_memory_limit
 from .extrapolate import anchor_counts
+from .layout import fallback_split
 from .memo import Built, build_key
 from .memory import split_layers
 from .space import divisors
@@ -34,8 +36,18 @@ class Variant:
 
 
 def feasible_chunks(planner: Planner, style: str, p: int) -> list[int] | None:
-    """Chunk counts whose stages the layers split over (``None``: any, the style is unknown)."""
+    """Chunk counts whose stages the layers split over (``None``: any, the style is unknown); with the layout
+    search (``--layer-split search``) every count with at most one stage per layer, embedding and loss."""
     layers = planner.model.num_layers
+    if planner.space.layout is not None:  # a given layout: the chunk count whose stages it has
+        stages = len(parse_layer_layout(planner.space.layout))
+        if style in ("v", "bidirectional"):
+            return [2] if stages == 2 * p else []
+        return [c for c in sorted({1, *planner.space.virtual}) if p * c == stages] if style == "loop" else None
+    if planner.space.layer_split == "search":
+        if style in ("v", "bidirectional"):
+            return [2] if 2 * p - 2 <= layers else []
+        return [c for c in sorted({1, *planner.space.virtual}) if p * c <= layers + 2] if style == "loop" else None
     if style in ("v", "bidirectional"):  # megatron's uneven-stage options apply to their slices too
         return [2] if split_layers(layers, 2 * p, planner.space.layer_split) is not None else []
     if style == "loop":
@@ -97,7 +109,7 @@ def schedule_variants(
         chunks = sched.chunks_per_rank
         if v is None and placement.style == "loop" and chunks not in planner.space.virtual:
             continue
-        split = split_layers(planner.model.num_layers, placement.stages_per_replica, planner.space.layer_split)
+        split = variant_split(planner, placement)
         if split is None:
             out.append(
                 f"{planner.model.num_layers} layers do not split over {placement.stages_per_replica} stages "
@@ -110,6 +122,15 @@ def schedule_variants(
     if info.takes("unit_size"):
         return unit_variants(planner, out, name, p, m, limit, costs_key)
     return out
+
+
+def variant_split(planner: Planner, placement: Placement) -> tuple[int, ...] | None:
+    """A variant's layer split: the policy's (``--layer-split``); with the layout search the uniform split
+    when there is one, else a placeholder (:func:`.layout.fallback_split`) that the search replaces."""
+    layers, slices = planner.model.num_layers, placement.stages_per_replica
+    if planner.space.layer_split == "search":
+        return split_layers(layers, slices, "auto") or fallback_split(layers, placement)
+    return split_layers(layers, slices, planner.space.layer_split)
 
 
 def unit_variants(

@@ -19,6 +19,10 @@ The meanings (also in ``docs/flags.md``):
 * layer layout: megatron's ``--pipeline-model-parallel-layout`` string, stages separated by ``|``, one
   symbol per layer (``E`` embedding, ``t`` transformer layer, ``m`` multi-token prediction, ``L`` loss),
   ``X*n`` and ``(...)*n`` repeat, commas are cosmetic: ``"Et|(tt|)*2,tL"`` is 4 stages.
+* layer costs: measured times of one layer of each kind for one micro-batch, ``KIND=F,B,W`` entries
+  separated by ``;`` (kinds: ``dense``, ``moe``, ``mamba``, ``attention``, ``mlp``, ``moe-mlp``,
+  ``embedding``, ``head`` = output layer + loss), optionally ``micro_batch=N`` and ``tp=N`` (what they
+  were measured at, default 1); F, B, W in milliseconds, finite in [0, 1e12].
 
 Pure Python, no torch.
 """
@@ -31,12 +35,14 @@ from dataclasses import dataclass
 
 __all__ = [
     "COSTS_RULE",
+    "LAYER_COST_KINDS",
     "LAYER_LAYOUT_RULE",
     "MAX_VALUE",
     "MEMORY_LIMIT_RULE",
     "UNIT_SIZE_RULE",
     "ActivationLimit",
     "parse_costs",
+    "parse_layer_costs",
     "parse_layer_layout",
     "parse_memory_limit",
     "parse_unit_size",
@@ -148,3 +154,44 @@ def parse_layer_layout(text: str) -> tuple[str, ...]:
         shown = f" (unknown {''.join(bad)!r})" if bad else ""
         raise ValueError(f"expected {LAYER_LAYOUT_RULE}, got {text!r}{shown}")
     return stages
+
+
+LAYER_COST_KINDS = ("dense", "moe", "mamba", "attention", "mlp", "moe-mlp", "embedding", "head")
+LAYER_COSTS_RULE = (
+    "KIND=F,B,W entries separated by ';' (milliseconds of one layer for one micro-batch; KIND one of "
+    + ", ".join(LAYER_COST_KINDS)
+    + "), optionally micro_batch=N and tp=N"
+)
+
+
+def parse_layer_costs(text: str) -> tuple[dict[str, tuple[float, float, float]], int, int]:
+    """``"dense=1.2,2.3,1.1;head=3,3,2.8;micro_batch=2"`` as ``({kind: (F, B, W)}, micro_batch, tp)``."""
+    entries: dict[str, tuple[float, float, float]] = {}
+    sizes = {"micro_batch": 1, "tp": 1}
+    for cell in (c.strip() for c in str(text).split(";")):
+        if not cell:
+            continue
+        key, sep, value = (x.strip() for x in cell.partition("="))
+        key = key.lower()
+        if not sep:
+            raise ValueError(f"expected {LAYER_COSTS_RULE}, got {cell!r}")
+        if key in sizes:
+            try:
+                sizes[key] = int(value)
+            except ValueError:
+                raise ValueError(f"{key} must be an integer >= 1, got {value!r}") from None
+            if sizes[key] < 1:
+                raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
+            continue
+        if key not in LAYER_COST_KINDS:
+            raise ValueError(f"unknown layer kind {key!r}: expected {LAYER_COSTS_RULE}")
+        try:
+            numbers = [float(x) for x in value.split(",")]
+        except ValueError:
+            numbers = []
+        if len(numbers) != 3 or any(not (math.isfinite(x) and 0 <= x <= MAX_VALUE) for x in numbers):
+            raise ValueError(f"{key}: expected F,B,W finite numbers in [0, {MAX_VALUE:g}], got {value!r}")
+        entries[key] = (numbers[0], numbers[1], numbers[2])
+    if not entries:
+        raise ValueError(f"expected {LAYER_COSTS_RULE}, got {text!r}")
+    return entries, sizes["micro_batch"], sizes["tp"]
