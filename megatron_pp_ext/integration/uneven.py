@@ -94,8 +94,10 @@ def megatron_validation_for_placement() -> Iterator[None]:
             setattr(args, attr, False if attr.startswith("account_for") else None)
         # megatron checks that --num-layers (plus the embedding / loss) divides by --pipeline-model-parallel-size
         # unless a first / last stage count is given: the split is over the placement's model stages (checked
-        # later, with the flag and what would work), so that check is not megatron's here
-        args.decoder_first_pipeline_num_layers = 0
+        # later, with the flag and what would work), so that check is not megatron's here. A hybrid layer
+        # pattern with "|" sets the stages itself, and megatron refuses a first-stage count beside it.
+        if "|" not in (getattr(args, "hybrid_layer_pattern", None) or ""):
+            args.decoder_first_pipeline_num_layers = 0
         try:
             return original(args, *rest, **kwargs)
         finally:
