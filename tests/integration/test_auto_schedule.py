@@ -199,3 +199,25 @@ def test_auto_finds_a_schedule_for_a_split_neither_even_nor_embedding_loss(capsy
     assert "dropped dualpipev: not applicable: the run's layer split does not map onto its v placement" in table
     assert "dropped interleaved-zb: not applicable: the run's layer split does not map onto its loop placement" in table
     assert "megatron splits by pipeline rank" in table
+
+
+def test_auto_with_a_layout_of_one_stage_per_rank_picks_a_one_chunk_loop_schedule() -> None:
+    """A layout of p stages is megatron's own split of its one-chunk loop: auto plans with it and picks a schedule
+    of that placement (V placements have 2p stages: dropped with the reason); more stages are refused."""
+    layout = "Ettttt|t|t|tL"
+    config = _decided(
+        make_args(
+            ["--pipeline-schedule", "auto", "--cpu", "--pipeline-memory-budget", "4"],
+            **{**TINY, "pipeline_model_parallel_layout": layout},
+        )
+    )
+    schedule = config.build(4, 8)
+    assert schedule.placement.style == "loop" and schedule.chunks_per_rank == 1
+    assert "dropped dualpipev: not applicable: the run's layer split does not map" in (config.auto_table or "")
+    with pytest.raises(PipelineArgumentError, match="with --pipeline-schedule auto a layout gives one stage per"):
+        validate_arguments(
+            make_args(
+                ["--pipeline-schedule", "auto", "--cpu", "--pipeline-memory-budget", "4"],
+                **{**TINY, "pipeline_model_parallel_layout": "Et|t|t|t|t|t|t|tL"},
+            )
+        )
