@@ -23,9 +23,9 @@ def evaluate_layouts(
     planner: Planner, var: Variant, t: int, p: int, d: int, b: int, m: int, recompute: str, fsdp: bool
 ) -> list[PlanRow | float | str]:
     """Rows of one candidate: without the layout search (``--layer-split`` other than ``search``, or a run's
-    own split) its one evaluation; with it the fastest fitting row of the uniform split and, when faster or when the uniform
-    split does not fit or exist, of the planned layouts; else the smallest over-budget peak (bytes) or the
-    first reason it does not apply."""
+    own split) its one evaluation; with it the fastest fitting row of the uniform split and, when faster or
+    when the uniform split does not fit or exist, of the planned layouts; else the smallest over-budget peak
+    (bytes) or the first reason it does not apply."""
     if planner.space.layer_split != "search" or planner.space.given_split is not None:
         return [evaluate(planner, var, t, p, d, b, m, recompute, fsdp)]
     placement = var.schedule.placement
