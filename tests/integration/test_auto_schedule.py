@@ -221,3 +221,16 @@ def test_auto_with_a_layout_of_one_stage_per_rank_picks_a_one_chunk_loop_schedul
                 **{**TINY, "pipeline_model_parallel_layout": "Et|t|t|t|t|t|t|tL"},
             )
         )
+
+
+def test_auto_without_split_flags_plans_the_even_split_megatron_builds() -> None:
+    """6 layers at PP = 2 without split flags: megatron builds the even split, so the V / bidirectional placements
+    (4 stages) do not apply and auto's choice passes the schedule checks (an embedding-and-loss split of the
+    planner's own would have ranked one first, which the run then refuses)."""
+    args = make_args(
+        ["--pipeline-schedule", "auto", "--cpu", "--pipeline-memory-budget", "4"],
+        **{**TINY, "num_layers": 6, "pipeline_model_parallel_size": 2},
+    )
+    config = _decided(args)
+    assert config.build(2, 8).placement.style == "loop"
+    assert "dropped bitpipe-zb: not applicable: the run's layer split does not map" in (config.auto_table or "")
