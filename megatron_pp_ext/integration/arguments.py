@@ -277,14 +277,31 @@ def check_schedule_flags(args: Any, config: PipelineConfig) -> PipelineConfig:
     return config
 
 
+def _check_auto_layout(args: Any) -> None:
+    """A layout string with ``auto``: one stage per pipeline rank, which megatron builds on its own loop
+    placement and auto plans with (its one-chunk loop schedules map it). More stages would be chunks whose
+    placement (megatron's interleaving or a V) auto chooses only after megatron has built them."""
+    from ..schedules.values import parse_layer_layout
+
+    flag, text = "--pipeline-model-parallel-layout", args.pipeline_model_parallel_layout
+    p = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    try:
+        stages = len(parse_layer_layout(text))
+    except ValueError as exc:
+        raise PipelineArgumentError(flag, str(exc)) from None
+    if stages != p:
+        raise PipelineArgumentError(
+            flag,
+            f"{text!r} has {stages} stages: with --pipeline-schedule auto a layout gives one stage per pipeline "
+            f"rank ({p} at --pipeline-model-parallel-size {p}); chunks per rank are auto's to choose (give {p} "
+            "stages, name a schedule, or use --decoder-first/last-pipeline-num-layers)",
+        )
+
+
 def check_auto_flags(args: Any, config: PipelineConfig) -> None:
     """``--pipeline-schedule auto``'s flags, from their values alone (the decision runs in ``install``)."""
     if _given(args, "pipeline_model_parallel_layout"):
-        raise PipelineArgumentError(
-            "--pipeline-model-parallel-layout",
-            "not with --pipeline-schedule auto: a layout names every stage, and auto's stages are known only "
-            "after its search (name a schedule, or use --decoder-first/last-pipeline-num-layers)",
-        )
+        _check_auto_layout(args)
     budget = config.memory_budget
     if budget is not None and not (math.isfinite(budget) and budget > 0):
         raise PipelineArgumentError("--pipeline-memory-budget", f"must be a number of GiB > 0, got {budget}")

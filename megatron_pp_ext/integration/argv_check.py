@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-__all__ = ["argv_problems", "check_argv_or_exit"]
+__all__ = ["argv_problems", "check_argv_or_exit", "interleaving_problems"]
 
 MAX_PROBLEMS = 20
 RANK0_GRACE_S = 3.0
@@ -110,9 +110,67 @@ def hybrid_pattern_problems(argv: Sequence[str]) -> list[str]:
     return []
 
 
+def _int(argv: Sequence[str], flag: str) -> int | None:
+    text = _value(argv, flag)
+    return int(text) if text is not None and text.isdigit() else None
+
+
+NO_OVERLAP = "--no-overlap-p2p-communication"
+
+
+def interleaving_problems(argv: Sequence[str]) -> list[str]:
+    """Where megatron's ``validate_args`` asserts, with a traceback, on the chunks per rank it derives: its
+    virtual pipeline size (a layout string's stages over ``--pipeline-model-parallel-size``, or the virtual
+    pipeline flags) above 1 needs a pipeline size above 2 without overlapped p2p
+    (``--no-overlap-p2p-communication``), above 1 with it. A V / bidirectional schedule's layout string is
+    hidden from that check (:func:`~.uneven.megatron_validation_for_placement`), so only the flags megatron
+    sees count; ``--hybrid-layer-pattern`` is megatron's own."""
+    from argparse import Namespace
+
+    from ..schedules.values import parse_layer_layout
+    from .uneven import selected_placement_style
+
+    p = _int(argv, "--pipeline-model-parallel-size") or 1
+    layout = _value(argv, "--pipeline-model-parallel-layout")
+    style = selected_placement_style(
+        Namespace(
+            pipeline_schedule=_value(argv, "--pipeline-schedule"),
+            pipeline_schedule_file=_value(argv, "--pipeline-schedule-file"),
+        )
+    )
+    overlap = NO_OVERLAP not in argv
+    least = 2 if overlap else 3  # the pipeline size megatron needs for more than one chunk per rank
+    if layout is not None and style not in ("v", "bidirectional"):
+        try:
+            stages = len(parse_layer_layout(layout))
+        except ValueError:
+            return []  # the plugin's checks name a layout that does not parse
+        if stages % p:
+            return []  # megatron's own one-line assertion names the divisibility
+        flag, chunks, given = "--pipeline-model-parallel-layout", stages // p, f"{layout!r} ({stages} stages)"
+        sizes = [str(d) for d in range(least, stages + 1) if stages % d == 0]
+        other = f"give --pipeline-model-parallel-size {' or '.join(sizes)}" if sizes else ""
+        fewer = f"give a layout of {p} stage{'s' if p > 1 else ''}"
+        fixes = [other, fewer]
+    elif (v := _int(argv, "--num-virtual-stages-per-pipeline-rank")) is not None:
+        flag, chunks, given = "--num-virtual-stages-per-pipeline-rank", v, str(v)
+        fixes = [f"give --pipeline-model-parallel-size {least} or more", "leave the flag out"]
+    else:
+        return []  # (--num-layers-per-virtual-pipeline-stage: megatron's own arithmetic and messages)
+    if chunks <= 1 or p >= least:
+        return []
+    why = "without pipeline parallelism" if overlap else f"with {NO_OVERLAP} at a pipeline size below 3"
+    if not overlap:
+        fixes.insert(0, f"leave out {NO_OVERLAP}")
+    return [
+        f"argument {flag}: {given} at --pipeline-model-parallel-size {p} means {chunks} interleaved chunks per "
+        f"rank, which megatron's argument checks refuse {why} ({', or '.join(f for f in fixes if f)})"
+    ]
+
+
 def check_argv_or_exit(argv: Sequence[str], prog: str | None = None) -> None:
     """Exit with status 2 on every rank if ``argv`` has a problem; rank 0 prints one line per problem."""
-    problems = argv_problems(argv) or hybrid_pattern_problems(argv)
+    problems = argv_problems(argv) or hybrid_pattern_problems(argv) or interleaving_problems(argv)
     if not problems:
         return
     if os.environ.get("RANK", "0") == "0":

@@ -31,6 +31,7 @@ from ..planner.result import PlanRow
 from ..planner.search import Planner
 from ..planner.space import SearchSpace
 from ..schedules import registry
+from ..schedules.layer_split import split_from_args
 from ..schedules.placement import make_placement
 from .arguments import (
     PipelineArgumentError,
@@ -61,7 +62,10 @@ def planner_for_run(
     fixed, every schedule and parameter open. Budget: ``budget_gib`` (all of it; the CPU case) or the
     GPU's memory (2 GiB kept free); the planner counts weights, gradients and optimizer state in a rank's
     peak. Costs: the device's cost model, or ``stage_costs_ms`` (F, B, W of one 1F1B stage, L/p layers,
-    for one micro-batch, in ms) spread over the layers. ``overlap``: see ``--pipeline-overlap``."""
+    for one micro-batch, in ms) spread over the layers. ``overlap``: see ``--pipeline-overlap``. Layers: the
+    run's split (megatron's flags, :data:`~megatron_pp_ext.schedules.layer_split.SPLIT_FLAGS`; even without
+    them), fixed: every candidate is simulated and sized with its stages' layers under that split, and one
+    whose placement cannot map it is not applicable (the reason in auto's table)."""
     from ..planner.cost_model import CostModel, LayerTimes, get_device
     from ..planner.memory import TrainingSetup
     from ..planner.models import ModelSpec
@@ -107,6 +111,7 @@ def planner_for_run(
         virtual=(int(vp),) if vp else (1, 2, 3, 4),
         fsdp=(bool(getattr(args, "pipeline_fsdp", False)),),  # the run's own --pipeline-fsdp
         unit_sizes=(unit,) if isinstance(unit := getattr(args, "pipeline_unit_size", None), int) else None,
+        given_split=split_from_args(args),  # megatron builds these layers: auto keeps them
     )
     gbs = int(getattr(args, "global_batch_size", None) or mbs * dp)
     return Planner(

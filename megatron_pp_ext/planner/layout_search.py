@@ -22,11 +22,11 @@ __all__ = ["evaluate_layouts"]
 def evaluate_layouts(
     planner: Planner, var: Variant, t: int, p: int, d: int, b: int, m: int, recompute: str, fsdp: bool
 ) -> list[PlanRow | float | str]:
-    """Rows of one candidate: without the layout search (``--layer-split`` other than ``search``) its one
-    evaluation; with it the fastest fitting row of the uniform split and, when faster or when the uniform
-    split does not fit or exist, of the planned layouts; else the smallest over-budget peak (bytes) or the
-    first reason it does not apply."""
-    if planner.space.layer_split != "search":
+    """Rows of one candidate: without the layout search (``--layer-split`` other than ``search``, or a run's
+    own split) its one evaluation; with it the fastest fitting row of the uniform split and, when faster or
+    when the uniform split does not fit or exist, of the planned layouts; else the smallest over-budget peak
+    (bytes) or the first reason it does not apply."""
+    if planner.space.layer_split != "search" or planner.space.given_split is not None:
         return [evaluate(planner, var, t, p, d, b, m, recompute, fsdp)]
     placement = var.schedule.placement
     if planner.space.layout is not None:  # one given layout: the candidates whose placement it fits

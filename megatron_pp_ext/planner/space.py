@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..schedules import registry
+from ..schedules.layer_split import LayerSplit
 
 NO_PIPELINE = "none (pp=1)"  # how a configuration without pipeline parallelism is listed
 NO_PIPELINE_SCHEDULE = "1f1b"  # the schedule that runs it (one chunk: megatron's no-pipelining loop)
@@ -44,6 +45,9 @@ class SearchSpace:
     fsdp: tuple[bool, ...] | None = None  # FSDP off / on per candidate (planner/fsdp_axis.py); default: off only
     unit_sizes: tuple[int, ...] | None = None  # zeropp's unit sizes U; default: every divisor of m
     layout: str | None = None  # one given layer layout (megatron's layout text) instead of the layout search
+    # a training run's own split (megatron's uneven-split flags, fixed: auto must not change the layers megatron
+    # builds): every candidate is evaluated under it as its placement maps it (variants.py), or skipped with why
+    given_split: LayerSplit | None = None
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..schedules import registry
+from ..schedules.layer_split import LayerSplitError, placement_layer_counts
 from ..schedules.placement import Placement
 from ..schedules.schedule import Schedule
 from ..schedules.values import parse_layer_layout, parse_memory_limit
@@ -39,6 +40,8 @@ def feasible_chunks(planner: Planner, style: str, p: int) -> list[int] | None:
     """Chunk counts whose stages the layers split over (``None``: any, the style is unknown); with the layout
     search (``--layer-split search``) every count with at most one stage per layer, embedding and loss."""
     layers = planner.model.num_layers
+    if planner.space.given_split is not None:  # a run's own split: each variant maps it or says why not
+        return None
     if planner.space.layout is not None:  # a given layout: the chunk count whose stages it has
         stages = len(parse_layer_layout(planner.space.layout))
         if style in ("v", "bidirectional"):
@@ -110,6 +113,9 @@ def schedule_variants(
         if v is None and placement.style == "loop" and chunks not in planner.space.virtual:
             continue
         split = variant_split(planner, placement)
+        if isinstance(split, str):
+            out.append(split)
+            continue
         if split is None:
             out.append(
                 f"{planner.model.num_layers} layers do not split over {placement.stages_per_replica} stages "
@@ -124,10 +130,16 @@ def schedule_variants(
     return out
 
 
-def variant_split(planner: Planner, placement: Placement) -> tuple[int, ...] | None:
-    """A variant's layer split: the policy's (``--layer-split``); with the layout search the uniform split
-    when there is one, else a placeholder (:func:`.layout.fallback_split`) that the search replaces."""
+def variant_split(planner: Planner, placement: Placement) -> tuple[int, ...] | str | None:
+    """A variant's layer split: a run's own (``SearchSpace.given_split``, megatron's flags as ``placement``
+    maps them, or why it cannot); else the policy's (``--layer-split``); with the layout search the uniform
+    split when there is one, else a placeholder (:func:`.layout.fallback_split`) that the search replaces."""
     layers, slices = planner.model.num_layers, placement.stages_per_replica
+    if planner.space.given_split is not None:
+        try:
+            return tuple(placement_layer_counts(layers, placement, planner.space.given_split))
+        except LayerSplitError as exc:
+            return f"the run's layer split does not map onto its {placement.style} placement: {exc}"
     if planner.space.layer_split == "search":
         return split_layers(layers, slices, "auto") or fallback_split(layers, placement)
     return split_layers(layers, slices, planner.space.layer_split)

@@ -8,7 +8,8 @@ of the *even* split: each stage's cost is that times its weight over the mean we
 the given costs and the total work of the pipeline stays what the costs say whatever the split. Stage ``s``
 of the schedule gets the weight of its model stage (both replicas of a bidirectional placement hold the same).
 
-:func:`stage_costs_from_layout` is what the simulator and ``auto`` read; pure Python.
+:func:`stage_costs_from_layout` is what ``simulate`` reads; ``auto``'s planner weighs each stage by its layers in
+the same way with its own per-layer costs (the split from the same parser, :mod:`.layer_split`). Pure Python.
 """
 
 from __future__ import annotations

@@ -162,3 +162,75 @@ def test_redecision_keeps_the_running_schedule_when_it_is_still_first() -> None:
     kept = again(measured)
     assert (kept.schedule, kept.memory_limit) == ("v-zb", running.memory_limit) and kept.costs is measured
     assert "keeping v-zb@2p" in logged[0] and "switching" not in logged[0]
+
+
+def _one_f_one_b(**megatron: object) -> object:
+    """auto's 1f1b row for the TINY run with ``megatron``'s args (the uneven-split flags) changed."""
+    from megatron_pp_ext.planner.auto import decide
+
+    args = make_args(["--pipeline-schedule", "auto", "--cpu", "--pipeline-memory-budget", "4"], **{**TINY, **megatron})
+    return decide(planner_for_run(args, budget_gib=4.0, stage_costs_ms=None, cpu=True), ("1f1b",)).chosen
+
+
+def test_auto_plans_with_the_runs_uneven_split() -> None:
+    """The run's split is what auto simulates: 5 of 8 layers on the first stage make 1f1b slower than the even
+    split, 7 layers with one on the first stage faster; a layout string giving the first-5 split predicts what
+    the flags do (one parser)."""
+    even = _one_f_one_b()
+    heavy = _one_f_one_b(decoder_first_pipeline_num_layers=5)
+    light = _one_f_one_b(num_layers=7, decoder_first_pipeline_num_layers=1)
+    layout = _one_f_one_b(pipeline_model_parallel_layout="Ettttt|t|t|tL")
+    assert (even.config.split, heavy.config.split, light.config.split) == ((2, 2, 2, 2), (5, 1, 1, 1), (1, 2, 2, 2))
+    assert light.iteration_time < even.iteration_time < heavy.iteration_time
+    assert layout.config.split == heavy.config.split and layout.iteration_time == pytest.approx(heavy.iteration_time)
+
+
+def test_auto_finds_a_schedule_for_a_split_neither_even_nor_embedding_loss(capsys: pytest.CaptureFixture[str]) -> None:
+    """7 layers, one on the first of 4 stages: no even or embedding-and-loss split exists, the run's own does;
+    auto picks a schedule whose placement maps it, and names why the others were skipped: V placements (8
+    stages: 6 layers do not split over the other 7) and interleaved loops (megatron splits those per rank)."""
+    args = make_args(
+        ["--pipeline-schedule", "auto", "--cpu", "--pipeline-memory-budget", "4"],
+        **{**TINY, "num_layers": 7, "decoder_first_pipeline_num_layers": 1},
+    )
+    config = _decided(args)
+    assert config.schedule not in (None, "auto") and config.build(4, 8).placement.style == "loop"
+    table = config.auto_table or ""
+    assert "dropped dualpipev: not applicable: the run's layer split does not map onto its v placement" in table
+    assert "dropped interleaved-zb: not applicable: the run's layer split does not map onto its loop placement" in table
+    assert "megatron splits by pipeline rank" in table
+
+
+def test_auto_with_a_layout_of_one_stage_per_rank_picks_a_one_chunk_loop_schedule() -> None:
+    """A layout of p stages is megatron's own split of its one-chunk loop: auto plans with it and picks a schedule
+    of that placement (V placements have 2p stages: dropped with the reason); more stages are refused."""
+    layout = "Ettttt|t|t|tL"
+    config = _decided(
+        make_args(
+            ["--pipeline-schedule", "auto", "--cpu", "--pipeline-memory-budget", "4"],
+            **{**TINY, "pipeline_model_parallel_layout": layout},
+        )
+    )
+    schedule = config.build(4, 8)
+    assert schedule.placement.style == "loop" and schedule.chunks_per_rank == 1
+    assert "dropped dualpipev: not applicable: the run's layer split does not map" in (config.auto_table or "")
+    with pytest.raises(PipelineArgumentError, match="with --pipeline-schedule auto a layout gives one stage per"):
+        validate_arguments(
+            make_args(
+                ["--pipeline-schedule", "auto", "--cpu", "--pipeline-memory-budget", "4"],
+                **{**TINY, "pipeline_model_parallel_layout": "Et|t|t|t|t|t|t|tL"},
+            )
+        )
+
+
+def test_auto_without_split_flags_plans_the_even_split_megatron_builds() -> None:
+    """6 layers at PP = 2 without split flags: megatron builds the even split, so the V / bidirectional placements
+    (4 stages) do not apply and auto's choice passes the schedule checks (an embedding-and-loss split of the
+    planner's own would have ranked one first, which the run then refuses)."""
+    args = make_args(
+        ["--pipeline-schedule", "auto", "--cpu", "--pipeline-memory-budget", "4"],
+        **{**TINY, "num_layers": 6, "pipeline_model_parallel_size": 2},
+    )
+    config = _decided(args)
+    assert config.build(2, 8).placement.style == "loop"
+    assert "dropped bitpipe-zb: not applicable: the run's layer split does not map" in (config.auto_table or "")

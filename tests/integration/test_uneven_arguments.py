@@ -3,6 +3,8 @@ stages and the one-line refusals where none exists (pure: no megatron, no proces
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from megatron_args_helpers import make_args
 
@@ -168,3 +170,75 @@ def test_megatron_validation_does_not_see_a_layout_of_a_v_schedule(megatron, mon
         assert vars(args) == before
     # a loop placement's flags are megatron's own; V / bidirectional ones are hidden from its checks
     assert seen == [(None, 0, False), (None, 0, False), ("Et|tt|t|tL", None, False)]
+
+
+LOOP_LAYOUT = ["--pipeline-model-parallel-layout", "Et|t|t|tL"]  # 4 stages: 2 chunks per rank at PP = 2
+NO_OVERLAP, PP = "--no-overlap-p2p-communication", "--pipeline-model-parallel-size"
+# (argv, refused): megatron derives its chunks per rank from the layout string (or the virtual flag) of every
+# schedule but a V / bidirectional one (whose string it does not see), and asserts on more than one chunk per
+# rank at PP = 2 without overlapped p2p, at PP = 1 with it
+INTERLEAVING = [
+    (["--pipeline-schedule", "interleaved-1f1b", PP, "2", NO_OVERLAP, *LOOP_LAYOUT], True),
+    (["--pipeline-schedule", "bfs", PP, "2", NO_OVERLAP, *LOOP_LAYOUT], True),
+    ([PP, "2", NO_OVERLAP, *LOOP_LAYOUT], True),  # megatron's own schedule
+    ([PP, "2", NO_OVERLAP, "--num-virtual-stages-per-pipeline-rank", "2"], True),
+    ([PP, "1", *LOOP_LAYOUT], True),
+    (["--pipeline-schedule", "interleaved-1f1b", PP, "2", *LOOP_LAYOUT], False),
+    (["--pipeline-schedule", "interleaved-zb", PP, "4", NO_OVERLAP, *LOOP_LAYOUT], False),
+    (["--pipeline-schedule", "v-half", PP, "2", NO_OVERLAP, *LOOP_LAYOUT], False),
+    (["--pipeline-schedule", "1f1b", PP, "2", NO_OVERLAP, LAYOUT_FLAG, "Ett|ttL"], False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("argv", "refused"), INTERLEAVING)
+def test_interleaving_megatron_refuses_is_one_line_before_megatron_parses(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, argv: list[str], refused: bool
+) -> None:
+    """scripts/pretrain_gpt.py's command-line check (before megatron parses, before any process group): one
+    line naming the flag, the pipeline size and what would work, exit status 2; nothing where megatron runs."""
+    from megatron_pp_ext.integration import argv_check
+
+    monkeypatch.setattr(argv_check, "argv_problems", lambda argv: [])  # megatron's parser: tested elsewhere
+    monkeypatch.setenv("RANK", "0")
+    if not refused:
+        argv_check.check_argv_or_exit(argv, prog="pretrain_gpt.py")
+        assert capsys.readouterr().err == ""
+        return
+    with pytest.raises(SystemExit) as info:
+        argv_check.check_argv_or_exit(argv, prog="pretrain_gpt.py")
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    flag = "--num-virtual-stages-per-pipeline-rank" if "--num-virtual-stages-per-pipeline-rank" in argv else LAYOUT_FLAG
+    assert err.count("\n") == 1 and err.startswith(f"pretrain_gpt.py: error: argument {flag}: "), err
+    p = argv[argv.index(PP) + 1]
+    assert f"{PP} {p} means" in err and "interleaved chunks per rank" in err
+    assert (f"leave out {NO_OVERLAP}" in err) == (NO_OVERLAP in argv), err
+    assert f"give {PP} " in err
+
+
+@pytest.mark.slow  # imports megatron
+def test_interleaving_refusals_are_where_megatrons_argument_checks_assert(megatron, monkeypatch) -> None:
+    """The same command lines through megatron's own parse_args and validate_args (as scripts/pretrain_gpt.py
+    calls them): it asserts exactly where the check above refuses."""
+    import megatron.training.arguments as megatron_arguments
+
+    from megatron_pp_ext import add_arguments
+    from megatron_pp_ext.integration.argv_check import interleaving_problems
+    from megatron_pp_ext.integration.uneven import megatron_validation_for_placement
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    model = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64"]
+    model += ["--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "8"]
+    model += ["--train-iters", "1", "--lr", "1e-4", "--distributed-backend", "gloo", "--transformer-impl", "local"]
+    defaults = {"tokenizer_type": "NullTokenizer", "vocab_size": 256, "eval_interval": 1000}
+    for argv, refused in INTERLEAVING:
+        monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *model, *argv])
+        args = megatron_arguments.parse_args(add_arguments)
+        try:
+            with megatron_validation_for_placement():
+                megatron_arguments.validate_args(args, defaults)
+            asserted = False
+        except AssertionError:
+            asserted = True
+        assert asserted == refused == bool(interleaving_problems(argv)), argv
