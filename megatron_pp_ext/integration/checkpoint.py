@@ -218,11 +218,18 @@ def _gather(failure: str | None) -> list[str | None]:
 
 
 def _stop(line: str) -> None:
-    """One line from rank 0, then every rank out (each reached the same verdict; no gloo teardown at exit)."""
+    """One line from rank 0, then every rank out (each reached the same verdict; no gloo teardown at exit).
+
+    The ranks leave only after rank 0 has written the line (a barrier): torchrun stops the other ranks as soon
+    as one exits, which could otherwise kill rank 0 before it writes."""
+    import torch
+
     if _global_rank() == 0:
         sys.stderr.write(f"megatron_pp_ext: error: {line}\n")
         sys.stderr.flush()
     sys.stdout.flush()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
     os._exit(1)
 
 
