@@ -31,7 +31,8 @@ from tests.tiers import launches_ranks
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "pretrain_gpt.py"
 SERVER = Path(__file__).with_name("warm_ranks_server.py")
-FREE_TO_CHANGE = ("MEGATRON_PP_", "PYTHONPATH")  # read by the script or the plugin at run time only
+# read by the script or the plugin at run time only; pytest names the running test in PYTEST_CURRENT_TEST
+FREE_TO_CHANGE = ("MEGATRON_PP_", "PYTHONPATH", "PYTEST_CURRENT_TEST")
 SERVER_ENV = {"OMP_NUM_THREADS": "1"}
 
 
