@@ -158,6 +158,21 @@ class LayerTimes:
     w: float
 
 
+def flop_times(gemm: float, core: float, rate: float, overhead: float) -> tuple[float, float, float, float]:
+    """A layer's F, B, W seconds from its GEMM and core-attention FLOPs at ``rate`` FLOP/s (B: the input
+    gradient of both, W: the GEMMs' weight gradient; ``overhead`` per pass), and its core attention's F."""
+    return (gemm + core) / rate + overhead, (gemm + 2 * core) / rate + overhead, gemm / rate + overhead, core / rate
+
+
+def recomputed_backward(f: float, b: float, core_f: float, recompute: str) -> float:
+    """B with the forward it recomputes: the core attention (``selective``) or the whole layer (``full``)."""
+    if recompute == "selective":
+        return b + core_f
+    if recompute == "full":
+        return b + f
+    return b
+
+
 def layer_flops(model: ModelSpec, micro_batch: int) -> tuple[float, float]:
     """Forward FLOPs of one layer for one micro-batch: ``(GEMMs, core attention)`` (whole layer,
     not divided by TP)."""
@@ -230,16 +245,8 @@ class CostModel:
         else:
             gemm, core = layer_flops(self.model, micro_batch)
             rate = self._rate(micro_batch, t) * t
-            overhead = self.device.kernel_overhead_us * 1e-6
-            f = (gemm + core) / rate + overhead
-            b = (gemm + 2 * core) / rate + overhead
-            w = gemm / rate + overhead
-            core_f = core / rate
-        if recompute == "selective":
-            b += core_f
-        elif recompute == "full":
-            b += f
-        return LayerTimes(f, b, w)
+            f, b, w, core_f = flop_times(gemm, core, rate, self.device.kernel_overhead_us * 1e-6)
+        return LayerTimes(f, recomputed_backward(f, b, core_f, recompute), w)
 
     def head_times(self, micro_batch: int, tensor_parallel: int) -> LayerTimes:
         """Output layer + cross entropy on the last stage (its B and W each cost one GEMM)."""

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from ..analysis.simulate import Costs
 from ..schedules.placement import Placement
-from .cost_model import CostModel, LayerTimes, layer_flops
+from .cost_model import CostModel, LayerTimes, flop_times, layer_flops, recomputed_backward
 from .memory import StageInfo, TrainingSetup, layer_activation_bytes, stage_layout
 from .models import ModelSpec, kind_parameters
 
@@ -177,16 +177,10 @@ def _kind_times(
         core_f = f * core / (gemm + core) if cost.measured is not None else core / _rate(cost, micro_batch, t)
     else:
         gemm, core = kind_flops(cost.model, kind, micro_batch)
-        rate = _rate(cost, micro_batch, t)
         overhead = cost.device.kernel_overhead_us * 1e-6 * (share if kind != "moe" else 1.5)
-        f = (gemm + core) / rate + overhead
-        b = (gemm + 2 * core) / rate + overhead
-        w = gemm / rate + overhead
-        core_f = core / rate
-    if recompute == "selective":
-        b += core_f
-    elif recompute == "full":
-        b += f
+        f, b, w, core_f = flop_times(gemm, core, _rate(cost, micro_batch, t), overhead)
+    b = recomputed_backward(f, b, core_f, recompute)
+    if recompute == "full":
         comm_b += comm_f
     return LayerTimes(f + comm_f, b + comm_b, w)
 
