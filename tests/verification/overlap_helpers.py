@@ -2,21 +2,38 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+
+def run_with_chunks_patched(spec: Any, rank: int, init_method: str, patch: Callable[[list[Any]], None]) -> dict:
+    """:func:`~megatron_pp_ext.verification.rank_run.run_on_rank` with ``patch(chunks)`` called on every rank's
+    chunks once they are built."""
+    from megatron_pp_ext.verification import tiny_gpt
+    from megatron_pp_ext.verification.rank_run import run_on_rank
+
+    original = tiny_gpt.build_chunks
+
+    def build_chunks(*args: Any, **kwargs: Any) -> Any:
+        chunks, layouts = original(*args, **kwargs)
+        patch(chunks)
+        return chunks, layouts
+
+    tiny_gpt.build_chunks = build_chunks
+    try:
+        return run_on_rank(spec, rank, init_method)
+    finally:
+        tiny_gpt.build_chunks = original
 
 
 def run_with_recording_hook(spec: Any, rank: int, init_method: str) -> dict[str, Any]:
     """:func:`~megatron_pp_ext.verification.rank_run.run_on_rank` where each chunk's overlap hook records its
     calls and runs the pair backward first (a hook may order the two ops as it likes)."""
     from megatron_pp_ext.runtime.overlap import HOOK_ATTRIBUTE, OverlapStep
-    from megatron_pp_ext.verification import tiny_gpt
-    from megatron_pp_ext.verification.rank_run import run_on_rank
 
     calls: list[tuple[str, str, int, int]] = []
-    original = tiny_gpt.build_chunks
 
-    def build_chunks(*args: Any, **kwargs: Any) -> Any:
-        chunks, layouts = original(*args, **kwargs)
+    def patch(chunks: list[Any]) -> None:
         for index, chunk in enumerate(chunks):
 
             def hook(forward: OverlapStep, backward: OverlapStep, index: int = index, chunk: Any = chunk) -> None:
@@ -28,13 +45,8 @@ def run_with_recording_hook(spec: Any, rank: int, init_method: str) -> dict[str,
                 forward.run()
 
             setattr(chunk, HOOK_ATTRIBUTE, hook)
-        return chunks, layouts
 
-    tiny_gpt.build_chunks = build_chunks
-    try:
-        result = run_on_rank(spec, rank, init_method)
-    finally:
-        tiny_gpt.build_chunks = original
+    result = run_with_chunks_patched(spec, rank, init_method, patch)
     result["overlap_calls"] = calls
     return result
 
@@ -43,21 +55,8 @@ def run_with_moe_overlap(spec: Any, rank: int, init_method: str) -> dict[str, An
     """:func:`~megatron_pp_ext.verification.rank_run.run_on_rank` with a
     :class:`~megatron_pp_ext.runtime.moe_overlap.MoEOverlapHook` on every chunk; adds each chunk's events."""
     from megatron_pp_ext.runtime.moe_overlap import install_moe_overlap
-    from megatron_pp_ext.verification import tiny_gpt
-    from megatron_pp_ext.verification.rank_run import run_on_rank
 
     hooks: list[Any] = []
-    original = tiny_gpt.build_chunks
-
-    def build_chunks(*args: Any, **kwargs: Any) -> Any:
-        chunks, layouts = original(*args, **kwargs)
-        hooks.extend(install_moe_overlap(chunks))
-        return chunks, layouts
-
-    tiny_gpt.build_chunks = build_chunks
-    try:
-        result = run_on_rank(spec, rank, init_method)
-    finally:
-        tiny_gpt.build_chunks = original
+    result = run_with_chunks_patched(spec, rank, init_method, lambda chunks: hooks.extend(install_moe_overlap(chunks)))
     result["moe_overlap_events"] = [hook.events for hook in hooks]
     return result
