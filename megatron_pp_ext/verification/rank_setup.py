@@ -93,7 +93,33 @@ def rank_process_group(
         # modules hold the config) that keep its process groups alive until the cycle collector runs, and
         # an idle pool worker allocates too little to trigger it: collect now, or each run's gloo groups
         # (~19 threads per run, spinning once their peers are gone) pile up in the reused worker.
+        release_autograd_graphs()
         gc.collect()
+
+
+def release_autograd_graphs() -> None:
+    """Detach the tensors with autograd history that live modules still hold after a run.
+
+    Such a tensor keeps its graph alive, and the graph holds the parameters' gradient accumulators with
+    megatron DDP's hooks on them, whose closures hold the DDP wrapper and so the model: a cycle through
+    C++ autograd nodes, which the cycle collector cannot see, so the run's modules and process groups
+    are never freed. megatron's MoE token dispatcher leaves one (``probs`` of the last micro-batch, for
+    its combine step). Looked for on every live module and on the megatron objects a module holds
+    directly (the dispatcher is not a module); the run is over, so nothing reads them again."""
+    import torch
+
+    def detach_attributes(obj: Any, depth: int) -> None:
+        for name, value in list(vars(obj).items()):
+            if isinstance(value, torch.Tensor):
+                if value.grad_fn is not None and not isinstance(value, torch.nn.Parameter):
+                    setattr(obj, name, value.detach())
+            elif depth == 0 and hasattr(value, "__dict__") and type(value).__module__.startswith("megatron"):
+                if not isinstance(value, torch.nn.Module | type):
+                    detach_attributes(value, 1)
+
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.nn.Module):
+            detach_attributes(obj, 0)
 
 
 def _reset_moe_state() -> None:

@@ -155,11 +155,15 @@ def _gloo_threads(_payload: object, _rank: int, _init_method: str) -> int:
     return gloo_threads()
 
 
-def test_finished_megatron_ddp_runs_release_their_process_groups(pool):
+@pytest.mark.parametrize("experts", [None, 4], ids=["dense", "moe"])
+def test_finished_megatron_ddp_runs_release_their_process_groups(pool, experts):
     """A run's megatron modules and DDP form reference cycles that hold its process groups; a reused pool
     worker that never collected them kept ~19 more gloo threads per run (spinning once the peers were gone:
-    hundreds by the end of a suite). Two further DDP runs leave the worker's gloo threads where they were."""
-    spec = RunSpec(pp=1, mode=NATIVE, num_microbatches=2, dp=2, model=TinyGPTSpec(num_layers=2), iterations=1)
+    hundreds by the end of a suite). Two further DDP runs leave the worker's gloo threads where they were;
+    with MoE layers too, whose token dispatcher keeps the last micro-batch's probabilities with their
+    autograd graph (a cycle through C++ autograd nodes that only the teardown's detach breaks)."""
+    model = TinyGPTSpec(num_layers=2, num_experts=experts)
+    spec = RunSpec(pp=1, mode=NATIVE, num_microbatches=2, dp=2, model=model, iterations=1)
     check_errors(pool.run(spec))
     before = pool.run_fn(_gloo_threads, None, 2, 60)
     for _ in range(2):
