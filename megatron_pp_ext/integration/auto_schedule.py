@@ -31,18 +31,19 @@ from ..planner.result import PlanRow
 from ..planner.search import Planner
 from ..planner.space import SearchSpace
 from ..schedules import registry
-from ..schedules.layer_split import split_from_args
-from ..schedules.placement import make_placement
+from ..schedules.layer_split import LayerSplit, split_from_args
+from ..schedules.placement import loop_placement, make_placement
 from .arguments import (
     PipelineArgumentError,
     PipelineConfig,
     _cuda_available,
+    _virtual_flag,
     check_schedule_flags,
     parse_costs,
     parse_memory_limit,
 )
 
-__all__ = ["Redecision", "planner_for_run", "resolve"]
+__all__ = ["Redecision", "planner_for_run", "resolve", "run_layer_split"]
 
 
 def _log_rank0(text: str) -> None:
@@ -63,9 +64,9 @@ def planner_for_run(
     GPU's memory (2 GiB kept free); the planner counts weights, gradients and optimizer state in a rank's
     peak. Costs: the device's cost model, or ``stage_costs_ms`` (F, B, W of one 1F1B stage, L/p layers,
     for one micro-batch, in ms) spread over the layers. ``overlap``: see ``--pipeline-overlap``. Layers: the
-    run's split (megatron's flags, :data:`~megatron_pp_ext.schedules.layer_split.SPLIT_FLAGS`; even without
-    them), fixed: every candidate is simulated and sized with its stages' layers under that split, and one
-    whose placement cannot map it is not applicable (the reason in auto's table)."""
+    run's split (:func:`run_layer_split`), fixed: every candidate is simulated and sized with its stages' layers
+    under that split, and one whose placement cannot map it is not applicable (the reason in auto's table). A
+    hybrid layer pattern also gives each layer its kind (:func:`_layer_kinds`), so a stage costs its layers."""
     from ..planner.cost_model import CostModel, LayerTimes, get_device
     from ..planner.memory import TrainingSetup
     from ..planner.models import ModelSpec
@@ -73,7 +74,7 @@ def planner_for_run(
     groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
     model = ModelSpec(
         "run",
-        num_layers=int(args.num_layers),
+        **_layer_kinds(args),
         hidden_size=int(args.hidden_size),
         num_attention_heads=int(args.num_attention_heads),
         seq_length=int(args.seq_length),
@@ -111,7 +112,7 @@ def planner_for_run(
         virtual=(int(vp),) if vp else (1, 2, 3, 4),
         fsdp=(bool(getattr(args, "pipeline_fsdp", False)),),  # the run's own --pipeline-fsdp
         unit_sizes=(unit,) if isinstance(unit := getattr(args, "pipeline_unit_size", None), int) else None,
-        given_split=split_from_args(args),  # megatron builds these layers: auto keeps them
+        given_split=run_layer_split(args),  # megatron builds these layers: auto keeps them
     )
     gbs = int(getattr(args, "global_batch_size", None) or mbs * dp)
     return Planner(
@@ -124,6 +125,50 @@ def planner_for_run(
         space=space,
         overlap=overlap,
     )
+
+
+# megatron's hybrid symbols the planner has no cost model of, as the nearest it has: gated delta net as a Mamba
+# mixer (a linear-time scan), DeepSeek sparse and multi-latent attention as attention
+_NEAREST_KIND = {"G": "M", "D": "*", "+": "*"}
+
+
+def _layer_kinds(args: Any) -> dict[str, Any]:
+    """The run's decoder layers for :class:`~megatron_pp_ext.planner.models.ModelSpec`: ``num_layers``, and
+    with ``--hybrid-layer-pattern`` each layer's kind (the pattern without ``|``; MoE layers with megatron's
+    expert flags)."""
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if not pattern:
+        return {"num_layers": int(args.num_layers)}
+    flat = "".join(_NEAREST_KIND.get(c, c) for c in pattern.replace("|", ""))
+    kinds: dict[str, Any] = {"num_layers": len(flat), "hybrid_pattern": flat}
+    if "E" in flat:
+        kinds["num_experts"] = int(getattr(args, "num_experts", None) or 1)
+        kinds["moe_ffn_hidden_size"] = getattr(args, "moe_ffn_hidden_size", None)
+        kinds["moe_router_topk"] = int(getattr(args, "moe_router_topk", None) or 2)
+        kinds["moe_shared_expert_ffn"] = int(getattr(args, "moe_shared_expert_intermediate_size", None) or 0)
+    return kinds
+
+
+def run_layer_split(args: Any) -> LayerSplit:
+    """The layers megatron builds per model stage, which auto keeps: a hybrid layer pattern's ``|`` segments
+    (stage ``s`` builds segment ``s`` under every placement, ``runtime/hybrid_pattern.py``; a pattern without
+    ``|`` is megatron's even split over the ranks, one chunk each), else megatron's uneven-split flags
+    (:data:`~megatron_pp_ext.schedules.layer_split.SPLIT_FLAGS`; even without them). A pattern that splits
+    neither way is refused naming ``--hybrid-layer-pattern``."""
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if not pattern:
+        return split_from_args(args)
+    from ..runtime.hybrid_pattern import HybridPatternError, hybrid_layer_split, pattern_segments
+
+    flag = "--hybrid-layer-pattern"
+    p = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    try:
+        segments = pattern_segments(pattern, flag)
+        if len(segments) > 1:
+            return LayerSplit(counts=tuple(len(s) for s in segments))
+        return hybrid_layer_split(pattern, loop_placement(p), "--pipeline-schedule auto", flag)
+    except HybridPatternError as exc:
+        raise PipelineArgumentError(flag, str(exc).removeprefix(f"{flag} ")) from None
 
 
 def _gpu_device() -> Any:
@@ -179,6 +224,10 @@ def resolve(args: Any, config: PipelineConfig) -> PipelineConfig:
         raise PipelineArgumentError(  # one line: rank 0 printed the table (what each needs) just above
             "--pipeline-memory-budget", f"no schedule fits in {budget:.3g} GiB per rank (the auto table above)"
         )
+    if "|" in (getattr(args, "hybrid_layer_pattern", None) or "") and _virtual_flag(args) is None:
+        # megatron derived its virtual pipeline size from the pattern's segments (segments / p): the chosen
+        # schedule's placement sets the chunks, as a virtual flag the user did not give would not
+        config = replace(config, num_virtual_stages=None)
     resolved = check_schedule_flags(args, _apply(config, decision.chosen, table))
     if config.replan:
         resolved.redecide = Redecision(args, resolved, cpu=cpu, overlap=overlap)
