@@ -31,9 +31,8 @@ def _args(pattern: str) -> object:
     segments = pattern.count("|") + 1
     vp = segments // 2 if segments > 2 else None
     layers = len(pattern.replace("|", ""))
-    return make_args(
-        AUTO, **{**TINY, "hybrid_layer_pattern": pattern, "num_layers": layers, "virtual_pipeline_model_parallel_size": vp}
-    )
+    derived = {"hybrid_layer_pattern": pattern, "num_layers": layers, "virtual_pipeline_model_parallel_size": vp}
+    return make_args(AUTO, **{**TINY, **derived})
 
 
 def _one_f_one_b(pattern: str) -> object:
