@@ -34,6 +34,7 @@ from ..schedules import registry
 from ..schedules.layer_split import LayerSplit, split_from_args
 from ..schedules.placement import loop_placement, make_placement
 from .arguments import (
+    LayerKindCosts,
     PipelineArgumentError,
     PipelineConfig,
     _cuda_available,
@@ -58,16 +59,20 @@ def planner_for_run(
     stage_costs_ms: tuple[float, float, float] | None,
     cpu: bool,
     overlap: float = SIM_OVERLAP,
+    layer_costs: LayerKindCosts | None = None,
 ) -> Planner:
     """The planner of one training run: megatron's model shape, its TP / PP / DP / micro-batch / recompute
     fixed, every schedule and parameter open. Budget: ``budget_gib`` (all of it; the CPU case) or the
     GPU's memory (2 GiB kept free); the planner counts weights, gradients and optimizer state in a rank's
     peak. Costs: the device's cost model, or ``stage_costs_ms`` (F, B, W of one 1F1B stage, L/p layers,
-    for one micro-batch, in ms) spread over the layers. ``overlap``: see ``--pipeline-overlap``. Layers: the
-    run's split (:func:`run_layer_split`), fixed: every candidate is simulated and sized with its stages' layers
-    under that split, and one whose placement cannot map it is not applicable (the reason in auto's table). A
-    hybrid layer pattern also gives each layer its kind (:func:`_layer_kinds`), so a stage costs its layers."""
+    for one micro-batch, in ms) spread over the layers; ``layer_costs`` (``--pipeline-costs KIND=F,B,W;...``)
+    replace the estimate of the kinds they give (``planner/layer_costs.py``). ``overlap``: see
+    ``--pipeline-overlap``. Layers: the run's split (:func:`run_layer_split`), fixed: every candidate is
+    simulated and sized with its stages' layers under that split, and one whose placement cannot map it is not
+    applicable (the reason in auto's table). A hybrid layer pattern also gives each layer its kind
+    (:func:`_layer_kinds`), so each stage costs its layers."""
     from ..planner.cost_model import CostModel, LayerTimes, get_device
+    from ..planner.layer_costs import MeasuredLayers
     from ..planner.memory import TrainingSetup
     from ..planner.models import ModelSpec
 
@@ -115,6 +120,9 @@ def planner_for_run(
         given_split=run_layer_split(args),  # megatron builds these layers: auto keeps them
     )
     gbs = int(getattr(args, "global_batch_size", None) or mbs * dp)
+    measured = None
+    if layer_costs is not None:
+        measured = MeasuredLayers.from_ms(dict(layer_costs.entries), layer_costs.micro_batch, layer_costs.tp)
     return Planner(
         model,
         tp * pp * dp,
@@ -124,6 +132,7 @@ def planner_for_run(
         memory_reserve_gib=0.0 if budget_gib is not None else 2.0,
         space=space,
         overlap=overlap,
+        measured_layers=measured,
     )
 
 
@@ -182,18 +191,22 @@ def _gpu_device() -> Any:
 
 
 def _stage_ms(config: PipelineConfig) -> tuple[float, float, float] | None:
-    if config.costs is None:
+    if not isinstance(config.costs, tuple):  # none, or per layer kind (_layer_costs)
         return None
     return float(config.costs[0]), float(config.costs[1]), float(config.costs[2])
 
 
+def _layer_costs(config: PipelineConfig) -> LayerKindCosts | None:
+    return config.costs if isinstance(config.costs, LayerKindCosts) else None
+
+
 def _apply(config: PipelineConfig, chosen: PlanRow, table: str, costs: Any = None) -> PipelineConfig:
     """``config`` running ``chosen``: its memory limit and chunk count, built with ``costs`` if given, else the
-    user's ``--pipeline-costs``, else the costs the planner evaluated it with."""
+    user's ``--pipeline-costs`` of one stage, else the costs the planner evaluated it with."""
     c = chosen.config
-    if costs is None:
-        costs = config.costs if config.costs is not None else None
-    if costs is None and c.costs_flag is not None:
+    if costs is None and isinstance(config.costs, tuple):
+        costs = config.costs
+    if costs is None and c.costs_flag is not None:  # per-layer-kind costs: the stage costs the planner used
         costs = parse_costs(c.costs_flag)
     unit_size = config.unit_size
     if c.unit_size is not None and not isinstance(config.unit_size, int):
@@ -214,7 +227,12 @@ def resolve(args: Any, config: PipelineConfig) -> PipelineConfig:
     cpu = bool(getattr(args, "cpu", False)) or not _cuda_available()
     overlap = SIM_OVERLAP if config.overlap is None else config.overlap
     planner = planner_for_run(
-        args, budget_gib=config.memory_budget, stage_costs_ms=_stage_ms(config), cpu=cpu, overlap=overlap
+        args,
+        budget_gib=config.memory_budget,
+        stage_costs_ms=_stage_ms(config),
+        cpu=cpu,
+        overlap=overlap,
+        layer_costs=_layer_costs(config),
     )
     decision = decide(planner)
     table = decision.table()
@@ -230,7 +248,7 @@ def resolve(args: Any, config: PipelineConfig) -> PipelineConfig:
         config = replace(config, num_virtual_stages=None)
     resolved = check_schedule_flags(args, _apply(config, decision.chosen, table))
     if config.replan:
-        resolved.redecide = Redecision(args, resolved, cpu=cpu, overlap=overlap)
+        resolved.redecide = Redecision(args, resolved, cpu=cpu, overlap=overlap, layer_costs=_layer_costs(config))
     return resolved
 
 
@@ -249,6 +267,7 @@ class Redecision:
     log: Callable[[str], None] = field(default=_log_rank0)
     decision: AutoDecision | None = None
     measured_stage_ms: tuple[float, float, float] | None = None
+    layer_costs: LayerKindCosts | None = None  # the user's per-layer-kind costs: still first for their kinds
     result: PipelineConfig | None = None
 
     def stage_ms_from(self, costs: Costs) -> tuple[float, float, float]:
@@ -276,6 +295,7 @@ class Redecision:
             stage_costs_ms=self.measured_stage_ms,
             cpu=self.cpu,
             overlap=self.overlap,
+            layer_costs=self.layer_costs,
         )
         if style == "loop":
             planner.space = replace(planner.space, virtual=(chunks,))

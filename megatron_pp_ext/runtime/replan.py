@@ -231,10 +231,26 @@ def costs_to_json(costs: Costs) -> dict[str, Any]:
     return {"t_f": costs.t_f, "t_b": costs.t_b, "t_w": costs.t_w, "t_comm": costs.t_comm}
 
 
-def load_costs(path: str | Path) -> Costs:
+# A profile file's optional per-layer-kind entries: the text ``--pipeline-costs`` and ``plan --layer-costs`` take
+# (``KIND=F,B,W;...;micro_batch=N;tp=N``). The writer measures per-stage times only (one op runs a stage's layers
+# back to back); a user adds this key with times measured per layer (docs/planner.md).
+LAYER_COSTS_KEY = "layer_costs"
+
+
+def load_profile(path: str | Path) -> tuple[Costs, str | None]:
+    """A profile file's per-stage costs and its per-layer-kind text (``None`` without one), unchecked."""
     data = json.loads(Path(path).read_text())
     as_tuple = lambda v: tuple(v) if isinstance(v, list) else v  # noqa: E731
-    return Costs(t_f=as_tuple(data["t_f"]), t_b=as_tuple(data["t_b"]), t_w=as_tuple(data["t_w"]), t_comm=data["t_comm"])
+    f, b, w = (as_tuple(data[key]) for key in ("t_f", "t_b", "t_w"))
+    costs = Costs(t_f=f, t_b=b, t_w=w, t_comm=data["t_comm"])
+    layers = data.get(LAYER_COSTS_KEY)
+    if layers is not None and not isinstance(layers, str):
+        raise ValueError(f"{LAYER_COSTS_KEY!r} must be text like 'dense=1.2,2.3,1.1;head=3,3,2.8', got {layers!r}")
+    return costs, layers
+
+
+def load_costs(path: str | Path) -> Costs:
+    return load_profile(path)[0]
 
 
 class ReplanningSource:
