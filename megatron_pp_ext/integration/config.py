@@ -304,7 +304,8 @@ class PipelineConfig:
             metavar="FILE",
             needs="schedule",
             values="a file path",
-            help="Write the measured cost profile (JSON) to FILE; pass it back later with --pipeline-costs FILE.",
+            help="Write the measured cost profile (JSON) to FILE, with per-layer-kind entries where its stages' "
+            "layers determine them; pass it back later with --pipeline-costs FILE.",
         ),
     )
     block_file: str | None = field(  # building block (JSON) of v-block

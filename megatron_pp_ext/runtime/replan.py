@@ -35,7 +35,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,9 @@ import torch.distributed as dist
 
 from ..analysis.simulate import Costs
 from ..schedules.ir import Op, OpKind
+from ..schedules.kind_profile import kind_times, layer_costs_text, stage_kind_counts
+from ..schedules.layer_split import LayerSplit, LayerSplitError
+from ..schedules.placement import Placement
 from ..schedules.schedule import Schedule
 from . import p2p
 from .trace import NullTracer
@@ -232,8 +235,8 @@ def costs_to_json(costs: Costs) -> dict[str, Any]:
 
 
 # A profile file's optional per-layer-kind entries: the text ``--pipeline-costs`` and ``plan --layer-costs`` take
-# (``KIND=F,B,W;...;micro_batch=N;tp=N``). The writer measures per-stage times only (one op runs a stage's layers
-# back to back); a user adds this key with times measured per layer (docs/planner.md).
+# (``KIND=F,B,W;...;micro_batch=N;tp=N``). The writer measures per-stage times (one op runs a stage's layers back
+# to back) and adds them where the stages' layers determine them (:class:`ProfileLayers`); else a user may.
 LAYER_COSTS_KEY = "layer_costs"
 
 
@@ -253,6 +256,27 @@ def load_costs(path: str | Path) -> Costs:
     return load_profile(path)[0]
 
 
+@dataclass(frozen=True)
+class ProfileLayers:
+    """The run's decoder layers by kind (model order), its split, micro-batch size and TP: what a written
+    profile needs to carry per-layer-kind entries (:mod:`megatron_pp_ext.schedules.kind_profile`)."""
+
+    kinds: tuple[str, ...]
+    split: LayerSplit | None
+    micro_batch: int
+    tp: int
+
+    def text(self, costs: Costs, placement: Placement) -> str | None:
+        """The ``KIND=F,B,W;...`` text the measured per-stage ``costs`` determine, or None where they do not."""
+        try:
+            counts = stage_kind_counts(self.kinds, placement, self.split)
+        except LayerSplitError:
+            return None
+        f, b, w, _ = costs.per_stage(placement.num_stages)
+        times = kind_times(counts, list(zip(f, b, w, strict=True)))
+        return None if times is None else layer_costs_text(times, self.micro_batch, self.tp)
+
+
 class ReplanningSource:
     """``schedule_for(m)`` that re-plans once from costs measured on the running job."""
 
@@ -263,12 +287,14 @@ class ReplanningSource:
         *,
         profile_out: str | Path | None = None,
         log: Callable[[str], None] | None = None,
+        profile_layers: ProfileLayers | None = None,
     ) -> None:
         if profile_iterations < 1:
             raise ValueError(f"profile_iterations must be >= 1, got {profile_iterations}")
         self.build = build
         self.profile_iterations = profile_iterations
         self.profile_out = profile_out
+        self.profile_layers = profile_layers
         self.log = log or logger.info
         self.costs: Costs | None = None
         self.replanned = False
@@ -304,4 +330,8 @@ class ReplanningSource:
             f"iteration(s): {json.dumps(costs_to_json(self.costs))}\n{schedule.table(max_ops=24)}"
         )
         if self.profile_out and dist.get_rank() == 0:
-            Path(self.profile_out).write_text(json.dumps(costs_to_json(self.costs), indent=1))
+            doc = costs_to_json(self.costs)
+            layers = self.profile_layers.text(self.costs, schedule.placement) if self.profile_layers else None
+            if layers is not None:
+                doc[LAYER_COSTS_KEY] = layers
+            Path(self.profile_out).write_text(json.dumps(doc, indent=1))

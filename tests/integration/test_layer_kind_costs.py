@@ -109,3 +109,33 @@ def test_auto_costs_each_stage_of_a_hybrid_pattern_from_its_kinds() -> None:
         **{**TINY, "num_layers": 6, "hybrid_layer_pattern": pattern, "pipeline_model_parallel_size": 2},
     )
     assert _stage_f_ms(args, (3, 3), costs) == pytest.approx([5.0, 3.0])
+
+
+def test_the_profile_writer_adds_the_kinds_its_stages_determine(tmp_path: Path) -> None:
+    """A 4-stage profile of the even dense split gives dense, embedding and head (written into the profile and
+    read back by auto); a run whose kinds the profile cannot name writes none."""
+    from megatron_pp_ext.integration.install import _profile_layers
+    from megatron_pp_ext.runtime.replan import LAYER_COSTS_KEY, costs_to_json
+
+    args = make_args(["--pipeline-schedule", "zb-auto"], **TINY)
+    layers = _profile_layers(args, validate_arguments(args))
+    assert layers is not None and layers.kinds == ("dense",) * 8 and (layers.micro_batch, layers.tp) == (2, 1)
+    dense, embedding, head = (1e-3, 2e-3, 1e-3), (0.5e-3, 0.0, 0.5e-3), (3e-3, 3e-3, 2.5e-3)
+    per_stage = [
+        [2 * d + e * (s == 0) + h * (s == 3) for d, e, h in zip(dense, embedding, head, strict=True)] for s in range(4)
+    ]
+    measured = Costs(*(tuple(stage[i] for stage in per_stage) for i in range(3)), None, 1e-4)
+    text = layers.text(measured, loop_placement(4))
+    entries, micro_batch, _ = parse_layer_costs(text)
+    assert entries["dense"] == pytest.approx((1.0, 2.0, 1.0)) and entries["head"] == pytest.approx((3.0, 3.0, 2.5))
+    assert micro_batch == 2
+    two = Costs(per_stage[0][:1] * 2, per_stage[0][1:2] * 2, per_stage[0][2:] * 2, None, 1e-4)
+    assert layers.text(two, loop_placement(2)) is None  # two stages: two equations, three kinds
+    path = tmp_path / "written.json"
+    path.write_text(json.dumps({**costs_to_json(measured), LAYER_COSTS_KEY: text}))
+    config = validate_arguments(make_args([*AUTO, "--pipeline-costs", str(path)], **TINY))
+    assert isinstance(config.costs, LayerKindCosts) and dict(config.costs.entries)["embedding"] == pytest.approx(
+        (0.5, 0.0, 0.5)
+    )
+    moe = make_args(["--pipeline-schedule", "zb-auto"], **{**TINY, "num_experts": 4})
+    assert _profile_layers(moe, validate_arguments(moe)) is None
