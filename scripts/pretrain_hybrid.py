@@ -48,7 +48,10 @@ def hybrid_model_config(args: Any) -> Any:
 
 
 if __name__ == "__main__":
-    if not any(a == "--hybrid-layer-pattern" or a.startswith("--hybrid-layer-pattern=") for a in sys.argv[1:]):
+    asks_help = any(a in ("-h", "--help") for a in sys.argv[1:])  # megatron-pp grid --check reads the flags
+    if not asks_help and not any(
+        a == "--hybrid-layer-pattern" or a.startswith("--hybrid-layer-pattern=") for a in sys.argv[1:]
+    ):
         if os.environ.get("RANK", "0") == "0":
             error_line(os.path.basename(sys.argv[0]), "argument --hybrid-layer-pattern: required (e.g. '*-*-|*-*-')")
         raise SystemExit(2)

@@ -28,6 +28,11 @@ COSTS = [
     "1,1,1,-1", "1,,1", ",,,",
 ]  # fmt: skip
 UNIT_SIZES = ["1", "4", " 2 ", "auto", "AUTO", "0", "-1", "1.5", "x", ""]
+LAYER_COSTS = [
+    "dense=1,2,1", "dense=1,2,1;head=3,3,2.8;micro_batch=2", " DENSE = 1, 2, 1 ;tp=2;", "mamba=1,1,0;mlp=0,0,0",
+    "dence=1,2,1", "dense=1,2", "dense=nan,1,1", "dense=1,2,1e13", "dense=1,2,1;tp=0", "micro_batch=2",
+    "dense=1,2,1;x", ";",
+]  # fmt: skip
 
 
 def _megatron(flag: str, text: str) -> object:
@@ -81,6 +86,17 @@ def test_costs_mean_the_same_everywhere(text: str) -> None:
     else:
         assert isinstance(cli, Costs)
         assert (cli.t_f, cli.t_b, cli.t_w, cli.t_comm) == megatron, (text, cli, megatron)
+
+
+@pytest.mark.parametrize("text", LAYER_COSTS)
+def test_layer_costs_mean_the_same_for_plan_and_training(text: str) -> None:
+    """``plan --layer-costs`` and ``--pipeline-costs KIND=F,B,W;...`` read the same entries or both refuse."""
+    plan = _verdict(argtypes.layer_costs, text)
+    megatron = _megatron("--pipeline-costs", text)
+    if plan == "refused" or megatron == "refused":
+        assert plan == megatron, (text, plan, megatron)
+    else:
+        assert (dict(megatron.entries), megatron.micro_batch, megatron.tp) == plan, (text, plan, megatron)
 
 
 def test_costs_rule() -> None:

@@ -13,7 +13,7 @@ from ..argtypes import output_dir
 from ..planner.driver_flags import driver_flags, unknown_flags
 from ..planner.grid import DEFAULT_SCRIPT, relative_path, write_grid
 from ..planner.options import add_plan_arguments
-from ..planner.sbatch import GridOptions
+from ..planner.sbatch import GridOptions, default_driver
 from .cmd_plan import add_top_argument
 from .planned import load_or_plan
 
@@ -53,7 +53,9 @@ def add_parser(subparsers: Any) -> None:
     sl.add_argument("--train-iters", type=int, default=20, help="iterations per configuration (default 20)")
     sl.add_argument("--max-parallel", type=int, help="at most this many array tasks at once")
     sl.add_argument(
-        "--script", help="path of pretrain_gpt.py on the cluster (default: $MPP_REPO/scripts/pretrain_gpt.py)"
+        "--script",
+        help="path of the training driver on the cluster (default: $MPP_REPO/scripts/pretrain_gpt.py, "
+        "pretrain_hybrid.py for a hybrid model)",
     )
     sl.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra environment (repeatable)")
     sl.add_argument("--extra-args", default="", help="more pretrain_gpt.py flags for every configuration")
@@ -109,10 +111,11 @@ def cmd_grid(args: argparse.Namespace) -> int:
     print(f"submit from {here} (the script's paths are relative to it): sbatch {sbatch}")
     print(f"logs go to {logs}; then: megatron-pp collect {logs}")
     if args.check:
-        known, how = driver_flags(args.script or DEFAULT_SCRIPT)
+        script = args.script or DEFAULT_SCRIPT.with_name(default_driver(doc))  # the driver the job script runs
+        known, how = driver_flags(script)
         bad = unknown_flags(args.out, known)
         if bad:
-            print(f"UNKNOWN flags (not accepted by {args.script}, via {how}): {', '.join(bad)}", file=sys.stderr)
+            print(f"UNKNOWN flags (not accepted by {script}, via {how}): {', '.join(bad)}", file=sys.stderr)
             return 1
-        print(f"every flag is accepted by {Path(args.script or DEFAULT_SCRIPT).name} (checked via {how})")
+        print(f"every flag is accepted by {Path(script).name} (checked via {how})")
     return 0

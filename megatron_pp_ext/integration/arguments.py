@@ -32,6 +32,7 @@ from . import fsdp_flags, moe_flags
 from .config import (
     AUTO,
     ActivationLimit,
+    LayerKindCosts,
     PipelineArgumentError,
     PipelineConfig,
     as_costs,
@@ -48,6 +49,7 @@ __all__ = [
     "CPU_ARGV",
     "GROUP_TITLE",
     "ActivationLimit",
+    "LayerKindCosts",
     "PipelineArgumentError",
     "PipelineConfig",
     "add_arguments",
@@ -227,6 +229,12 @@ def validate_arguments(args: Any) -> PipelineConfig:
     for attr, flag in flags_needing("auto"):
         if _given(args, attr):
             raise PipelineArgumentError(flag, "needs --pipeline-schedule auto")
+    if isinstance(config.costs, LayerKindCosts) and config.costs.profile is None:
+        raise PipelineArgumentError(
+            "--pipeline-costs",
+            "per-layer-kind costs (KIND=F,B,W;...) are read by --pipeline-schedule auto; a named schedule takes "
+            "F,B,W[,COMM] (one stage) or a profile file",
+        )
     fsdp_flags.check_arguments(args)
     if config.post_validation and config.fsdp:
         raise PipelineArgumentError(
@@ -307,8 +315,15 @@ def check_auto_flags(args: Any, config: PipelineConfig) -> None:
         raise PipelineArgumentError("--pipeline-memory-budget", f"must be a number of GiB > 0, got {budget}")
     if budget is None and (bool(getattr(args, "cpu", False)) or not _cuda_available()):
         raise PipelineArgumentError("--pipeline-memory-budget", "--pipeline-schedule auto on CPU needs a budget")
-    if config.costs is not None and not isinstance(config.costs, tuple):
-        raise PipelineArgumentError("--pipeline-costs", "auto takes F,B,W[,COMM] in ms, not a profile file")
+    if config.costs is not None and not isinstance(config.costs, (tuple, LayerKindCosts)):
+        from ..runtime.replan import LAYER_COSTS_KEY
+
+        raise PipelineArgumentError(
+            "--pipeline-costs",
+            "auto takes F,B,W[,COMM] (ms of one stage), per-layer-kind KIND=F,B,W;... (ms of one layer), or a "
+            f"profile file with per-layer-kind entries (its {LAYER_COSTS_KEY!r} key); this profile has per-stage "
+            "costs only",
+        )
     if config.overlap is not None and not 0.0 <= config.overlap <= 1.0:
         raise PipelineArgumentError("--pipeline-overlap", f"must be in [0, 1], got {config.overlap}")
     if config.profile_iterations == 0 and config.replan:

@@ -31,18 +31,20 @@ from ..planner.result import PlanRow
 from ..planner.search import Planner
 from ..planner.space import SearchSpace
 from ..schedules import registry
-from ..schedules.layer_split import split_from_args
-from ..schedules.placement import make_placement
+from ..schedules.layer_split import LayerSplit, split_from_args
+from ..schedules.placement import loop_placement, make_placement
 from .arguments import (
+    LayerKindCosts,
     PipelineArgumentError,
     PipelineConfig,
     _cuda_available,
+    _virtual_flag,
     check_schedule_flags,
     parse_costs,
     parse_memory_limit,
 )
 
-__all__ = ["Redecision", "planner_for_run", "resolve"]
+__all__ = ["Redecision", "planner_for_run", "resolve", "run_layer_split"]
 
 
 def _log_rank0(text: str) -> None:
@@ -57,23 +59,27 @@ def planner_for_run(
     stage_costs_ms: tuple[float, float, float] | None,
     cpu: bool,
     overlap: float = SIM_OVERLAP,
+    layer_costs: LayerKindCosts | None = None,
 ) -> Planner:
     """The planner of one training run: megatron's model shape, its TP / PP / DP / micro-batch / recompute
     fixed, every schedule and parameter open. Budget: ``budget_gib`` (all of it; the CPU case) or the
     GPU's memory (2 GiB kept free); the planner counts weights, gradients and optimizer state in a rank's
     peak. Costs: the device's cost model, or ``stage_costs_ms`` (F, B, W of one 1F1B stage, L/p layers,
-    for one micro-batch, in ms) spread over the layers. ``overlap``: see ``--pipeline-overlap``. Layers: the
-    run's split (megatron's flags, :data:`~megatron_pp_ext.schedules.layer_split.SPLIT_FLAGS`; even without
-    them), fixed: every candidate is simulated and sized with its stages' layers under that split, and one
-    whose placement cannot map it is not applicable (the reason in auto's table)."""
+    for one micro-batch, in ms) spread over the layers; ``layer_costs`` (``--pipeline-costs KIND=F,B,W;...``)
+    replace the estimate of the kinds they give (``planner/layer_costs.py``). ``overlap``: see
+    ``--pipeline-overlap``. Layers: the run's split (:func:`run_layer_split`), fixed: every candidate is
+    simulated and sized with its stages' layers under that split, and one whose placement cannot map it is not
+    applicable (the reason in auto's table). A hybrid layer pattern also gives each layer its kind
+    (:func:`_layer_kinds`), so each stage costs its layers."""
     from ..planner.cost_model import CostModel, LayerTimes, get_device
+    from ..planner.layer_costs import MeasuredLayers
     from ..planner.memory import TrainingSetup
     from ..planner.models import ModelSpec
 
     groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
     model = ModelSpec(
         "run",
-        num_layers=int(args.num_layers),
+        **_layer_kinds(args),
         hidden_size=int(args.hidden_size),
         num_attention_heads=int(args.num_attention_heads),
         seq_length=int(args.seq_length),
@@ -111,9 +117,12 @@ def planner_for_run(
         virtual=(int(vp),) if vp else (1, 2, 3, 4),
         fsdp=(bool(getattr(args, "pipeline_fsdp", False)),),  # the run's own --pipeline-fsdp
         unit_sizes=(unit,) if isinstance(unit := getattr(args, "pipeline_unit_size", None), int) else None,
-        given_split=split_from_args(args),  # megatron builds these layers: auto keeps them
+        given_split=run_layer_split(args),  # megatron builds these layers: auto keeps them
     )
     gbs = int(getattr(args, "global_batch_size", None) or mbs * dp)
+    measured = None
+    if layer_costs is not None:
+        measured = MeasuredLayers.from_ms(dict(layer_costs.entries), layer_costs.micro_batch, layer_costs.tp)
     return Planner(
         model,
         tp * pp * dp,
@@ -123,7 +132,52 @@ def planner_for_run(
         memory_reserve_gib=0.0 if budget_gib is not None else 2.0,
         space=space,
         overlap=overlap,
+        measured_layers=measured,
     )
+
+
+# megatron's hybrid symbols the planner has no cost model of, as the nearest it has: gated delta net as a Mamba
+# mixer (a linear-time scan), DeepSeek sparse and multi-latent attention as attention
+_NEAREST_KIND = {"G": "M", "D": "*", "+": "*"}
+
+
+def _layer_kinds(args: Any) -> dict[str, Any]:
+    """The run's decoder layers for :class:`~megatron_pp_ext.planner.models.ModelSpec`: ``num_layers``, and
+    with ``--hybrid-layer-pattern`` each layer's kind (the pattern without ``|``; MoE layers with megatron's
+    expert flags)."""
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if not pattern:
+        return {"num_layers": int(args.num_layers)}
+    flat = "".join(_NEAREST_KIND.get(c, c) for c in pattern.replace("|", ""))
+    kinds: dict[str, Any] = {"num_layers": len(flat), "hybrid_pattern": flat}
+    if "E" in flat:
+        kinds["num_experts"] = int(getattr(args, "num_experts", None) or 1)
+        kinds["moe_ffn_hidden_size"] = getattr(args, "moe_ffn_hidden_size", None)
+        kinds["moe_router_topk"] = int(getattr(args, "moe_router_topk", None) or 2)
+        kinds["moe_shared_expert_ffn"] = int(getattr(args, "moe_shared_expert_intermediate_size", None) or 0)
+    return kinds
+
+
+def run_layer_split(args: Any) -> LayerSplit:
+    """The layers megatron builds per model stage, which auto keeps: a hybrid layer pattern's ``|`` segments
+    (stage ``s`` builds segment ``s`` under every placement, ``runtime/hybrid_pattern.py``; a pattern without
+    ``|`` is megatron's even split over the ranks, one chunk each), else megatron's uneven-split flags
+    (:data:`~megatron_pp_ext.schedules.layer_split.SPLIT_FLAGS`; even without them). A pattern that splits
+    neither way is refused naming ``--hybrid-layer-pattern``."""
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if not pattern:
+        return split_from_args(args)
+    from ..runtime.hybrid_pattern import HybridPatternError, hybrid_layer_split, pattern_segments
+
+    flag = "--hybrid-layer-pattern"
+    p = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    try:
+        segments = pattern_segments(pattern, flag)
+        if len(segments) > 1:
+            return LayerSplit(counts=tuple(len(s) for s in segments))
+        return hybrid_layer_split(pattern, loop_placement(p), "--pipeline-schedule auto", flag)
+    except HybridPatternError as exc:
+        raise PipelineArgumentError(flag, str(exc).removeprefix(f"{flag} ")) from None
 
 
 def _gpu_device() -> Any:
@@ -137,18 +191,22 @@ def _gpu_device() -> Any:
 
 
 def _stage_ms(config: PipelineConfig) -> tuple[float, float, float] | None:
-    if config.costs is None:
+    if not isinstance(config.costs, tuple):  # none, or per layer kind (_layer_costs)
         return None
     return float(config.costs[0]), float(config.costs[1]), float(config.costs[2])
 
 
+def _layer_costs(config: PipelineConfig) -> LayerKindCosts | None:
+    return config.costs if isinstance(config.costs, LayerKindCosts) else None
+
+
 def _apply(config: PipelineConfig, chosen: PlanRow, table: str, costs: Any = None) -> PipelineConfig:
     """``config`` running ``chosen``: its memory limit and chunk count, built with ``costs`` if given, else the
-    user's ``--pipeline-costs``, else the costs the planner evaluated it with."""
+    user's ``--pipeline-costs`` of one stage, else the costs the planner evaluated it with."""
     c = chosen.config
-    if costs is None:
-        costs = config.costs if config.costs is not None else None
-    if costs is None and c.costs_flag is not None:
+    if costs is None and isinstance(config.costs, tuple):
+        costs = config.costs
+    if costs is None and c.costs_flag is not None:  # per-layer-kind costs: the stage costs the planner used
         costs = parse_costs(c.costs_flag)
     unit_size = config.unit_size
     if c.unit_size is not None and not isinstance(config.unit_size, int):
@@ -169,7 +227,12 @@ def resolve(args: Any, config: PipelineConfig) -> PipelineConfig:
     cpu = bool(getattr(args, "cpu", False)) or not _cuda_available()
     overlap = SIM_OVERLAP if config.overlap is None else config.overlap
     planner = planner_for_run(
-        args, budget_gib=config.memory_budget, stage_costs_ms=_stage_ms(config), cpu=cpu, overlap=overlap
+        args,
+        budget_gib=config.memory_budget,
+        stage_costs_ms=_stage_ms(config),
+        cpu=cpu,
+        overlap=overlap,
+        layer_costs=_layer_costs(config),
     )
     decision = decide(planner)
     table = decision.table()
@@ -179,9 +242,13 @@ def resolve(args: Any, config: PipelineConfig) -> PipelineConfig:
         raise PipelineArgumentError(  # one line: rank 0 printed the table (what each needs) just above
             "--pipeline-memory-budget", f"no schedule fits in {budget:.3g} GiB per rank (the auto table above)"
         )
+    if "|" in (getattr(args, "hybrid_layer_pattern", None) or "") and _virtual_flag(args) is None:
+        # megatron derived its virtual pipeline size from the pattern's segments (segments / p): the chosen
+        # schedule's placement sets the chunks, as a virtual flag the user did not give would not
+        config = replace(config, num_virtual_stages=None)
     resolved = check_schedule_flags(args, _apply(config, decision.chosen, table))
     if config.replan:
-        resolved.redecide = Redecision(args, resolved, cpu=cpu, overlap=overlap)
+        resolved.redecide = Redecision(args, resolved, cpu=cpu, overlap=overlap, layer_costs=_layer_costs(config))
     return resolved
 
 
@@ -200,6 +267,7 @@ class Redecision:
     log: Callable[[str], None] = field(default=_log_rank0)
     decision: AutoDecision | None = None
     measured_stage_ms: tuple[float, float, float] | None = None
+    layer_costs: LayerKindCosts | None = None  # the user's per-layer-kind costs: still first for their kinds
     result: PipelineConfig | None = None
 
     def stage_ms_from(self, costs: Costs) -> tuple[float, float, float]:
@@ -227,6 +295,7 @@ class Redecision:
             stage_costs_ms=self.measured_stage_ms,
             cpu=self.cpu,
             overlap=self.overlap,
+            layer_costs=self.layer_costs,
         )
         if style == "loop":
             planner.space = replace(planner.space, virtual=(chunks,))

@@ -19,12 +19,20 @@ from .. import argtypes
 from ..schedules import registry
 from ..schedules.ir import ScheduleError
 from ..schedules.schedule import Schedule
-from ..schedules.values import COSTS_RULE, MAX_VALUE, MEMORY_LIMIT_RULE, UNIT_SIZE_RULE, ActivationLimit
+from ..schedules.values import (
+    COSTS_RULE,
+    LAYER_COSTS_RULE,
+    MAX_VALUE,
+    MEMORY_LIMIT_RULE,
+    UNIT_SIZE_RULE,
+    ActivationLimit,
+)
 
 __all__ = [
     "AUTO",
     "ActivationLimit",
     "Flag",
+    "LayerKindCosts",
     "PipelineArgumentError",
     "PipelineConfig",
     "as_costs",
@@ -50,16 +58,46 @@ class PipelineArgumentError(ValueError):
 parse_memory_limit = argtypes.memory_limit  # N or Np activations -> ActivationLimit
 
 
+@dataclass(frozen=True)
+class LayerKindCosts:
+    """Measured times of one layer of each kind for one micro-batch (ms; ``KIND=F,B,W;...``, read by
+    :func:`~megatron_pp_ext.schedules.values.parse_layer_costs`, the parser of ``plan --layer-costs``) at
+    ``micro_batch`` and ``tp``. ``--pipeline-schedule auto`` costs each stage of the run's split from its
+    layers with them. ``profile``: the measured per-stage costs of the profile file they came with (what a
+    named cost-aware schedule is built with); ``None`` when given on the command line."""
+
+    entries: tuple[tuple[str, tuple[float, float, float]], ...]
+    micro_batch: int = 1
+    tp: int = 1
+    profile: Any = None
+
+    @classmethod
+    def parse(cls, text: str, profile: Any = None) -> LayerKindCosts:
+        """From the ``KIND=F,B,W;...`` text (argparse's error on a bad one, naming what is valid)."""
+        entries, micro_batch, tp = argtypes.layer_costs(text)
+        return cls(tuple(sorted(entries.items())), micro_batch, tp, profile)
+
+
 def parse_costs(text: str) -> Any:
-    """``F,B,W[,COMM]`` numbers (:func:`~megatron_pp_ext.schedules.values.parse_costs`), or the path of a
-    JSON profile written by ``--pipeline-profile-out`` (text without a comma)."""
+    """``F,B,W[,COMM]`` numbers (:func:`~megatron_pp_ext.schedules.values.parse_costs`), per-layer-kind
+    ``KIND=F,B,W;...`` entries (text with ``=``: :class:`LayerKindCosts`), or the path of a JSON profile written
+    by ``--pipeline-profile-out`` (text without a comma), which may carry per-layer-kind entries too (its
+    ``layer_costs`` key, the same text)."""
+    if "=" in str(text):
+        return LayerKindCosts.parse(text)
     if "," not in str(text):
-        from ..runtime.replan import load_costs
+        from ..runtime.replan import LAYER_COSTS_KEY, load_profile
 
         try:
-            return load_costs(text)
-        except (OSError, ValueError, KeyError) as exc:
+            profile, layers = load_profile(text)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             raise argparse.ArgumentTypeError(f"cannot read a cost profile from {text!r}: {exc}") from None
+        if layers is None:
+            return profile
+        try:
+            return LayerKindCosts.parse(layers, profile)
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"cost profile {text!r}, its {LAYER_COSTS_KEY!r}: {exc}") from None
     return argtypes.costs(text)
 
 
@@ -223,23 +261,27 @@ class PipelineConfig:
             "micro-batch; 'Np' = N times the pipeline size (e.g. 2p).",
         ),
     )
-    costs: Any = field(  # (F, B, W, COMM), a Costs object, or a measured profile
+    costs: Any = field(  # (F, B, W, COMM), a Costs object (a measured profile), or LayerKindCosts
         default=None,
         metadata=_flag(
             name="--pipeline-costs",
             notes="With auto: milliseconds of one 1F1B stage (L/p layers) for one micro-batch; COMM is not used there"
-            " (the device model's hop time is), and a profile file is refused. Without it auto uses the "
-            "device's cost model.",
-            metavar="F,B,W[,COMM]|FILE",
+            " (the device model's hop time is). Per layer kind (`KIND=F,B,W;...`, the format of `megatron-pp plan "
+            "--layer-costs`): auto costs each stage of the run's split (uneven flags, a hybrid pattern's `|` "
+            "segments) from its layers, the device's cost model filling in kinds not given; a named schedule "
+            "refuses them unless they came in a profile file (whose per-stage costs it uses). A profile file "
+            "reaches auto only with per-layer-kind entries (its `layer_costs` key). Without the flag auto uses "
+            "the device's cost model (docs/planner.md).",
+            metavar="F,B,W[,COMM]|KIND=F,B,W;...|FILE",
             parse=parse_costs,
             keep_text=True,
             needs="schedule",
             agree="costs",
             show=repr,
-            values=COSTS_RULE + "; or a JSON profile (no comma)",
+            values=COSTS_RULE + "; or " + LAYER_COSTS_RULE + "; or a JSON profile (no comma)",
             help="Relative forward, input-gradient backward, weight-gradient backward and p2p costs of one "
-            "stage, for cost-aware schedules; or a JSON profile saved by --pipeline-profile-out. Given costs "
-            "switch off the profiling re-plan.",
+            "stage, for cost-aware schedules; or per layer kind (ms, KIND=F,B,W;..., for auto); or a JSON "
+            "profile saved by --pipeline-profile-out. Given costs switch off the profiling re-plan.",
         ),
     )
     profile_iterations: int | None = field(
@@ -262,7 +304,8 @@ class PipelineConfig:
             metavar="FILE",
             needs="schedule",
             values="a file path",
-            help="Write the measured cost profile (JSON) to FILE; pass it back later with --pipeline-costs FILE.",
+            help="Write the measured cost profile (JSON) to FILE, with per-layer-kind entries where its stages' "
+            "layers determine them; pass it back later with --pipeline-costs FILE.",
         ),
     )
     block_file: str | None = field(  # building block (JSON) of v-block
@@ -469,11 +512,16 @@ class PipelineConfig:
 
 
 def as_costs(costs: Any) -> Any:
-    """A :class:`~megatron_pp_ext.analysis.simulate.Costs` from a Costs or an (F, B, W, COMM) tuple."""
+    """A :class:`~megatron_pp_ext.analysis.simulate.Costs` from a Costs, an (F, B, W, COMM) tuple or the
+    profile a :class:`LayerKindCosts` came with."""
     from ..analysis.simulate import Costs
 
     if isinstance(costs, Costs):
         return costs
+    if isinstance(costs, LayerKindCosts):
+        if costs.profile is None:
+            raise ScheduleError("per-layer-kind costs have no per-stage costs (--pipeline-schedule auto reads them)")
+        return as_costs(costs.profile)
     f, b, w, comm = (*tuple(costs), 0.0)[:4]
     return Costs(t_f=f, t_b=b, t_w=w, t_comm=comm)
 

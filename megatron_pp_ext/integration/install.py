@@ -129,7 +129,33 @@ def _tracer_factory(trace_dir: str) -> tuple[Callable[[int], Any], set[int]]:
     return factory, param_storages, static
 
 
-def _replanning(config: PipelineConfig, tracer_factory: Callable[[int], Any] | None) -> tuple[Any, Any]:
+def _profile_layers(args: Any, config: PipelineConfig) -> Any:
+    """What a written profile needs for its per-layer-kind entries (:class:`~..runtime.replan.ProfileLayers`):
+    the run's decoder layers by kind (a hybrid pattern's symbols, else ``dense``), its split, micro-batch size
+    and TP; ``None`` without megatron's args or where a layer has no cost kind (MoE GPT layers, ``G D +``)."""
+    from ..runtime.replan import ProfileLayers
+
+    if args is None or not getattr(args, "num_layers", None) or not getattr(args, "micro_batch_size", None):
+        return None
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if pattern:
+        from ..planner.models import HYBRID_KINDS
+
+        symbols = pattern.replace("|", "")
+        if not set(symbols) <= set(HYBRID_KINDS):
+            return None
+        kinds = tuple(HYBRID_KINDS[c] for c in symbols)
+    elif getattr(args, "num_experts", None):
+        return None
+    else:
+        kinds = ("dense",) * int(args.num_layers)
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    return ProfileLayers(kinds, config.layer_split, int(args.micro_batch_size), tp)
+
+
+def _replanning(
+    config: PipelineConfig, tracer_factory: Callable[[int], Any] | None, args: Any = None
+) -> tuple[Any, Any]:
     """A schedule source that re-plans from measured costs, and the tracer factory that feeds it."""
     from megatron.training.utils import print_rank_0
 
@@ -150,7 +176,11 @@ def _replanning(config: PipelineConfig, tracer_factory: Callable[[int], Any] | N
             ) from None
 
     source = ReplanningSource(
-        build, config.replan_iterations, profile_out=config.profile_out, log=lambda text: print_rank_0(text)
+        build,
+        config.replan_iterations,
+        profile_out=config.profile_out,
+        log=lambda text: print_rank_0(text),
+        profile_layers=_profile_layers(args, config) if config.profile_out else None,
     )
 
     def factory(rank: int) -> Any:
@@ -194,7 +224,12 @@ def install(args_or_config: Any = None, *, layout_hooks: bool | None = None) -> 
     tracer_factory, param_storages, static = _tracer_factory(config.trace_dir) if config.trace_dir else no_trace
     source: Callable[[int], Schedule] = make_schedule_source(config)
     if config.replan_iterations > 0:
-        source, tracer_factory = _replanning(config, tracer_factory)
+        args = None if isinstance(args_or_config, PipelineConfig) else args_or_config
+        if args is None and not isinstance(args_or_config, PipelineConfig):
+            from megatron.training import get_args
+
+            args = get_args()  # what _config_of read the configuration from
+        source, tracer_factory = _replanning(config, tracer_factory, args)
     two_replicas = placement.num_replicas == 2
     executor_func = make_forward_backward_func(
         source,

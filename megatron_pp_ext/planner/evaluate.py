@@ -15,7 +15,7 @@ from ..schedules.schedule import Schedule
 from .cost_model import model_flops_per_iteration
 from .dp_stream import exposed_dp_time, reduction_profile
 from .extrapolate import EXACT_FALLBACK, TOLERANCE, affine_at, affine_memory
-from .layout import is_uniform, layout_text
+from .layout import hybrid_pattern_text, is_uniform, layout_text
 from .memo import Built, build_key
 from .memory import (
     RankMemory,
@@ -112,7 +112,7 @@ def evaluate(
         costs_flag=",".join(f"{x:g}" for x in var.costs_key) if var.costs_key else None,
         unit_size=var.unit,
         fsdp=fsdp,
-        layout=None if is_uniform(planner.model.num_layers, var.split) else layout_text(var.split),
+        layout=None if is_uniform(planner.model.num_layers, var.split) else _layout_shown(planner.model, var.split),
     )
     return PlanRow(
         config=config,
@@ -279,3 +279,11 @@ def estimate_memory(
         schedule=sched,
         split=split,
     )
+
+
+def _layout_shown(model: ModelSpec, split: tuple[int, ...]) -> str:
+    """A planned layout as megatron takes it: a hybrid model's pattern with ``|`` between the stages, else
+    the layout text (:func:`.megatron_args.config_args` writes the same)."""
+    if model.hybrid_pattern is not None:
+        return hybrid_pattern_text(model.hybrid_pattern, split)
+    return layout_text(split)

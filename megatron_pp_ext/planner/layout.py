@@ -23,7 +23,11 @@ the simulated iteration (bubbles, memory); the few candidates around it are what
 
 Flags (:func:`layout_args`): loop placements get ``--pipeline-model-parallel-layout`` (megatron's text,
 written out without repeats so a job script passes it as one plain word), the others
-``--decoder-first/last-pipeline-num-layers``. :func:`split_from_layout` reads a given layout and refuses,
+``--decoder-first/last-pipeline-num-layers``. A hybrid model (megatron's ``HybridModel``) takes its stage
+boundaries as ``|`` in ``--hybrid-layer-pattern`` instead (:func:`hybrid_pattern_text`): megatron-core refuses
+the layout, first/last and account-for flags and the virtual pipeline flag beside a pattern with ``|`` and
+derives the chunks per rank from the segment count; the plugin's chunk of model stage ``s`` builds segment ``s``
+under every placement (``docs/hybrid.md``). :func:`split_from_layout` reads a given layout and refuses,
 in one line naming the stage, one that does not add up to the model's layers, leaves a stage empty, or
 that the placement cannot map.
 """
@@ -43,6 +47,7 @@ __all__ = [
     "check_layout",
     "fallback_split",
     "first_last_split",
+    "hybrid_pattern_text",
     "is_uniform",
     "layout_args",
     "layout_text",
@@ -204,8 +209,22 @@ def layout_text(split: Sequence[int], compact: bool = True) -> str:
     return "|".join(stages)
 
 
-def layout_args(placement_style: str, split: Sequence[int]) -> list[str]:
-    """The megatron flags that build ``split`` (module doc)."""
+def hybrid_pattern_text(pattern: str, split: Sequence[int]) -> str:
+    """A hybrid model's layer pattern (one symbol per layer, no ``|``) cut into ``split``'s model slices:
+    megatron's ``--hybrid-layer-pattern`` for that layout (slice ``i`` is segment ``i``)."""
+    if sum(split) != len(pattern) or min(split, default=0) < 0:
+        raise ValueError(f"layer split {tuple(split)} does not cut the {len(pattern)} layers of pattern {pattern!r}")
+    segments, offset = [], 0
+    for n in split:
+        segments.append(pattern[offset : offset + n])
+        offset += n
+    return "|".join(segments)
+
+
+def layout_args(placement_style: str, split: Sequence[int], hybrid_pattern: str | None = None) -> list[str]:
+    """The megatron flags that build ``split`` (module doc); ``hybrid_pattern``: a hybrid model's pattern."""
+    if hybrid_pattern is not None:
+        return ["--hybrid-layer-pattern", hybrid_pattern_text(hybrid_pattern, split)]
     if placement_style == "loop":
         return ["--pipeline-model-parallel-layout", layout_text(split, compact=False)]
     return [

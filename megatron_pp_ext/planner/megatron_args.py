@@ -8,8 +8,12 @@ from .models import ModelSpec
 from .space import Config
 
 
-def config_args(config: Config, setup: TrainingSetup, global_batch: int) -> list[str]:
-    """The parallelism / schedule / memory flags of ``scripts/pretrain_gpt.py`` for ``config``."""
+def config_args(config: Config, setup: TrainingSetup, global_batch: int, model: ModelSpec | None = None) -> list[str]:
+    """The parallelism / schedule / memory flags of ``scripts/pretrain_gpt.py`` for ``config``. A hybrid
+    ``model`` gets its layer split as ``--hybrid-layer-pattern`` with ``|`` between the stages, always (the
+    even split too), and none of the flags megatron refuses beside it (virtual pipeline size, layout,
+    first/last, account-for): the segments give megatron the chunks per rank."""
+    hybrid = model.hybrid_pattern if model is not None else None
     args = [
         "--tensor-model-parallel-size",
         str(config.tp),
@@ -23,7 +27,8 @@ def config_args(config: Config, setup: TrainingSetup, global_batch: int) -> list
         config.schedule,
     ]
     planned_loop = config.layout is not None and config.placement == "loop"
-    if config.v_flag is not None and config.chunks > 1 and not planned_loop:  # a layout gives megatron the chunks
+    # a layout (or a hybrid pattern's segments) gives megatron the chunks
+    if config.v_flag is not None and config.chunks > 1 and not planned_loop and hybrid is None:
         args += ["--num-virtual-stages-per-pipeline-rank", str(config.chunks)]
     if config.memory_limit:
         args += ["--pipeline-memory-limit", config.memory_limit]
@@ -33,9 +38,11 @@ def config_args(config: Config, setup: TrainingSetup, global_batch: int) -> list
         args += ["--pipeline-unit-size", str(config.unit_size)]
     if config.fsdp:
         args.append("--pipeline-fsdp")
-    if config.uneven:
+    if hybrid is not None:
+        args += layout_args(config.placement, config.split, hybrid)
+    elif config.uneven:
         args += ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
-    if config.layout is not None:
+    if config.layout is not None and hybrid is None:
         args += layout_args(config.placement, config.split)
     if setup.uses_sp(config.tp):
         args.append("--sequence-parallel")

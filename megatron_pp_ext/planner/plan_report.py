@@ -131,7 +131,7 @@ def plan_document(result: PlanResult, planner: Planner, rows: Sequence[PlanRow])
     docs = []
     for row in rows:
         entry = row.to_json_dict()
-        entry["megatron_args"] = config_args(row.config, setup, planner.global_batch)
+        entry["megatron_args"] = config_args(row.config, setup, planner.global_batch, planner.model)
         docs.append(entry)
     doc = {
         "format": "megatron-pp plan v1",

@@ -20,7 +20,9 @@ from typing import Any
 
 __all__ = ["DEFAULT_ENV", "TEMPLATE", "GridOptions", "check_tokens", "sbatch_text"]
 
-_SAFE_TOKEN = re.compile(r"^[A-Za-z0-9_.,@=:/+%|-]+$")  # | : a layer layout (read -a does not interpret it)
+# | : a layer layout; * : a hybrid layer pattern's attention (read -a neither globs nor interprets them, and the
+# script expands the words quoted)
+_SAFE_TOKEN = re.compile(r"^[A-Za-z0-9_.,@=:/+%|*-]+$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 DEFAULT_ENV = {
     "CUDA_DEVICE_MAX_CONNECTIONS": "1",  # megatron: keeps TP/SP communication ordered with compute
@@ -50,7 +52,7 @@ class GridOptions:
     log_dir: str | None = None  # default: OUT/logs
     train_iters: int = 20
     max_parallel: int | None = None  # array throttle (%N)
-    script: str | None = None  # default: $MPP_REPO/scripts/pretrain_gpt.py on the cluster
+    script: str | None = None  # default: $MPP_REPO/scripts/pretrain_gpt.py (pretrain_hybrid.py: hybrid model)
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     job_name: str | None = None
@@ -152,6 +154,12 @@ exit "$RC"
 )
 
 
+def default_driver(plan: Mapping[str, Any]) -> str:
+    """The training script of a plan's model: ``pretrain_hybrid.py`` for a hybrid model (its rows carry
+    ``--hybrid-layer-pattern``), else ``pretrain_gpt.py``."""
+    return "pretrain_hybrid.py" if plan["model"].get("hybrid_pattern") else "pretrain_gpt.py"
+
+
 def check_tokens(tokens: Iterable[str], what: str) -> None:
     """Refuse an argument the script cannot pass unquoted (it is split on blanks at run time)."""
     for tok in tokens:
@@ -200,7 +208,7 @@ def sbatch_text(
     q = shlex.quote
     cpus = opts.cpus_per_task or 8 * nproc
     options = (("partition", opts.partition), ("account", opts.account), ("qos", opts.qos))
-    script = _under_submit_dir(opts.script) if opts.script else "$MPP_REPO/scripts/pretrain_gpt.py"
+    script = _under_submit_dir(opts.script) if opts.script else f"$MPP_REPO/scripts/{default_driver(plan)}"
     check_tokens([t for t in (opts.container, opts.container_mounts) if t], "container")
     grid_dir, log_dir_path = _under_submit_dir(out), _under_submit_dir(log_dir)
     setup = [f"source {q(str(Path(opts.venv) / 'bin' / 'activate'))}"] if opts.venv else []

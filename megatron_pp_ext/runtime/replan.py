@@ -35,7 +35,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,9 @@ import torch.distributed as dist
 
 from ..analysis.simulate import Costs
 from ..schedules.ir import Op, OpKind
+from ..schedules.kind_profile import kind_times, layer_costs_text, stage_kind_counts
+from ..schedules.layer_split import LayerSplit, LayerSplitError
+from ..schedules.placement import Placement
 from ..schedules.schedule import Schedule
 from . import p2p
 from .trace import NullTracer
@@ -231,10 +234,47 @@ def costs_to_json(costs: Costs) -> dict[str, Any]:
     return {"t_f": costs.t_f, "t_b": costs.t_b, "t_w": costs.t_w, "t_comm": costs.t_comm}
 
 
-def load_costs(path: str | Path) -> Costs:
+# A profile file's optional per-layer-kind entries: the text ``--pipeline-costs`` and ``plan --layer-costs`` take
+# (``KIND=F,B,W;...;micro_batch=N;tp=N``). The writer measures per-stage times (one op runs a stage's layers back
+# to back) and adds them where the stages' layers determine them (:class:`ProfileLayers`); else a user may.
+LAYER_COSTS_KEY = "layer_costs"
+
+
+def load_profile(path: str | Path) -> tuple[Costs, str | None]:
+    """A profile file's per-stage costs and its per-layer-kind text (``None`` without one), unchecked."""
     data = json.loads(Path(path).read_text())
     as_tuple = lambda v: tuple(v) if isinstance(v, list) else v  # noqa: E731
-    return Costs(t_f=as_tuple(data["t_f"]), t_b=as_tuple(data["t_b"]), t_w=as_tuple(data["t_w"]), t_comm=data["t_comm"])
+    f, b, w = (as_tuple(data[key]) for key in ("t_f", "t_b", "t_w"))
+    costs = Costs(t_f=f, t_b=b, t_w=w, t_comm=data["t_comm"])
+    layers = data.get(LAYER_COSTS_KEY)
+    if layers is not None and not isinstance(layers, str):
+        raise ValueError(f"{LAYER_COSTS_KEY!r} must be text like 'dense=1.2,2.3,1.1;head=3,3,2.8', got {layers!r}")
+    return costs, layers
+
+
+def load_costs(path: str | Path) -> Costs:
+    return load_profile(path)[0]
+
+
+@dataclass(frozen=True)
+class ProfileLayers:
+    """The run's decoder layers by kind (model order), its split, micro-batch size and TP: what a written
+    profile needs to carry per-layer-kind entries (:mod:`megatron_pp_ext.schedules.kind_profile`)."""
+
+    kinds: tuple[str, ...]
+    split: LayerSplit | None
+    micro_batch: int
+    tp: int
+
+    def text(self, costs: Costs, placement: Placement) -> str | None:
+        """The ``KIND=F,B,W;...`` text the measured per-stage ``costs`` determine, or None where they do not."""
+        try:
+            counts = stage_kind_counts(self.kinds, placement, self.split)
+        except LayerSplitError:
+            return None
+        f, b, w, _ = costs.per_stage(placement.num_stages)
+        times = kind_times(counts, list(zip(f, b, w, strict=True)))
+        return None if times is None else layer_costs_text(times, self.micro_batch, self.tp)
 
 
 class ReplanningSource:
@@ -247,12 +287,14 @@ class ReplanningSource:
         *,
         profile_out: str | Path | None = None,
         log: Callable[[str], None] | None = None,
+        profile_layers: ProfileLayers | None = None,
     ) -> None:
         if profile_iterations < 1:
             raise ValueError(f"profile_iterations must be >= 1, got {profile_iterations}")
         self.build = build
         self.profile_iterations = profile_iterations
         self.profile_out = profile_out
+        self.profile_layers = profile_layers
         self.log = log or logger.info
         self.costs: Costs | None = None
         self.replanned = False
@@ -288,4 +330,8 @@ class ReplanningSource:
             f"iteration(s): {json.dumps(costs_to_json(self.costs))}\n{schedule.table(max_ops=24)}"
         )
         if self.profile_out and dist.get_rank() == 0:
-            Path(self.profile_out).write_text(json.dumps(costs_to_json(self.costs), indent=1))
+            doc = costs_to_json(self.costs)
+            layers = self.profile_layers.text(self.costs, schedule.placement) if self.profile_layers else None
+            if layers is not None:
+                doc[LAYER_COSTS_KEY] = layers
+            Path(self.profile_out).write_text(json.dumps(doc, indent=1))

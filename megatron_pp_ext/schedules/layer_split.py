@@ -195,8 +195,11 @@ def _layout_counts(num_layers: int, num_slices: int, split: LayerSplit) -> list[
 
 def placement_layer_counts(num_layers: int, placement: Placement, split: LayerSplit | None = None) -> list[int]:
     """:func:`stage_layer_counts` over ``placement``'s model stages, refusing where the flags mean something
-    else: megatron applies them per pipeline rank when it interleaves chunks (loop placement, v > 1)."""
-    if split is not None and not split.even and placement.style == "loop" and placement.chunks_per_rank > 1:
+    else: megatron applies them per pipeline rank when it interleaves chunks (loop placement, v > 1). Counts given
+    outright (a hybrid pattern's segments) are per model stage under every placement, as megatron's own
+    interleaving assigns segment ``vp_stage * p + rank``."""
+    per_rank = split is not None and not split.even and split.counts is None  # counts: given per model stage
+    if per_rank and placement.style == "loop" and placement.chunks_per_rank > 1:
         raise LayerSplitError(
             f"with {placement.chunks_per_rank} interleaved chunks per rank megatron splits by pipeline rank, not by "
             "model stage: the per-stage mapping covers one-chunk loop, V and bidirectional placements"

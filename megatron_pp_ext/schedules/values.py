@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "COSTS_RULE",
+    "LAYER_COSTS_RULE",
     "LAYER_COST_KINDS",
     "LAYER_LAYOUT_RULE",
     "MAX_VALUE",

@@ -110,6 +110,14 @@ def test_replan_redecides_from_the_measured_profile(tmp_path: Path) -> None:
     assert again[0] == label and again[3] == f"{decision.chosen.iteration_time * 1e3:.3g}", (again, label)
     assert f"re-planned '{label.split('@')[0]}' from a profile of 1 iteration(s)" in text
     assert name in registry.names()
+    # 8 dense layers on 4 ranks: the stages determine dense, embedding and head, which the profile carries
+    import json
+
+    from megatron_pp_ext.runtime.replan import LAYER_COSTS_KEY
+    from megatron_pp_ext.schedules.values import parse_layer_costs
+
+    entries, micro_batch, tp = parse_layer_costs(json.loads(profile.read_text())[LAYER_COSTS_KEY])
+    assert set(entries) == {"dense", "embedding", "head"} and (micro_batch, tp) == (SHAPE["micro_batch_size"], 1)
 
 
 SWITCH = re.compile(r"auto re-decided from the measured profile .*: switching (\S+) -> (\S+)")
