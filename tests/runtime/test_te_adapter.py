@@ -259,3 +259,52 @@ def test_split_under_megatron_ddp_equals_unsplit(pool, case):
         assert len(result["checked"]) >= 8, result
         if case.overlap_grad_reduce:  # megatron's grad-ready hook: once per parameter per micro-batch
             assert set(result["ready_counts"].values()) == {case.microbatches}, result
+
+
+# ---- GroupedLinear (the experts' grouped GEMM) in one process ---------------------------------------
+SPLITS = [3, 0, 4]  # tokens per expert: one expert gets none, as routing allows
+
+
+def _grouped(delay: bool) -> te.GroupedLinear:
+    gen = torch.Generator().manual_seed(7)
+    return te.GroupedLinear(
+        len(SPLITS),
+        4,
+        6,
+        bias=False,
+        delay_wgrad_compute=delay,
+        init_method=lambda w: w.copy_(torch.randn(w.shape, generator=gen)),
+    )
+
+
+def _grouped_inputs(n: int = 3) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(9)
+    return [torch.randn(sum(SPLITS), 4, generator=gen, requires_grad=True) for _ in range(n)]
+
+
+def test_grouped_linear_b_now_w_later_is_bitwise_the_unsplit_backward():
+    ref, ref_xs = _grouped(delay=False), _grouped_inputs()
+    for x in ref_xs:
+        ref(x, SPLITS).square().sum().backward()
+    layer, xs = _grouped(delay=True), _grouped_inputs()
+    assert deferring_modules(torch.nn.Sequential(layer)) == [layer]
+    store, held = WeightGradStore(), []
+    store.on_held_bytes = held.append
+    enable_te_wgrad(store)
+    outs = [layer(x, SPLITS) for x in xs]
+    for mb, out in enumerate(outs):  # B0 B1 W0 B2 W1 W2
+        with store.deferring(0, mb, enabled=True, where="test", model_chunk=layer):
+            out.square().sum().backward()
+        if mb == 0:
+            assert all(w.grad is None for w in layer.weights()), "B computed an expert's weight gradient"
+            assert te_queue_size(layer) == 1 and held and held[0] > 0  # the lists of tensors are counted
+        if mb:
+            store.run(0, mb - 1, "test")
+    store.run(0, len(outs) - 1, "test")
+    store.check_empty("test")
+    assert te_queue_size(layer) == 0
+    for i, (got, want) in enumerate(zip(layer.weights(), ref.weights(), strict=True)):
+        assert torch.equal(got.grad, want.grad), f"expert {i}"
+    assert layer.weight1.grad.abs().sum() == 0 and layer.weight0.grad.abs().sum() > 0
+    for x_ref, x in zip(ref_xs, xs, strict=True):
+        assert torch.equal(x.grad, x_ref.grad)
