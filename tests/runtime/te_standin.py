@@ -358,8 +358,8 @@ def _grouped_wgrad_gemm(use_bias: bool, accumulate: bool) -> Any:
 
 class GroupedLinear(TransformerEngineBaseModule):
     """module/grouped_linear.py GroupedLinear: ``num_gemms`` experts' linears, parameters ``weight{i}`` /
-    ``bias{i}``; no tensor-parallel communication (megatron passes ``parallel_mode=None`` and
-    ``tp_size=1`` for experts, its token dispatcher moving the tokens)."""
+    ``bias{i}``; tensor-parallel size 1 only (megatron passes ``parallel_mode=None`` and ``tp_size=1``
+    whenever experts are split over ranks, its token dispatcher moving the tokens)."""
 
     def __init__(
         self,
@@ -384,7 +384,8 @@ class GroupedLinear(TransformerEngineBaseModule):
         name: str | None = None,
     ) -> None:
         super().__init__()
-        assert parallel_mode is None and tp_size == 1, "the stand-in runs experts without TE's own TP"
+        assert tp_size == 1, "the stand-in's grouped linear has no tensor parallelism (megatron passes TP 1 to TE"
+        " whenever experts are split over ranks: its dispatcher moves the tokens)"
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.use_bias, self.return_bias = bias, return_bias
