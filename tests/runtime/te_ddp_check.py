@@ -1,7 +1,8 @@
 """Rank function: the TE adapter (on the stand-in) under real megatron-core DDP vs the unsplit backward.
 
 Each rank builds a chunk of stand-in TE layers (column- and row-parallel linears, a torch LayerNorm, a
-two-entry MLP, a three-expert grouped linear), wraps it in megatron's ``DistributedDataParallel`` and runs several micro-batches twice:
+two-entry MLP, a three-expert grouped linear), wraps it in megatron's ``DistributedDataParallel`` and runs
+several micro-batches twice:
 unsplit (TE layers built without deferral, DDP as megatron builds it), then split (``patch_for_split``
 active: layers defer, DDP hooks them on the module; B0 B1 W0 B2 W1 W2 ... with gradient sync enabled
 during the last B and the last W, as the executor does). It returns every ``main_grad`` and input-gradient
@@ -13,7 +14,6 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
-
 
 EXPERT_SPLITS = [1, 2, 1]  # rows of a micro-batch per expert of the grouped linear
 

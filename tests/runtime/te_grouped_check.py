@@ -19,6 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from megatron_pp_ext.schedules import generate
+
 MEGATRON_1F1B = "megatron-1f1b"
 
 
@@ -30,6 +34,11 @@ class GroupedCase:
     num_layers: int = 4  # 2 stages x 2 layers (1F1B, zb-h2), 4 stages x 1 layer (v-zb)
     num_experts: int = 4
     hidden_size: int = 32
+    ep: int = 1  # expert parallelism: pp * ep ranks, the experts split over the ep data-parallel ranks
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.ep
 
 
 def _expert_weights(chunk: Any) -> list[Any]:
@@ -93,7 +102,6 @@ def _run(case: GroupedCase, name: str, extension: Any, layer_spec: Any) -> dict[
     from megatron_pp_ext.runtime.te_wgrad import deferring_modules, enable_te_wgrad, patch_for_split
     from megatron_pp_ext.runtime.wgrad import get_weight_grad_store
     from megatron_pp_ext.runtime.wgrad_hooks import install_wgrad_hooks, uninstall_wgrad_hooks
-    from megatron_pp_ext.schedules import generate
     from megatron_pp_ext.verification import tiny_gpt
 
     from . import te_standin as te
@@ -108,7 +116,7 @@ def _run(case: GroupedCase, name: str, extension: Any, layer_spec: Any) -> dict[
         patch_for_split(patcher, te.STANDIN_LAYER_CLASSES, DistributedDataParallel)
         probe = _DeferralProbe(enable_te_wgrad(store), patcher)
     try:
-        config = tiny_gpt.make_config(spec)
+        config = tiny_gpt.make_config(spec, ep=case.ep)
         chunks, layouts = tiny_gpt.build_chunks(config, spec, schedule.placement, ps.get_pipeline_model_parallel_rank())
         ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=True)
         chunks = [
@@ -125,9 +133,13 @@ def _run(case: GroupedCase, name: str, extension: Any, layer_spec: Any) -> dict[
         batches = tiny_gpt.make_batches(spec, 0, case.microbatches)
         losses = tiny_gpt.run_forward_backward(func, spec, chunks, batches, chunk_list=not megatron)
         grads = {}
+        ep_rank = f"@ep{ps.get_expert_model_parallel_rank()}"  # grouped weights are named by local index
         for chunk, layout in zip(chunks, layouts, strict=True):
             for pname, p in tiny_gpt._unwrap(chunk).named_parameters():
-                grads[tiny_gpt.global_name(pname, layout, spec.tied_embeddings)] = p.main_grad.detach().clone()
+                key = tiny_gpt.global_name(pname, layout, spec.tied_embeddings) + (
+                    ep_rank if ".experts." in pname else ""
+                )
+                grads[key] = p.main_grad.detach().clone()
         return {
             "losses": losses,
             "grads": grads,
@@ -148,8 +160,74 @@ def te_grouped_check(case: GroupedCase, rank: int, init_method: str) -> dict[str
 
     from .te_megatron_standin import grouped_moe_layer_spec, megatron_te_over_standin
 
-    with rank_process_group(rank, case.pp, init_method, timeout_s=120.0, pp=case.pp):
+    with rank_process_group(rank, case.world, init_method, timeout_s=120.0, pp=case.pp, ep=case.ep):
         with megatron_te_over_standin() as extension:
             layer_spec = grouped_moe_layer_spec(extension, case.num_experts)
             runs = {name: _run(case, name, extension, layer_spec) for name in (MEGATRON_1F1B, *case.schedules)}
         return {"rank": rank, "runs": runs}
+
+
+# ---- the verdict --------------------------------------------------------------------------------------
+def _merged(
+    results: list[dict[str, Any]], run: str
+) -> tuple[list[float], dict[str, torch.Tensor], list[dict[str, Any]]]:
+    losses: list[float] = []
+    grads: dict[str, torch.Tensor] = {}
+    for result in results:
+        r = result["runs"][run]
+        losses += r["losses"]  # only the rank with the last stage has losses
+        for name, grad in r["grads"].items():
+            if name in grads:  # tied embedding and output layer: finalize_model_grads made them equal
+                assert torch.equal(grads[name], grad), (run, name)
+            grads[name] = grad
+    return losses, grads, [result["runs"][run] for result in results]
+
+
+def check_results(case: GroupedCase, results: list[dict[str, Any]]) -> None:
+    """The verdict on :func:`te_grouped_check`'s results (also for a run by hand at other sizes, EP = 2 say)."""
+    errors = [r for r in results if "error" in r]
+    assert errors == [], errors
+    ref_losses, ref_grads, ref_runs = _merged(results, MEGATRON_1F1B)
+    assert len(ref_losses) == case.microbatches * case.ep  # every data-parallel replica's last stage
+    grouped = 2 * case.num_layers * case.num_experts  # fc1, fc2 per expert per layer, over the EP ranks
+    assert sum(r["grouped"] for r in ref_runs) == grouped
+    assert all(r["deferring"] == 0 for r in ref_runs)
+    experts = [n for n in ref_grads if ".experts.linear_fc" in n]
+    assert len(experts) == grouped
+    for name in case.schedules:
+        losses, grads, runs = _merged(results, name)
+        # the same GEMMs in the same order per parameter (W ops run in B order): bit for bit megatron's 1F1B
+        assert losses == ref_losses, name
+        assert sorted(grads) == sorted(ref_grads), name
+        differing = [n for n, g in ref_grads.items() if not torch.equal(g, grads[n])]
+        assert differing == [], (name, differing)
+        assert all(ref_grads[n].abs().sum() > 0 for n in experts), "an expert got no gradient: routing too narrow"
+        # the deferral itself: two grouped linears per layer defer, B never touches an expert's main_grad,
+        # every backward_dw that had an entry added to it
+        assert sum(r["deferring"] for r in runs) == 2 * case.num_layers * case.ep, name
+        probes = [r["probe"] for r in runs]
+        stages = generate(name, case.pp, 1).placement.num_stages
+        assert sum(p["b_ops"] for p in probes) == case.microbatches * stages * case.ep, (name, probes)
+        assert sum(p["b_changed"] for p in probes) == 0, (name, probes)
+        assert sum(p["w_calls"] for p in probes) == case.microbatches * 2 * case.num_layers * case.ep, (name, probes)
+        assert sum(p["w_unchanged"] for p in probes) == 0, (name, probes)
+
+
+def main() -> None:
+    """By hand, other sizes: ``python -m tests.runtime.te_grouped_check --ep 2`` (EP = 2 x PP = 2, 4 ranks)."""
+    import argparse
+
+    from megatron_pp_ext.verification.rank_run import RankPool
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--schedules", default=",".join(GroupedCase.schedules))
+    args = ap.parse_args()
+    case = GroupedCase(schedules=tuple(args.schedules.split(",")), ep=args.ep)
+    with RankPool(case.world) as pool:
+        check_results(case, pool.run_fn(te_grouped_check, case, case.world, 600))
+    print(f"grouped experts, EP = {case.ep} x PP = {case.pp}: {', '.join(case.schedules)} bitwise megatron's 1F1B")
+
+
+if __name__ == "__main__":
+    main()
