@@ -384,8 +384,10 @@ class GroupedLinear(TransformerEngineBaseModule):
         name: str | None = None,
     ) -> None:
         super().__init__()
-        assert tp_size == 1, "the stand-in's grouped linear has no tensor parallelism (megatron passes TP 1 to TE"
-        " whenever experts are split over ranks: its dispatcher moves the tokens)"
+        assert tp_size == 1, (
+            "the stand-in's grouped linear has no tensor parallelism (megatron passes TP 1 to TE whenever "
+            "experts are split over ranks: its dispatcher moves the tokens)"
+        )
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.use_bias, self.return_bias = bias, return_bias
