@@ -242,12 +242,17 @@ class TEDeferral:
 
     B of ``(chunk, micro-batch)``: the TE layers queued their GEMMs in their own FIFOs; the adapter records
     how many entries each layer added and queues one closure in our store. W runs it: ``backward_dw`` on
-    each of those layers until it consumed exactly those entries. A full backward (``BW`` op) of a chunk
-    with TE layers runs the same right after the backward, since the layers defer regardless of the op.
+    each layer as often as the chunk's oldest B still waiting for its W added entries to it. TE can only pop
+    the oldest entry, so a W that comes out of B order (zb-h1's later ranks run their first W last) computes
+    the older micro-batch's GEMMs and the later W the rest: every entry is consumed once, in B order, so
+    each ``main_grad`` receives the same sums in the same order as in the unsplit backward. A full backward
+    (``BW`` op) of a chunk with TE layers runs the same right after the backward, since the layers defer
+    regardless of the op.
     """
 
     def __init__(self) -> None:
-        self._order: dict[int, deque[int]] = {}  # chunk -> micro-batches whose B ran, W pending
+        # chunk -> per B whose W has not run, oldest first: the entries it added to each TE layer
+        self._pending: dict[int, deque[list[tuple[Any, int]]]] = {}
         self._modules: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
         self._before: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
         self._kept: weakref.WeakKeyDictionary[Any, list[tuple[Any, Any]]] = weakref.WeakKeyDictionary()
@@ -277,18 +282,11 @@ class TEDeferral:
 
     def after_input_grad(self, chunk: int, microbatch: int, model_chunk: Any, store: WeightGradStore) -> None:
         added = self._added(model_chunk)
-        order = self._order.setdefault(chunk, deque())
-        order.append(microbatch)
+        pending = self._pending.setdefault(chunk, deque())
+        pending.append(added)
 
         def run() -> None:
-            expected = order[0] if order else None
-            if expected != microbatch:
-                raise WeightGradError(
-                    f"Transformer Engine keeps delayed weight gradients in a FIFO per layer: chunk {chunk} "
-                    f"ran B for micro-batch {expected} before {microbatch}, so its W ops must come in that order"
-                )
-            order.popleft()
-            _consume(added, chunk, microbatch)
+            _consume(pending.popleft(), chunk, microbatch)  # the oldest B's entries: what TE pops first
 
         store.put(run, sum(_held_bytes(m, n) for m, n in added))
 

@@ -22,16 +22,17 @@ from typing import Any
 import torch
 
 from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.verification import criterion
 
 MEGATRON_1F1B = "megatron-1f1b"
 
 
 @dataclass(frozen=True)
 class GroupedCase:
-    schedules: tuple[str, ...] = ("zb-h2", "v-zb")  # W in B order per chunk, as TE's FIFO needs
+    schedules: tuple[str, ...] = ("zb-h1", "v-zb")
     pp: int = 2
     microbatches: int = 4
-    num_layers: int = 4  # 2 stages x 2 layers (1F1B, zb-h2), 4 stages x 1 layer (v-zb)
+    num_layers: int = 4  # 2 stages x 2 layers (1F1B, zb-h1), 4 stages x 1 layer (v-zb)
     num_experts: int = 4
     hidden_size: int = 32
     ep: int = 1  # expert parallelism: pp * ep ranks, the experts split over the ep data-parallel ranks
@@ -167,6 +168,19 @@ def te_grouped_check(case: GroupedCase, rank: int, init_method: str) -> dict[str
         return {"rank": rank, "runs": runs}
 
 
+def _w_in_b_order(schedule: Any) -> bool:
+    """Whether every stage runs its W ops in the order of its B ops (zb-h1's later ranks do not)."""
+    from megatron_pp_ext.schedules import OpKind
+
+    for rank_ops in schedule.ops:
+        for stage in {op.stage for op in rank_ops}:
+            b = [op.microbatch for op in rank_ops if op.stage == stage and op.kind == OpKind.B]
+            w = [op.microbatch for op in rank_ops if op.stage == stage and op.kind == OpKind.W]
+            if b != w:
+                return False
+    return True
+
+
 # ---- the verdict --------------------------------------------------------------------------------------
 def _merged(
     results: list[dict[str, Any]], run: str
@@ -199,8 +213,17 @@ def check_results(case: GroupedCase, results: list[dict[str, Any]]) -> None:
         # the same GEMMs in the same order per parameter (W ops run in B order): bit for bit megatron's 1F1B
         assert losses == ref_losses, name
         assert sorted(grads) == sorted(ref_grads), name
-        differing = [n for n, g in ref_grads.items() if not torch.equal(g, grads[n])]
-        assert differing == [], (name, differing)
+        differing = {
+            n: float((g - grads[n]).norm() / g.norm()) for n, g in ref_grads.items() if not torch.equal(g, grads[n])
+        }
+        # experts: TE's FIFO computes their W in B order whatever the schedule: bit for bit megatron's 1F1B
+        assert not [n for n in differing if n in experts], (name, differing)
+        if _w_in_b_order(generate(name, case.pp, case.microbatches)):  # then every W sums in megatron's order
+            assert differing == {}, (name, differing)
+        # else megatron's linears sum their micro-batches' weight gradients in W order: fp32 rounding of a
+        # reordered sum of m terms, (m - 1) units of rounding (criterion.py), times its GROWTH allowance
+        bound = criterion.GROWTH * (case.microbatches - 1) * criterion.FP32_RESOLUTION
+        assert all(e <= bound for e in differing.values()), (name, bound, differing)
         assert all(ref_grads[n].abs().sum() > 0 for n in experts), "an expert got no gradient: routing too narrow"
         # the deferral itself: two grouped linears per layer defer, B never touches an expert's main_grad,
         # every backward_dw that had an entry added to it

@@ -158,15 +158,28 @@ def test_backward_dw_that_computes_nothing_is_an_error(monkeypatch):
         store.run(0, 0, "test")
 
 
-def test_w_out_of_b_order_is_refused():
-    chunk = _Chunk(delay=True)
+def test_w_out_of_b_order_consumes_te_fifo_in_b_order():
+    """zb-h1's later ranks run their first W last (B0 B1 W1 B2 W2 W0): each W pops the oldest B's entries,
+    which is all TE's FIFO allows, and the gradients end up those of the unsplit backward."""
+    ref_grads, _ = _reference()
+    chunk, xs = _Chunk(delay=True), _inputs()
     store = WeightGradStore()
     enable_te_wgrad(store)
-    for mb, x in enumerate(_inputs(2)):
-        with store.deferring(0, mb, enabled=True, where="test", model_chunk=chunk):
-            chunk(x).sum().backward()
-    with pytest.raises(WeightGradError, match="FIFO"):
-        store.run(0, 1, "test")
+    outs = [chunk(x) for x in xs]
+    program = [("B", 0), ("B", 1), ("W", 1), ("B", 2), ("W", 2), ("W", 0)]
+    for kind, mb in program:
+        if kind == "B":
+            with store.deferring(0, mb, enabled=True, where="test", model_chunk=chunk):
+                outs[mb].square().sum().backward()
+        else:
+            store.run(0, mb, "test")
+            if mb == 1:  # the first W computed micro-batch 0's weight gradients, the oldest B's
+                assert [te_queue_size(m) for m in (chunk.fc1, chunk.fc2, chunk.mlp)] == [1, 1, 2]
+    store.check_empty("test")
+    assert pending_te_entries(chunk) == []
+    got = _grads(chunk)
+    for name, ref in ref_grads.items():
+        torch.testing.assert_close(got[name], ref, rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_enable_is_idempotent_and_needs_deferring_modules():

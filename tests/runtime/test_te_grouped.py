@@ -2,9 +2,8 @@
 
 Real TE needs CUDA, so megatron's TE wrappers run over the stand-in (tests/runtime/te_megatron_standin.py,
 te_standin.py); tests/gpu/test_te_pipeline_gpu.py runs the same with real TE where a GPU is present. Two
-gloo ranks (PP = 2, EP = 1), one pool per module. The split schedules are zb-h2 and v-zb: zb-h1 runs a
-rank's first W after its later ones, which TE's per-layer FIFO of deferred GEMMs cannot do (the adapter
-refuses it: ``test_te_adapter.py::test_w_out_of_b_order_is_refused``).
+gloo ranks (PP = 2, EP = 1), one pool per module. zb-h1's last rank runs its first W last: each W pops
+the oldest entry of TE's per-layer FIFO, and the gradients stay bitwise megatron's.
 """
 
 from __future__ import annotations
