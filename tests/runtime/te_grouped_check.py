@@ -249,7 +249,8 @@ def main() -> None:
     case = GroupedCase(schedules=tuple(args.schedules.split(",")), ep=args.ep)
     with RankPool(case.world) as pool:
         check_results(case, pool.run_fn(te_grouped_check, case, case.world, 600))
-    print(f"grouped experts, EP = {case.ep} x PP = {case.pp}: {', '.join(case.schedules)} bitwise megatron's 1F1B")
+    names = ", ".join(case.schedules)
+    print(f"grouped experts, EP = {case.ep} x PP = {case.pp}: {names} agree with megatron's 1F1B (experts bitwise)")
 
 
 if __name__ == "__main__":
