@@ -130,7 +130,11 @@ def _run(case: GroupedCase, name: str, extension: Any, layer_spec: Any) -> dict[
         config.finalize_model_grads_func = finalize_model_grads
         for c in chunks:
             c.zero_grad_buffer()
-        func = get_forward_backward_func() if megatron else make_forward_backward_func(lambda m: schedule)
+        func = (
+            get_forward_backward_func()
+            if megatron
+            else make_forward_backward_func(lambda m: schedule, check_grads=True)
+        )
         batches = tiny_gpt.make_batches(spec, 0, case.microbatches)
         losses = tiny_gpt.run_forward_backward(func, spec, chunks, batches, chunk_list=not megatron)
         grads = {}
