@@ -24,6 +24,12 @@ What each piece follows in TE's source (``transformer_engine/pytorch/...``):
   is None, and calls the hooks given to ``register_wgrad_accumulation_and_reduce_hooks``
   (``_trigger_wgrad_accumulation_and_reduce_hooks``). ``layernorm_mlp.py`` pops two entries (fc2, fc1);
   ``grouped_linear.py`` returns silently when its queue is empty.
+* **GroupedLinear.** ``module/grouped_linear.py`` ``_GroupedLinear.backward`` queues
+  ``[inputmats, grad_output, wgrad_list]`` (three lists, one tensor per expert) with the grouped GEMM, which
+  writes into ``wgrad_list``: buffers B allocates (``wgrad_packed``; under fused accumulation the weights'
+  ``main_grad``). Unfused, B hands autograd those still-unwritten buffers as the weights' gradients; W's
+  ``backward_dw`` assigns ``weight{i}.grad`` anew, so under megatron DDP (hooks on the module) that is
+  harmless, and without DDP hooks :class:`TEDeferral` puts back the weight gradients B disturbed.
 * **Where the gradient lands.** megatron-core's ``distributed/distributed_data_parallel.py``: with
   ``ddp_config.delay_wgrad_compute`` it registers the grad-ready hook of every ``skip_backward_post_hook``
   parameter on its TE module instead of on the parameter's autograd accumulator, so TE's ``backward_dw``
@@ -42,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 import weakref
 from collections import deque
 from typing import Any
@@ -154,6 +161,25 @@ def _deferred_params(module: Any) -> list[Any]:
     return [p for p in module.parameters() if getattr(p, "skip_backward_post_hook", False)]
 
 
+_WEIGHT_NAME = re.compile(r"(\w+_)?weight\d*")  # weight, fc1_weight, weight0 .. weight{num_gemms-1}
+
+
+def _unhooked_weights(module: Any) -> list[Any]:
+    """Deferred weights of a TE layer without megatron DDP's hooks: B must leave their ``.grad`` alone.
+
+    ``GroupedLinear``'s B returns its unwritten ``wgrad_list`` buffers to autograd (module docstring);
+    ``Linear`` and ``LayerNormMLP`` return None, so keeping their ``.grad`` across B changes nothing.
+    Biases are not included: with ``return_bias`` their gradient legitimately arrives through autograd.
+    """
+    if getattr(module, "wgrad_accumulation_and_reduce_hooks", None):
+        return []
+    return [
+        p
+        for name, p in module.named_parameters(recurse=False)
+        if getattr(p, "skip_backward_post_hook", False) and _WEIGHT_NAME.fullmatch(name)
+    ]
+
+
 def run_backward_dw(module: Any) -> None:
     """One TE ``backward_dw`` of ``module``, its weight gradient delivered where the optimizer reads it.
 
@@ -216,14 +242,20 @@ class TEDeferral:
 
     B of ``(chunk, micro-batch)``: the TE layers queued their GEMMs in their own FIFOs; the adapter records
     how many entries each layer added and queues one closure in our store. W runs it: ``backward_dw`` on
-    each of those layers until it consumed exactly those entries. A full backward (``BW`` op) of a chunk
-    with TE layers runs the same right after the backward, since the layers defer regardless of the op.
+    each layer as often as the chunk's oldest B still waiting for its W added entries to it. TE can only pop
+    the oldest entry, so a W that comes out of B order (zb-h1's later ranks run their first W last) computes
+    the older micro-batch's GEMMs and the later W the rest: every entry is consumed once, in B order, so
+    each ``main_grad`` receives the same sums in the same order as in the unsplit backward. A full backward
+    (``BW`` op) of a chunk with TE layers runs the same right after the backward, since the layers defer
+    regardless of the op.
     """
 
     def __init__(self) -> None:
-        self._order: dict[int, deque[int]] = {}  # chunk -> micro-batches whose B ran, W pending
+        # chunk -> per B whose W has not run, oldest first: the entries it added to each TE layer
+        self._pending: dict[int, deque[list[tuple[Any, int]]]] = {}
         self._modules: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
         self._before: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
+        self._kept: weakref.WeakKeyDictionary[Any, list[tuple[Any, Any]]] = weakref.WeakKeyDictionary()
 
     def applies_to(self, model_chunk: Any) -> bool:
         modules = self._modules.get(model_chunk)
@@ -232,11 +264,17 @@ class TEDeferral:
         return bool(modules)
 
     def before_backward(self, chunk: int, microbatch: int, model_chunk: Any) -> None:
-        self._before[model_chunk] = [te_queue_size(m) for m in self._modules[model_chunk]]
+        modules = self._modules[model_chunk]
+        self._before[model_chunk] = [te_queue_size(m) for m in modules]
+        kept = self._kept[model_chunk] = [(p, p.grad) for m in modules for p in _unhooked_weights(m)]
+        for p, _ in kept:  # cleared, or autograd would add B's buffer into the kept gradient in place
+            p.grad = None
 
     def _added(self, model_chunk: Any) -> list[tuple[Any, int]]:
         modules = self._modules[model_chunk]
         before = self._before.pop(model_chunk, [0] * len(modules))
+        for p, grad in self._kept.pop(model_chunk, []):
+            p.grad = grad  # what B handed autograd for a deferred weight is not its gradient
         return [(m, te_queue_size(m) - b) for m, b in zip(modules, before, strict=True) if te_queue_size(m) > b]
 
     def after_full_backward(self, chunk: int, microbatch: int, model_chunk: Any) -> None:
@@ -244,18 +282,11 @@ class TEDeferral:
 
     def after_input_grad(self, chunk: int, microbatch: int, model_chunk: Any, store: WeightGradStore) -> None:
         added = self._added(model_chunk)
-        order = self._order.setdefault(chunk, deque())
-        order.append(microbatch)
+        pending = self._pending.setdefault(chunk, deque())
+        pending.append(added)
 
         def run() -> None:
-            expected = order[0] if order else None
-            if expected != microbatch:
-                raise WeightGradError(
-                    f"Transformer Engine keeps delayed weight gradients in a FIFO per layer: chunk {chunk} "
-                    f"ran B for micro-batch {expected} before {microbatch}, so its W ops must come in that order"
-                )
-            order.popleft()
-            _consume(added, chunk, microbatch)
+            _consume(pending.popleft(), chunk, microbatch)  # the oldest B's entries: what TE pops first
 
         store.put(run, sum(_held_bytes(m, n) for m, n in added))
 
@@ -278,10 +309,18 @@ def _held_bytes(module: Any, entries: int) -> int:
     queued = list(getattr(module.wgrad_store.context, "queue", []))[-entries:]
     total = 0
     for tensors, _func in queued:
-        for t in tensors:
+        for t in _flat(tensors):
             storage = getattr(t, "untyped_storage", None)
             total += storage().nbytes() if storage is not None else 0
     return total
+
+
+def _flat(items: Any) -> list[Any]:
+    # GroupedLinear's entry holds lists of per-expert tensors (None where a list has no tensor)
+    out = []
+    for item in items:
+        out.extend(_flat(item) if isinstance(item, (list, tuple)) else [item])
+    return out
 
 
 def pending_te_entries(model_chunk: Any) -> list[tuple[str, int]]:

@@ -45,12 +45,17 @@ class TinyGPTSpec:
     moe_topk: int = 2
     moe_aux_loss_coeff: float = 1e-2
     moe_dispatcher: str = "alltoall"
+    # With the TE layer spec: the experts are megatron's TEGroupedMLP over TE's GroupedLinear (what
+    # --moe-grouped-gemm builds) instead of SequentialMLP. CUDA only (tests/gpu).
+    moe_grouped_gemm: bool = False
     # A HybridModel of this layer pattern ("*" attention, "-" MLP, "E" MoE; "|" between stages) instead
     # of a GPTModel; num_layers then follows the pattern. Segment s goes to model stage s (hybrid_pattern.py).
     # With "E" layers and no num_experts, 4 experts.
     hybrid_pattern: str | None = None
 
     def __post_init__(self) -> None:
+        if self.moe_grouped_gemm and (self.transformer_impl != "transformer_engine" or not self.num_experts):
+            raise ValueError("moe_grouped_gemm needs num_experts and transformer_impl='transformer_engine'")
         if self.hybrid_pattern is not None:
             from ..runtime.hybrid_pattern import num_pattern_layers
 
@@ -102,6 +107,7 @@ def make_config(spec: TinyGPTSpec, tp: int = 1, sequence_parallel: bool = False,
             "moe_token_dispatcher_type": spec.moe_dispatcher,
             "expert_model_parallel_size": ep,
             "add_bias_linear": False,
+            "moe_grouped_gemm": spec.moe_grouped_gemm,
         }
     return TransformerConfig(
         **moe,
@@ -161,7 +167,10 @@ def _gpt(config: Any, spec: TinyGPTSpec, num_layers: int, pre: bool, post: bool,
         from megatron.core.extensions.transformer_engine import TENorm
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        layer_spec, norm = get_gpt_layer_with_transformer_engine_spec(), TENorm
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=spec.num_experts, moe_grouped_gemm=spec.moe_grouped_gemm
+        )
+        norm = TENorm
     else:
         layer_spec, norm = get_gpt_layer_local_spec(num_experts=spec.num_experts), LayerNormImpl
     block = TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=norm)

@@ -11,7 +11,9 @@ training iterations (Adam step in between) twice on the same data:
 * reference: no patches, the same op order with each B turned into a full backward and its W dropped.
 
 Writes ``DIR/rank{R}.json``: per iteration the losses, the largest relative gradient difference per
-parameter, how many TE layers deferred, and the parameters whose gradient stayed zero. ``--cpu-smoke``
+parameter, how many TE layers deferred, and the parameters whose gradient stayed zero. ``--num-experts N``:
+every layer's MLP is megatron's MoE layer with its grouped-GEMM experts (``TEGroupedMLP``, TE's
+``GroupedLinear``), as ``--moe-grouped-gemm`` builds them. ``--cpu-smoke``
 checks the harness itself on CPU/gloo with the local spec (megatron-linear split only, no TE).
 """
 
@@ -118,6 +120,12 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--overlap-grad-reduce", action="store_true", help="megatron DDP's overlap_grad_reduce")
     parser.add_argument(
+        "--num-experts",
+        type=int,
+        default=0,
+        help="MoE layers with this many experts: TEGroupedMLP over TE's GroupedLinear (SequentialMLP with --cpu-smoke)",
+    )
+    parser.add_argument(
         "--cpu-smoke",
         action="store_true",
         help="Check this harness on CPU/gloo with the local layer spec (megatron-linear split; no TE).",
@@ -149,7 +157,12 @@ def main() -> None:
         assert schedule.splits_backward, f"{args.schedule} does not split the backward"
         num_layers = 2 * schedule.placement.num_stages
         impl = "local" if args.cpu_smoke else "transformer_engine"
-        spec = TinyGPTSpec(num_layers=num_layers, transformer_impl=impl)
+        moe = (
+            {"num_experts": args.num_experts, "moe_grouped_gemm": impl == "transformer_engine"}
+            if args.num_experts
+            else {}
+        )
+        spec = TinyGPTSpec(num_layers=num_layers, transformer_impl=impl, **moe)
         split = run(schedule, True, spec, args.iterations, args.overlap_grad_reduce)
         ref = run(unsplit(schedule), False, spec, args.iterations, args.overlap_grad_reduce)
         report: dict[str, Any] = {"rank": dist.get_rank(), "deferring_te_layers": split["deferring_te_layers"]}

@@ -4,6 +4,7 @@ Skipped (with the reason) without 2 CUDA GPUs or without a TE >= 2.10. ``bash sc
 runs it. Each case launches ``torchrun --nproc-per-node 2 tests/gpu/te_pipeline_worker.py`` (megatron DDP
 with and without overlap_grad_reduce, two iterations with an Adam step, the runtime guard on every
 iteration). The TE spec's output layer is megatron's own ColumnParallelLinear, split by wgrad_hooks.py.
+The grouped-GEMM case builds MoE layers with megatron's TEGroupedMLP experts (``--num-experts 4``).
 """
 
 from __future__ import annotations
@@ -28,12 +29,27 @@ WORKER = Path(__file__).with_name("te_pipeline_worker.py")
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync-reduce", "overlap-grad-reduce"])
 @pytest.mark.parametrize("schedule", ["zb-h1", "v-zb"])
 def test_split_schedule_with_te_spec_equals_unsplit(schedule, overlap, tmp_path):
+    _check(_launch(["--schedule", schedule] + (["--overlap-grad-reduce"] if overlap else []), tmp_path))
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "v-zb"])
+def test_grouped_gemm_experts_split_equal_unsplit(schedule, tmp_path):
+    """MoE layers whose experts are megatron's TEGroupedMLP over real TE's GroupedLinear (--moe-grouped-gemm),
+    with overlap_grad_reduce: the grouped linears defer to W and the gradients match the unsplit run."""
+    reports = _launch(["--schedule", schedule, "--num-experts", "4", "--overlap-grad-reduce"], tmp_path)
+    _check(reports)
+    assert all(report["deferring_te_layers"] >= 2 * 2 for report in reports)  # >= 2 layers x fc1, fc2 per rank
+
+
+def _launch(args: list[str], out: Path) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(WORKER)]
-    cmd += ["--schedule", schedule, "--out", str(tmp_path)] + (["--overlap-grad-reduce"] if overlap else [])
-    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(WORKER), "--out", str(out)]
+    done = subprocess.run(cmd + args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _check(reports: list[dict]) -> None:
     for report in reports:
         assert report["deferring_te_layers"] > 0, f"no TE layer deferred its weight gradient: {report['rank']}"
         for it in report["iterations"]:

@@ -1,7 +1,8 @@
 """Rank function: the TE adapter (on the stand-in) under real megatron-core DDP vs the unsplit backward.
 
 Each rank builds a chunk of stand-in TE layers (column- and row-parallel linears, a torch LayerNorm, a
-two-entry MLP), wraps it in megatron's ``DistributedDataParallel`` and runs several micro-batches twice:
+two-entry MLP, a three-expert grouped linear), wraps it in megatron's ``DistributedDataParallel`` and runs
+several micro-batches twice:
 unsplit (TE layers built without deferral, DDP as megatron builds it), then split (``patch_for_split``
 active: layers defer, DDP hooks them on the module; B0 B1 W0 B2 W1 W2 ... with gradient sync enabled
 during the last B and the last W, as the executor does). It returns every ``main_grad`` and input-gradient
@@ -13,6 +14,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
+
+EXPERT_SPLITS = [1, 2, 1]  # rows of a micro-batch per expert of the grouped linear
 
 
 @dataclass(frozen=True)
@@ -44,9 +47,18 @@ def _chunk(case: TEDDPCase, tp_group: Any) -> Any:
             self.fc2 = te.Linear(case.ffn, case.hidden, parallel_mode="row", init=w2, **kw)
             self.norm = torch.nn.LayerNorm(case.hidden)
             self.mlp = te.LayerNormMLP(case.hidden, case.ffn, fuse_wgrad_accumulation=case.fused)
+            self.experts = te.GroupedLinear(  # unsharded (as megatron builds experts), the same on every rank
+                len(EXPERT_SPLITS),
+                case.hidden,
+                case.hidden,
+                bias=False,
+                fuse_wgrad_accumulation=case.fused,
+                init_method=lambda w: w.copy_(torch.randn(w.shape, generator=gen) * 0.3),
+            )
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.mlp(self.norm(self.fc2(torch.nn.functional.gelu(self.fc1(x)))))
+            h = self.mlp(self.norm(self.fc2(torch.nn.functional.gelu(self.fc1(x)))))
+            return self.experts(h, EXPERT_SPLITS)
 
     return Chunk()
 

@@ -284,6 +284,173 @@ class LayerNormMLP(TransformerEngineBaseModule):
         self._trigger_wgrad_accumulation_and_reduce_hooks()
 
 
+class _GroupedLinearFn(torch.autograd.Function):
+    """module/grouped_linear.py _GroupedLinear (the split-quantize path, no FP8): one GEMM per expert.
+
+    forward(): the input's rows are split by ``m_splits`` and expert ``i``'s rows multiply ``weight{i}``.
+    backward(): the input gradient now; the weight GEMMs write into ``wgrad_list``, buffers allocated in
+    B (``wgrad_packed`` views, or the weights' ``main_grad`` under fused accumulation), either now or, with
+    deferral, when ``backward_dw`` pops ``[inputmats, grad_output, wgrad_list]`` from the store.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, m_splits: list[int], module: GroupedLinear, *weights_and_biases: Any) -> Any:
+        n = module.num_gemms
+        weights, biases = weights_and_biases[:n], weights_and_biases[n:]
+        inputmats = list(torch.split(x.reshape(-1, x.shape[-1]), m_splits))
+        outs = [xi.matmul(w.t()) for xi, w in zip(inputmats, weights, strict=True)]
+        if module.apply_bias:
+            outs = [o + b for o, b in zip(outs, biases, strict=True)]
+        ctx.save_for_backward(*inputmats, *weights)
+        ctx.module, ctx.m_splits, ctx.inp_shape = module, m_splits, x.shape
+        ctx.wgrad_store = module.wgrad_store  # forward(): non_tensor_args carries self.wgrad_store
+        ctx.weights_requires_grad = weights[0].requires_grad
+        return torch.cat(outs).view(*x.shape[:-1], module.out_features)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> Any:
+        module: GroupedLinear = ctx.module
+        n = module.num_gemms
+        inputmats, weights = list(ctx.saved_tensors[:n]), ctx.saved_tensors[n:]
+        origin = module.weights()  # ctx.origin_weight_refs: the parameters, for main_grad and attributes
+        fuse = module.fuse_wgrad_accumulation
+        grad_outputs = list(torch.split(grad_output.reshape(-1, grad_output.shape[-1]), ctx.m_splits))
+        dgrad = torch.cat([dy.matmul(w) for dy, w in zip(grad_outputs, weights, strict=True)])
+        wgrad_list: list[Any] = [None] * n
+        grad_biases: list[Any] = [None] * n
+        if ctx.weights_requires_grad:
+            if fuse:
+                wgrad_list = [w.main_grad for w in origin]  # main_grads = [main_grad_func() ...]
+            else:
+                packed = torch.empty(n, *weights[0].shape, dtype=weights[0].dtype)  # wgrad_packed
+                wgrad_list = [packed[i] for i in range(n)]
+            gemm = _grouped_wgrad_gemm(module.apply_bias, accumulate=fuse)
+            store = ctx.wgrad_store
+            if store is not None and store.delay_wgrad_compute():
+                store.put([inputmats, grad_outputs, wgrad_list], gemm)  # the three lists, as grouped_linear.py
+            else:
+                _, grad_biases, _ = gemm(inputmats, grad_outputs, wgrad_list)
+            wgrad_list = [_finish_wgrad(w, fuse, g) for w, g in zip(origin, wgrad_list, strict=True)]
+        if not module.apply_bias or (ctx.wgrad_store is not None and ctx.wgrad_store.delay_wgrad_compute()):
+            grad_biases = [None] * n
+        return (dgrad.view(ctx.inp_shape), None, None, *wgrad_list, *grad_biases)
+
+
+def _grouped_wgrad_gemm(use_bias: bool, accumulate: bool) -> Any:
+    """grouped_linear.py ``grouped_gemm_wgrad`` (general_grouped_gemm, layout NT): ``out[i] = dy_i^T x_i``,
+    added to ``out[i]`` when ``accumulate`` (fused accumulation into ``main_grad``); returns
+    ``(out, bias gradients, None)`` as the grouped GEMM does."""
+
+    @torch.no_grad()
+    def gemm(inputmats: list[torch.Tensor], grad_outputs: list[torch.Tensor], out: list[torch.Tensor]) -> Any:
+        biases = []
+        for x, dy, o in zip(inputmats, grad_outputs, out, strict=True):
+            dw = dy.t().matmul(x)
+            if accumulate:
+                o.add_(dw)
+            else:
+                o.copy_(dw)
+            biases.append(dy.sum(dim=0) if use_bias else None)
+        return out, biases, None
+
+    return gemm
+
+
+class GroupedLinear(TransformerEngineBaseModule):
+    """module/grouped_linear.py GroupedLinear: ``num_gemms`` experts' linears, parameters ``weight{i}`` /
+    ``bias{i}``; tensor-parallel size 1 only (megatron passes ``parallel_mode=None`` and ``tp_size=1``
+    whenever experts are split over ranks, its token dispatcher moving the tokens)."""
+
+    def __init__(
+        self,
+        num_gemms: int,
+        in_features: int,
+        out_features: int,
+        sequence_parallel: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        tp_group: Any = None,
+        tp_size: int = 1,
+        get_rng_state_tracker: Any = None,
+        rng_tracker_name: str | None = None,
+        init_method: Any = None,
+        bias: bool = True,
+        return_bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        parallel_mode: str | None = None,
+        device: Any = "cpu",
+        ub_name: str | None = None,
+        delay_wgrad_compute: bool = False,
+        save_original_input: bool = False,
+        name: str | None = None,
+    ) -> None:
+        super().__init__()
+        assert tp_size == 1, (
+            "the stand-in's grouped linear has no tensor parallelism (megatron passes TP 1 to TE whenever "
+            "experts are split over ranks: its dispatcher moves the tokens)"
+        )
+        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.use_bias, self.return_bias = bias, return_bias
+        self.apply_bias = bias and not return_bias
+        self.sequence_parallel, self.tp_size = sequence_parallel, tp_size
+        self.wgrad_store = WeightGradStore(delay_wgrad_compute)  # grouped_linear.py __init__
+        dtype = params_dtype or torch.get_default_dtype()
+        for i in range(num_gemms):
+            weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+            if init_method is not None:
+                with torch.no_grad():
+                    init_method(weight)
+            else:
+                torch.nn.init.normal_(weight, std=0.02)
+            self.register_parameter(f"weight{i}", weight)
+            if bias:
+                self.register_parameter(f"bias{i}", torch.nn.Parameter(torch.zeros(out_features, dtype=dtype)))
+            else:
+                setattr(self, f"bias{i}", torch.Tensor().to(dtype=dtype))
+        if self.wgrad_store.delay_wgrad_compute():  # __init__, end: DDP hooks these on the module
+            for pname, param in self.named_parameters():
+                if any(pname in (f"weight{i}", f"bias{i}") for i in range(num_gemms)):
+                    param.skip_backward_post_hook = True
+
+    def weights(self) -> list[torch.nn.Parameter]:
+        """_get_weight_tensors()"""
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    def forward(self, inp: torch.Tensor, m_splits: Any, is_first_microbatch: bool | None = None) -> Any:
+        splits = [int(s) for s in (m_splits.tolist() if isinstance(m_splits, torch.Tensor) else m_splits)]
+        if len(splits) != self.num_gemms:
+            raise ValueError(f"{len(splits)} splits for {self.num_gemms} GEMMs")
+        biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+        if torch.is_grad_enabled():
+            out = _GroupedLinearFn.apply(inp, splits, self, *self.weights(), *biases)
+        else:
+            out = _GroupedLinearFn.forward(None, inp, splits, self, *self.weights(), *biases)
+        if self.return_bias:
+            return out, biases
+        return out
+
+    def backward_dw(self) -> None:
+        # grouped_linear.py backward_dw(): nothing on an empty queue; else pop one entry, weights ASSIGNED
+        # from the entry's wgrad_list unless fused, bias.grad set only when None, then the hooks.
+        if not self.need_backward_dw():
+            return
+        assert self.wgrad_store is not None
+        if self.wgrad_store.context is None or self.wgrad_store.context.empty():
+            return
+        (_, grad_biases, _), tensor_list = self.wgrad_store.pop()
+        wgrad_output = tensor_list[2]
+        if not self.fuse_wgrad_accumulation:
+            for w, g in zip(self.weights(), wgrad_output, strict=True):
+                w.grad = g.to(w.dtype)
+        if self.use_bias and any(b is not None and b.numel() for b in grad_biases):
+            for i, b in enumerate(grad_biases):
+                param = getattr(self, f"bias{i}")
+                if b is not None and param.grad is None:
+                    param.grad = b.to(param.dtype)
+        del grad_biases, wgrad_output, tensor_list
+        self._trigger_wgrad_accumulation_and_reduce_hooks()
+
+
 class MegatronTELinear(Linear):
     """megatron-core 0.19.2 extensions/transformer_engine.py TELinear: ``backward_dw`` gated on its config."""
 
@@ -298,4 +465,4 @@ class MegatronTELinear(Linear):
 
 # The adapter recognises megatron's wrappers by their defining module, as it would the real ones.
 MegatronTELinear.__module__ = "megatron.core.extensions.transformer_engine"
-STANDIN_LAYER_CLASSES: list[type] = [Linear, LayerNormMLP]
+STANDIN_LAYER_CLASSES: list[type] = [Linear, LayerNormMLP, GroupedLinear]

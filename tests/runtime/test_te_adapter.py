@@ -158,15 +158,28 @@ def test_backward_dw_that_computes_nothing_is_an_error(monkeypatch):
         store.run(0, 0, "test")
 
 
-def test_w_out_of_b_order_is_refused():
-    chunk = _Chunk(delay=True)
+def test_w_out_of_b_order_consumes_te_fifo_in_b_order():
+    """zb-h1's later ranks run their first W last (B0 B1 W1 B2 W2 W0): each W pops the oldest B's entries,
+    which is all TE's FIFO allows, and the gradients end up those of the unsplit backward."""
+    ref_grads, _ = _reference()
+    chunk, xs = _Chunk(delay=True), _inputs()
     store = WeightGradStore()
     enable_te_wgrad(store)
-    for mb, x in enumerate(_inputs(2)):
-        with store.deferring(0, mb, enabled=True, where="test", model_chunk=chunk):
-            chunk(x).sum().backward()
-    with pytest.raises(WeightGradError, match="FIFO"):
-        store.run(0, 1, "test")
+    outs = [chunk(x) for x in xs]
+    program = [("B", 0), ("B", 1), ("W", 1), ("B", 2), ("W", 2), ("W", 0)]
+    for kind, mb in program:
+        if kind == "B":
+            with store.deferring(0, mb, enabled=True, where="test", model_chunk=chunk):
+                outs[mb].square().sum().backward()
+        else:
+            store.run(0, mb, "test")
+            if mb == 1:  # the first W computed micro-batch 0's weight gradients, the oldest B's
+                assert [te_queue_size(m) for m in (chunk.fc1, chunk.fc2, chunk.mlp)] == [1, 1, 2]
+    store.check_empty("test")
+    assert pending_te_entries(chunk) == []
+    got = _grads(chunk)
+    for name, ref in ref_grads.items():
+        torch.testing.assert_close(got[name], ref, rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_enable_is_idempotent_and_needs_deferring_modules():
@@ -259,3 +272,52 @@ def test_split_under_megatron_ddp_equals_unsplit(pool, case):
         assert len(result["checked"]) >= 8, result
         if case.overlap_grad_reduce:  # megatron's grad-ready hook: once per parameter per micro-batch
             assert set(result["ready_counts"].values()) == {case.microbatches}, result
+
+
+# ---- GroupedLinear (the experts' grouped GEMM) in one process ---------------------------------------
+SPLITS = [3, 0, 4]  # tokens per expert: one expert gets none, as routing allows
+
+
+def _grouped(delay: bool) -> te.GroupedLinear:
+    gen = torch.Generator().manual_seed(7)
+    return te.GroupedLinear(
+        len(SPLITS),
+        4,
+        6,
+        bias=False,
+        delay_wgrad_compute=delay,
+        init_method=lambda w: w.copy_(torch.randn(w.shape, generator=gen)),
+    )
+
+
+def _grouped_inputs(n: int = 3) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(9)
+    return [torch.randn(sum(SPLITS), 4, generator=gen, requires_grad=True) for _ in range(n)]
+
+
+def test_grouped_linear_b_now_w_later_is_bitwise_the_unsplit_backward():
+    ref, ref_xs = _grouped(delay=False), _grouped_inputs()
+    for x in ref_xs:
+        ref(x, SPLITS).square().sum().backward()
+    layer, xs = _grouped(delay=True), _grouped_inputs()
+    assert deferring_modules(torch.nn.Sequential(layer)) == [layer]
+    store, held = WeightGradStore(), []
+    store.on_held_bytes = held.append
+    enable_te_wgrad(store)
+    outs = [layer(x, SPLITS) for x in xs]
+    for mb, out in enumerate(outs):  # B0 B1 W0 B2 W1 W2
+        with store.deferring(0, mb, enabled=True, where="test", model_chunk=layer):
+            out.square().sum().backward()
+        if mb == 0:
+            assert all(w.grad is None for w in layer.weights()), "B computed an expert's weight gradient"
+            assert te_queue_size(layer) == 1 and held and held[0] > 0  # the lists of tensors are counted
+        if mb:
+            store.run(0, mb - 1, "test")
+    store.run(0, len(outs) - 1, "test")
+    store.check_empty("test")
+    assert te_queue_size(layer) == 0
+    for i, (got, want) in enumerate(zip(layer.weights(), ref.weights(), strict=True)):
+        assert torch.equal(got.grad, want.grad), f"expert {i}"
+    assert layer.weight1.grad.abs().sum() == 0 and layer.weight0.grad.abs().sum() > 0
+    for x_ref, x in zip(ref_xs, xs, strict=True):
+        assert torch.equal(x.grad, x_ref.grad)
