@@ -88,14 +88,15 @@ class PaddedTracer(Tracer):
     hooks; otherwise those waits count in ``wait``), ``between`` (other time between ops: bookkeeping
     and collective launches), ``drain`` (after the last op until the executor's loop ends: pending sends,
     collectives) and ``span`` (the executor's iteration, first hook to last). ``ops`` holds every op's
-    ``(iteration, name, kind, real_s, pad_s, lasted_s)`` over the whole run.
+    ``(iteration, name, kind, real_s, pad_s, lasted_s, started_s)`` over the whole run (``started_s`` on
+    ``time.perf_counter``'s clock, which every process of the machine shares: ranks line up).
     """
 
     def __init__(self, rank: int, pads_s: dict[str, tuple[float, ...]], param_storages: set[int] | None = None):
         super().__init__(rank, param_storages)
         self.pads_s = pads_s
         self.breakdowns: list[dict[str, Any]] = []
-        self.ops: list[tuple[int, str, str, float, float, float]] = []
+        self.ops: list[tuple[int, str, str, float, float, float, float]] = []
         self._cursor = 0.0
         self._op_started = 0.0
         self._comm_started = 0.0
@@ -136,7 +137,7 @@ class PaddedTracer(Tracer):
         lasted = self._cursor - self._op_started
         self._current["compute"] += lasted
         self._current["real_compute"] += real
-        self.ops.append((len(self.breakdowns), str(op), kind, real, pad, lasted))
+        self.ops.append((len(self.breakdowns), str(op), kind, real, pad, lasted, self._op_started))
 
     def begin_comm(self) -> None:
         super().begin_comm()

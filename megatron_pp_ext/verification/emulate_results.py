@@ -53,10 +53,16 @@ class Row:
     native_short_ops: int = 0
     native_over_pad: int = 0
     native_real_ms: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # simulated again with the hop time the baseline's run paid (Outcome.paid_hop_ms)
+    simulated_paid_hop: float = float("nan")
 
     @property
     def ratio(self) -> float:
         return self.measured / self.simulated if self.simulated > 0 else float("nan")
+
+    @property
+    def ratio_paid_hop(self) -> float:
+        return self.measured / self.simulated_paid_hop if self.simulated_paid_hop > 0 else float("nan")
 
 
 @dataclass
@@ -68,3 +74,4 @@ class Outcome:
     skipped: dict[str, str]
     load: tuple[float, float]  # 1-minute load average at start and end
     seconds: float
+    paid_hop_ms: tuple[float, int] | None = None  # the baseline run's hop: median ms, messages timed

@@ -8,6 +8,7 @@ refusal of bad input before any rank starts.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import time
 from pathlib import Path
 
@@ -74,9 +75,11 @@ def test_padded_tracer_pads_every_op_and_accounts_for_the_gaps() -> None:
     tracer.end_iteration()
     (breakdown,) = tracer.breakdowns
     assert [name for _, name, *_ in tracer.ops] == [str(op) for op in ops]
-    for _, _, kind, real, pad, lasted in tracer.ops:
+    for _, _, kind, real, pad, lasted, _ in tracer.ops:
         assert lasted >= pad == pads[kind][0] and lasted >= real
-    assert breakdown["compute"] >= sum(pad for *_, pad, _ in tracer.ops)
+    starts = [started for *_, started in tracer.ops]
+    assert starts == sorted(starts) and all(b - a >= 0.003 for a, b in itertools.pairwise(starts))
+    assert breakdown["compute"] >= sum(pad for *_, pad, _, _ in tracer.ops)
     waits = breakdown["wait"]
     assert set(waits) == {"F", "B", "W", "BW"} and all(waits[k] >= 0.003 for k in "FBW")
     assert breakdown["recv_wait"] >= 0.003 and breakdown["send_wait"] == 0.0
@@ -126,11 +129,14 @@ def test_emulated_run_pads_every_op_and_reports_every_schedule(pool, tmp_path: P
     outcome = emulate_bench.run_emulation(settings, pool, say=lambda text: None)
     assert [r.name for r in outcome.rows] == ["1f1b", "zb-h1", "interleaved-1f1b"]
     assert outcome.comm_ms > 0 and outcome.comm_fastest_ms is not None
+    assert outcome.paid_hop_ms is not None and outcome.paid_hop_ms[0] > 0 and outcome.paid_hop_ms[1] > 0
     for row in outcome.rows:
         schedule = generate(row.name, 2, 4)
         assert row.ops == settings.iterations * sum(len(ops) for ops in schedule.ops)  # every op traced and padded
         assert row.short_ops == 0
         assert row.simulated > 0 and row.measured > 0
+        # re-simulated with the hop the 1f1b run paid (its consumers waited for its messages: some were timed)
+        assert row.simulated_paid_hop > 0 and row.ratio_paid_hop > 0
         assert [b["rank"] for b in row.ranks] == [0, 1]
         for b in row.ranks:
             assert b["compute"] >= b["real_compute"] >= 0 and b["idle"] >= 0
@@ -158,3 +164,21 @@ def _first_cells(text: str, header: str) -> list[str]:
     start = next(i for i, line in enumerate(lines) if line.startswith(header)) + 2
     end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
     return [line.split("|")[1].strip() for line in lines[start:end]]
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "v-zb"])
+def test_paid_hop_is_read_off_the_ops_where_a_consumer_waited(name: str) -> None:
+    """A simulated timeline with hop time 0.7 ms, turned into the ranks' traced ops (seconds): the hop the
+    run paid is 0.7 ms, from the messages whose consumer waited (the others would read shorter)."""
+    from megatron_pp_ext.analysis.simulate import Costs, simulate
+
+    schedule = generate(name, 2, 4)
+    timeline = simulate(schedule, Costs(20.0, 20.0, 15.0, None, 0.7)).timeline
+    results = [
+        {"pp_rank": rank, "ops": [(1, op, "F", 0.0, 0.0, (end - start) / 1000, start / 1000)]}
+        for rank, op, start, end in timeline
+    ]
+    merged = [{"pp_rank": r, "ops": [op for x in results if x["pp_rank"] == r for op in x["ops"]]} for r in (0, 1)]
+    hop, count = emulate_bench.paid_hop_ms(schedule, merged, warmup=1)
+    assert hop == pytest.approx(0.7) and count > 0
+    assert emulate_bench.paid_hop_ms(schedule, merged, warmup=2) is None  # only timed iterations count
