@@ -8,14 +8,15 @@ hooks on (they must not change anything for a loop placement). Both runs go conc
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from warm_launch import launch as warm_launch
+from warm_launch import run_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "pretrain_gpt.py"
@@ -38,15 +39,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(tmp: Path, name: str, extra: list[str], env_extra: dict[str, str]) -> tuple[subprocess.Popen, Path]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRON_PP_EXT_LOSS_FILE": str(tmp / name), **env_extra}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    log = tmp / f"{name}.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
-    proc = subprocess.Popen(
-        [*cmd, str(SCRIPT), *FLAGS, *extra], cwd=tmp, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT
-    )
-    return proc, log
+def launch(tmp: Path, name: str, extra: list[str], env_extra: dict[str, str]) -> tuple[Any, Path]:
+    """``pretrain_gpt.py FLAGS EXTRA`` on two ranks through the warm launcher (tests/integration/warm_launch.py:
+    real torchrun where the environment asks for it); every rank writes its losses to ``tmp/NAME.rank*``."""
+    env = run_env(MEGATRON_PP_EXT_LOSS_FILE=str(tmp / name), **env_extra)
+    return warm_launch(tmp, name, [*FLAGS, *extra], env=env)
 
 
 def results(tmp: Path, name: str, log: Path) -> tuple[list[tuple[str, ...]], list[str]]:
