@@ -72,6 +72,7 @@ def test_a_tagged_fixture_makes_a_rank_test() -> None:
     assert not fixture_launches_ranks(iter([_pure]))
 
 
+@pytest.mark.slow
 def test_collection_marks_rank_tests_and_quick_leaves_them_out(tmp_path: Path) -> None:
     (tmp_path / "test_synthetic.py").write_text(textwrap.dedent(SYNTHETIC))
     command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "tests.conftest", "-m", "not gloo"]

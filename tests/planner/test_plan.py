@@ -114,6 +114,7 @@ def test_extrapolation_matches_exact_simulation(monkeypatch: pytest.MonkeyPatch)
         assert other.sync_bubble_rate == pytest.approx(row.sync_bubble_rate, abs=1e-6), key
 
 
+@pytest.mark.slow
 def test_memory_budget_filters_and_explains() -> None:
     tight = _planner(schedules=FAST_SCHEDULES)
     tight.budget_bytes = 30 * GIB

@@ -27,7 +27,7 @@ GRID = [
 ]
 
 
-@pytest.mark.parametrize("name", slow_params(["bfs", "bfs-zb"], {"bfs-zb"}))
+@pytest.mark.parametrize("name", slow_params(["bfs", "bfs-zb"], {"bfs", "bfs-zb"}))
 def test_valid_and_deadlock_free_over_the_grid(name: str) -> None:
     # includes m < p, m % p != 0 and groups that do not divide m (the last group is smaller)
     for p, m, v, g in GRID:
