@@ -188,11 +188,44 @@ def logits_flops(model: ModelSpec, micro_batch: int) -> float:
     return 2.0 * model.seq_length * micro_batch * model.hidden_size * model.padded_vocab_size(1)
 
 
+def _mlp_gemm(model: ModelSpec, width: int, tokens: float) -> float:
+    up = 2 * width if model.swiglu else width
+    return 2.0 * tokens * (model.hidden_size * up + width * model.hidden_size)
+
+
+def kind_flops(model: ModelSpec, kind: str, micro_batch: int) -> tuple[float, float]:
+    """Forward FLOPs of one layer of ``kind`` for one micro-batch: ``(GEMMs, core)`` where core (core
+    attention, the Mamba scan) costs twice the forward in ``B`` and nothing in ``W``."""
+    if kind == "dense":
+        return layer_flops(model, micro_batch)
+    s, b, h = model.seq_length, int(micro_batch), model.hidden_size
+    tokens = float(s * b)
+    attention = 2.0 * tokens * (h * (model.q_size + 2 * model.kv_size) + model.q_size * h)
+    core = 2.0 * s * s * b * model.q_size
+    experts = model.moe_router_topk * _mlp_gemm(model, model.expert_ffn, tokens)
+    experts += _mlp_gemm(model, model.moe_shared_expert_ffn, tokens) + 2.0 * tokens * h * (model.num_experts or 0)
+    if kind == "moe":
+        return attention + experts, core
+    if kind == "attention":
+        return attention, core
+    if kind == "mlp":
+        return _mlp_gemm(model, model.ffn, tokens), 0.0
+    if kind == "moe-mlp":
+        return experts, 0.0
+    if kind == "mamba":
+        di, groups, state = 2 * h, model.mamba_num_groups, model.mamba_state_dim
+        heads = di // model.mamba_head_dim
+        gemm = 2.0 * tokens * (h * (2 * di + 2 * groups * state + heads) + di * h)
+        return gemm, 6.0 * tokens * di * state
+    raise ValueError(f"unknown layer kind {kind!r}")
+
+
 def model_flops_per_iteration(model: ModelSpec, global_batch: int) -> float:
     """Model FLOPs of one iteration (3x forward; recompute not counted), as megatron's
-    ``num_floating_point_operations`` counts them for a dense GPT."""
-    gemm, core = layer_flops(model, global_batch)
-    return 3.0 * (model.num_layers * (gemm + core) + logits_flops(model, global_batch))
+    ``num_floating_point_operations`` counts them for a dense GPT; a MoE or hybrid model's layers each by
+    their kind (:func:`kind_flops`: the routed experts' top-k, one mixer per hybrid layer)."""
+    layers = sum(sum(kind_flops(model, kind, global_batch)) for kind in model.layer_kinds())
+    return 3.0 * (layers + logits_flops(model, global_batch))
 
 
 def _ring_time(volume_bytes: float, group: int, gbps: float, latency_us: float, factor: float) -> float:

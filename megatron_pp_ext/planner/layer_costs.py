@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from ..analysis.simulate import Costs
 from ..schedules.placement import Placement
-from .cost_model import CostModel, LayerTimes, flop_times, layer_flops, recomputed_backward
+from .cost_model import CostModel, LayerTimes, flop_times, kind_flops, recomputed_backward
 from .memory import StageInfo, TrainingSetup, layer_activation_bytes, stage_layout
 from .models import ModelSpec, kind_parameters
 
@@ -54,38 +54,6 @@ __all__ = [
 
 # mixers per kind: the TP collectives (two per GPT layer) and kernel overheads a pass pays
 _MIXERS = {"dense": 2, "moe": 2, "attention": 1, "mlp": 1, "moe-mlp": 1, "mamba": 1}
-
-
-def _mlp_gemm(model: ModelSpec, width: int, tokens: float) -> float:
-    up = 2 * width if model.swiglu else width
-    return 2.0 * tokens * (model.hidden_size * up + width * model.hidden_size)
-
-
-def kind_flops(model: ModelSpec, kind: str, micro_batch: int) -> tuple[float, float]:
-    """Forward FLOPs of one layer of ``kind`` for one micro-batch: ``(GEMMs, core)`` where core (core
-    attention, the Mamba scan) costs twice the forward in ``B`` and nothing in ``W``."""
-    if kind == "dense":
-        return layer_flops(model, micro_batch)
-    s, b, h = model.seq_length, int(micro_batch), model.hidden_size
-    tokens = float(s * b)
-    attention = 2.0 * tokens * (h * (model.q_size + 2 * model.kv_size) + model.q_size * h)
-    core = 2.0 * s * s * b * model.q_size
-    experts = model.moe_router_topk * _mlp_gemm(model, model.expert_ffn, tokens)
-    experts += _mlp_gemm(model, model.moe_shared_expert_ffn, tokens) + 2.0 * tokens * h * (model.num_experts or 0)
-    if kind == "moe":
-        return attention + experts, core
-    if kind == "attention":
-        return attention, core
-    if kind == "mlp":
-        return _mlp_gemm(model, model.ffn, tokens), 0.0
-    if kind == "moe-mlp":
-        return experts, 0.0
-    if kind == "mamba":
-        di, groups, state = 2 * h, model.mamba_num_groups, model.mamba_state_dim
-        heads = di // model.mamba_head_dim
-        gemm = 2.0 * tokens * (h * (2 * di + 2 * groups * state + heads) + di * h)
-        return gemm, 6.0 * tokens * di * state
-    raise ValueError(f"unknown layer kind {kind!r}")
 
 
 def kind_activation_bytes(

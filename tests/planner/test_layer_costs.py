@@ -148,3 +148,18 @@ def test_moe_preset_plans_with_per_layer_costs() -> None:
     rows = plan.run(progress=False).rows
     assert rows and all(r.config.layout for r in rows)  # 27 layers: no uniform split over 4 stages
     assert sum(m.parameters for m in rows[0].memory) == pytest.approx(model.num_parameters(), rel=1e-6)
+
+
+def test_model_flops_count_each_layer_by_its_kind() -> None:
+    """MFU's numerator: a hybrid pattern of attention + MLP pairs is the dense model of half as many layers
+    (it counted every hybrid layer as a whole GPT layer, and plan printed MFU over 100%); a MoE model counts
+    its routed experts, not a dense MLP."""
+    from megatron_pp_ext.planner.cost_model import model_flops_per_iteration
+
+    hybrid = replace(DENSE, name="h", num_layers=16, hybrid_pattern="*-" * 8)
+    assert math.isclose(model_flops_per_iteration(hybrid, 4), model_flops_per_iteration(DENSE, 4))
+    moe_layers = 2 * sum(kind_flops(MOE, "dense", 4)) + 6 * sum(kind_flops(MOE, "moe", 4))
+    dense_layers = 8 * sum(kind_flops(DENSE, "dense", 4))
+    assert math.isclose(
+        model_flops_per_iteration(MOE, 4) - model_flops_per_iteration(DENSE, 4), 3 * (moe_layers - dense_layers)
+    )
