@@ -7,6 +7,19 @@ from typing import Any
 
 from megatron_pp_ext.integration.arguments import add_arguments
 
+#: scripts/run_tiny_cpu.sh's model and batch shapes (no dropout), for auto's argument tests
+TINY_SHAPE: dict[str, Any] = {
+    "num_layers": 8,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "seq_length": 64,
+    "vocab_size": 256,
+    "micro_batch_size": 2,
+    "global_batch_size": 16,
+    "hidden_dropout": 0.0,
+    "attention_dropout": 0.0,
+}
+
 MEGATRON_DEFAULTS: dict[str, Any] = {
     # the megatron args validate_arguments reads, as megatron's parse_and_validate_args leaves them
     "pipeline_model_parallel_size": 4,

@@ -4,24 +4,15 @@ kept as auto keeps an uneven split (integration/auto_schedule.py), and each stag
 from __future__ import annotations
 
 import pytest
-from megatron_args_helpers import make_args
+from megatron_args_helpers import TINY_SHAPE, make_args
 
 from megatron_pp_ext.integration.arguments import PipelineArgumentError, validate_arguments
 from megatron_pp_ext.integration.auto_schedule import planner_for_run, resolve, run_layer_split
 from megatron_pp_ext.planner.auto import decide
 from megatron_pp_ext.schedules.layer_split import LayerSplit
 
-TINY = {  # scripts/run_tiny_cpu.sh's shapes at 2 ranks
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "seq_length": 64,
-    "vocab_size": 256,
-    "micro_batch_size": 2,
-    "global_batch_size": 16,
-    "hidden_dropout": 0.0,
-    "attention_dropout": 0.0,
-    "pipeline_model_parallel_size": 2,
-}
+# at 2 ranks; the layer count comes from each test's pattern
+TINY = {**{k: v for k, v in TINY_SHAPE.items() if k != "num_layers"}, "pipeline_model_parallel_size": 2}
 AUTO = ["--pipeline-schedule", "auto", "--cpu", "--pipeline-memory-budget", "4"]
 
 

@@ -4,22 +4,12 @@ choice made on the install path (integration/auto_schedule.py), its table, the b
 from __future__ import annotations
 
 import pytest
-from megatron_args_helpers import make_args
+from megatron_args_helpers import TINY_SHAPE, make_args
 
 from megatron_pp_ext.integration.arguments import PipelineArgumentError, PipelineConfig, validate_arguments
 from megatron_pp_ext.integration.auto_schedule import planner_for_run, resolve
 
-TINY = {  # scripts/run_tiny_cpu.sh's shapes at 4 ranks
-    "num_layers": 8,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "seq_length": 64,
-    "vocab_size": 256,
-    "micro_batch_size": 2,
-    "global_batch_size": 16,
-    "hidden_dropout": 0.0,
-    "attention_dropout": 0.0,
-}
+TINY = TINY_SHAPE  # at 4 ranks (megatron's default pipeline size in make_args)
 
 
 def _decided(args: object) -> PipelineConfig:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from megatron_args_helpers import make_args, make_parser
+from megatron_args_helpers import TINY_SHAPE, make_args, make_parser
 
 from megatron_pp_ext.analysis.simulate import Costs
 from megatron_pp_ext.integration.arguments import LayerKindCosts, PipelineArgumentError, validate_arguments
@@ -15,17 +15,7 @@ from megatron_pp_ext.integration.auto_schedule import planner_for_run, resolve
 from megatron_pp_ext.schedules.placement import loop_placement
 from megatron_pp_ext.schedules.values import parse_layer_costs
 
-TINY = {
-    "num_layers": 8,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "seq_length": 64,
-    "vocab_size": 256,
-    "micro_batch_size": 2,
-    "global_batch_size": 16,
-    "hidden_dropout": 0.0,
-    "attention_dropout": 0.0,
-}
+TINY = TINY_SHAPE
 AUTO = ["--pipeline-schedule", "auto", "--cpu", "--pipeline-memory-budget", "4"]
 KINDS = "dense=1,2,1;embedding=0.5,0,0.5;head=3,3,3;micro_batch=2"
 
