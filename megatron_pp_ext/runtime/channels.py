@@ -83,11 +83,17 @@ class Channels:
         self,
         sends: Sequence[tuple[Message, torch.Tensor, bool]],
         recvs: Sequence[tuple[Message, torch.Tensor]],
-        where: str,
+        where: object,
     ) -> None:
-        """Post ``(message, tensor, free once sent)`` sends and ``(message, buffer)`` receives."""
-        transfers = [p2p.Transfer(t, self.global_ranks[m.dst_rank], m.seq, str(m), header(m)) for m, t, _ in sends]
-        buffers = [p2p.Transfer(b, self.global_ranks[m.src_rank], m.seq, str(m), header(m)) for m, b in recvs]
+        """Post ``(message, tensor, free once sent)`` sends and ``(message, buffer)`` receives. ``where``: the
+        error context (formatted only if an error needs it)."""
+        checks = p2p.checks_messages()  # a header per message only when they are checked
+        transfers = [
+            p2p.Transfer(t, self.global_ranks[m.dst_rank], m.seq, m, header(m) if checks else ()) for m, t, _ in sends
+        ]
+        buffers = [
+            p2p.Transfer(b, self.global_ranks[m.src_rank], m.seq, m, header(m) if checks else ()) for m, b in recvs
+        ]
         self.tracer.begin_comm()
         try:
             send_handles, recv_handles = p2p.post_transfers(
@@ -108,12 +114,12 @@ class Channels:
             nbytes = tensor.numel() * tensor.element_size()
             self.sends.append(_Send(msg, handle, tensor, nbytes, free))
             self.tracer.add_send_bytes(nbytes)
-            self.tracer.protocol("send-post", str(msg))
+            self.tracer.protocol("send-post", msg)
         for (msg, buffer), handle in zip(recvs, recv_handles, strict=True):
             nbytes = buffer.numel() * buffer.element_size()
             self.recvs[msg.key] = _Recv(msg, handle, nbytes)
             self.tracer.add_comm_bytes(nbytes)
-            self.tracer.protocol("recv-post", str(msg))
+            self.tracer.protocol("recv-post", msg)
         self.retire_completed()
         if self.send_bound is not None and len(self.sends) > self.send_bound:
             self.retire_completed()
@@ -128,7 +134,7 @@ class Channels:
             return False
         waited = self._guarded(recv.handle, for_what)
         self.tracer.add_comm_bytes(-recv.nbytes)
-        self.tracer.protocol("recv-wait", str(recv.msg), waited_s=waited)
+        self.tracer.protocol("recv-wait", recv.msg, waited_s=waited)
         return True
 
     def finish_send_of(self, tensor: Any, for_what: str) -> None:
@@ -169,7 +175,7 @@ class Channels:
     def _retire(self, send: _Send, how: str, waited: float) -> None:
         self.sends.remove(send)
         self.tracer.add_send_bytes(-send.nbytes)
-        self.tracer.protocol("send-done", str(send.msg), how=how, waited_s=waited)
+        self.tracer.protocol("send-done", send.msg, how=how, waited_s=waited)
         if send.free:
             self.free(send.tensor)
 

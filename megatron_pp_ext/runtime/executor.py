@@ -591,8 +591,7 @@ class _Run:
             )
             self.mailbox[msg.key] = buffer
             recvs.append((msg, buffer))
-        where = self._where() + (f", exchange before {next_op}" if next_op is not None else ", final exchange")
-        self.channels.post(sends, recvs, where)
+        self.channels.post(sends, recvs, _ExchangeContext(self, next_op))
 
     def _await_inputs(self, op: Op) -> None:
         """Wait for the receive that brings ``op``'s input, and nothing else; before a backward, then
@@ -612,6 +611,21 @@ class _Run:
 
         if not self.forward_only:
             deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)
+
+
+class _ExchangeContext:
+    """Where an exchange happens, for the error messages of its transfers: formatted only when one is
+    written (building the text for every exchange cost more than posting a receive)."""
+
+    __slots__ = ("executor", "next_op")
+
+    def __init__(self, executor: Any, next_op: Op | None) -> None:
+        self.executor = executor
+        self.next_op = next_op
+
+    def __str__(self) -> str:
+        after = f", exchange before {self.next_op}" if self.next_op is not None else ", final exchange"
+        return self.executor._where() + after
 
 
 def _next_op(program: Sequence[Compute | Exchange], index: int) -> Op | None:

@@ -66,6 +66,11 @@ def set_check_messages(enabled: bool) -> None:
     _check_messages = enabled
 
 
+def checks_messages() -> bool:
+    """Whether messages carry a header (:func:`set_check_messages`): callers build headers only then."""
+    return _check_messages
+
+
 class PipelineCommError(RuntimeError):
     """A send/receive did not complete (timeout or backend error)."""
 
@@ -75,8 +80,12 @@ class Transfer:
     tensor: torch.Tensor
     peer: int  # global rank
     tag: int
-    what: str  # human-readable description for errors
+    what: object  # what the message is, for errors and traces: formatted with str() only when shown
     header: tuple[int, ...] = ()  # what the message is (kind, stages, micro-batch, ...): checked on arrival
+
+
+#: one transfer as a strategy posts it: ``(dist.isend or dist.irecv, tensor, peer, group, tag)``
+PostOp = tuple[Callable[..., Any], torch.Tensor, int, "dist.ProcessGroup | None", int]
 
 
 class Handle:
@@ -87,7 +96,7 @@ class Handle:
         transfer: Transfer,
         is_send: bool,
         works: list[Any],
-        rank_desc: str,
+        rank_desc: object,
         timeout_s: float,
         strategy: Strategy,
         header: torch.Tensor | None = None,
@@ -199,8 +208,9 @@ class Strategy:
     #: whether sends are waited for by the :class:`Completer` (works that cannot be polled)
     watches_sends = False
 
-    def post(self, ops: list[dist.P2POp]) -> list[list[Any]]:
-        """Post ``ops``; per op, the works that carry it."""
+    def post(self, ops: list[PostOp]) -> list[list[Any]]:
+        """Post ``ops`` (``(dist.isend or dist.irecv, tensor, peer, group, tag)``); per op, the works that
+        carry it."""
         raise NotImplementedError
 
     def wait(self, work: Any, timeout_s: float) -> Any:
@@ -216,8 +226,8 @@ class PerTransfer(Strategy):
 
     watches_sends = True
 
-    def post(self, ops: list[dist.P2POp]) -> list[list[Any]]:
-        return [[op.op(op.tensor, op.peer, op.group, op.tag)] for op in ops]
+    def post(self, ops: list[PostOp]) -> list[list[Any]]:
+        return [[send_or_recv(tensor, peer, group, tag)] for send_or_recv, tensor, peer, group, tag in ops]
 
 
 class Completer:
@@ -271,8 +281,8 @@ class Coalesced(Strategy):
 
     prefetches = False
 
-    def post(self, ops: list[dist.P2POp]) -> list[list[Any]]:
-        works = list(dist.batch_isend_irecv(ops)) if ops else []
+    def post(self, ops: list[PostOp]) -> list[list[Any]]:
+        works = list(dist.batch_isend_irecv([dist.P2POp(*op) for op in ops])) if ops else []
         return [works] * len(ops)
 
     def wait(self, work: Any, timeout_s: float) -> Any:
@@ -290,7 +300,7 @@ def post_transfers(
     recvs: Sequence[Transfer],
     group: dist.ProcessGroup | None,
     *,
-    rank_desc: str,
+    rank_desc: object,
     timeout_s: float | None = None,
     use_tags: bool = True,
     strategy: Strategy | None = None,
@@ -305,7 +315,7 @@ def post_transfers(
     if not timeout_s > 0:
         raise ValueError(f"p2p timeout must be > 0 seconds, got {timeout_s!r}")
     strategy = strategy_for(group) if strategy is None else strategy
-    ops: list[dist.P2POp] = []
+    ops: list[PostOp] = []
     owner: list[int] = []  # per op: index of its transfer (sends first, then receives)
     headers: dict[int, torch.Tensor] = {}
     for index, (op_kind, t) in enumerate([(dist.isend, t) for t in sends] + [(dist.irecv, t) for t in recvs]):
@@ -315,9 +325,9 @@ def post_transfers(
             header = torch.tensor(values, dtype=torch.int64, device=t.tensor.device)
             if op_kind is dist.irecv:
                 headers[index] = header
-            ops.append(dist.P2POp(op_kind, header, t.peer, group, tag))
+            ops.append((op_kind, header, t.peer, group, tag))
             owner.append(index)
-        ops.append(dist.P2POp(op_kind, t.tensor, t.peer, group, tag))
+        ops.append((op_kind, t.tensor, t.peer, group, tag))
         owner.append(index)
     if not ops:
         return [], []

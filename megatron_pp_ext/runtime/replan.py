@@ -117,7 +117,7 @@ class ProfilingTracer(NullTracer):
     def add_send_bytes(self, nbytes: int) -> None:
         self.inner.add_send_bytes(nbytes)
 
-    def protocol(self, event: str, what: str, **info: Any) -> None:
+    def protocol(self, event: str, what: object, **info: Any) -> None:
         self.inner.protocol(event, what, **info)
 
     @contextmanager

@@ -44,7 +44,7 @@ class NullTracer:
     def add_held_bytes(self, nbytes: int) -> None: ...
     def add_comm_bytes(self, nbytes: int) -> None: ...
     def add_send_bytes(self, nbytes: int) -> None: ...
-    def protocol(self, event: str, what: str, **info: Any) -> None: ...
+    def protocol(self, event: str, what: object, **info: Any) -> None: ...
 
     @contextlib.contextmanager
     def saving(self, op: Op) -> Iterator[None]:
@@ -212,10 +212,11 @@ class Tracer(NullTracer):
         self._send_bytes += nbytes
         self._iter_send_peak = max(self._iter_send_peak, self._send_bytes)
 
-    def protocol(self, event: str, what: str, **info: Any) -> None:
+    def protocol(self, event: str, what: object, **info: Any) -> None:
         """One p2p protocol event (``recv-post``, ``recv-wait``, ``send-post``, ``send-done``) of
-        message ``what``, at gap ``gap`` (ops ended so far this iteration)."""
-        self._iter_protocol.append({"event": event, "what": what, "gap": self._ops_done, "t": self._now(), **info})
+        message ``what`` (recorded as ``str(what)``), at gap ``gap`` (ops ended so far this iteration)."""
+        event_record = {"event": event, "what": str(what), "gap": self._ops_done, "t": self._now(), **info}
+        self._iter_protocol.append(event_record)
 
     def released(self, op: Op) -> None:
         self._live.pop((op.stage, op.microbatch), None)

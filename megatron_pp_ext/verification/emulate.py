@@ -149,7 +149,7 @@ class PaddedTracer(Tracer):
         self._cursor = time.perf_counter()
         self._current["post"] += self._cursor - self._comm_started
 
-    def protocol(self, event: str, what: str, **info: Any) -> None:
+    def protocol(self, event: str, what: object, **info: Any) -> None:
         """A p2p protocol event (executors that report them): the time up to a blocked receive or send
         wait is that wait."""
         parent = getattr(super(), "protocol", None)
