@@ -332,9 +332,11 @@ def run_emulation(settings: Settings, pool: Any = None, say: Any = print) -> Out
             )
         built, skipped = build_schedules(settings, comm_ms)  # the generators that take costs get the hop time
         rows = []
+        lowered = []  # per schedule, for the second simulation
         paid: tuple[float, int] | None = None
         for schedule, costs in built:
-            sim = simulate(schedule, costs, lowered=validate(schedule)).makespan
+            lowered.append(validate(schedule))
+            sim = simulate(schedule, costs, lowered=lowered[-1]).makespan
             job = _job(settings, schedule, costs)
             row = Row(schedule.name, schedule.chunks_per_rank, sim, native=job.native)
             say(f"{schedule.name}: running {settings.warmup} + {settings.iterations} iterations")
@@ -345,9 +347,9 @@ def run_emulation(settings: Settings, pool: Any = None, say: Any = print) -> Out
                 paid = paid_hop_ms(schedule, results, settings.warmup)
             rows.append(row)
         if paid is not None:  # every schedule again, with the hop the baseline's run paid
-            for row, (schedule, costs) in zip(rows, built, strict=True):
+            for row, (schedule, costs), low in zip(rows, built, lowered, strict=True):
                 repriced = dataclasses.replace(costs, t_comm=paid[0])
-                row.simulated_paid_hop = simulate(schedule, repriced, lowered=validate(schedule)).makespan
+                row.simulated_paid_hop = simulate(schedule, repriced, lowered=low).makespan
     finally:
         if own:
             pool.close()

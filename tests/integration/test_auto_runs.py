@@ -22,23 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from megatron_args_helpers import make_args
+from megatron_args_helpers import TINY_SHAPE, make_args
 from warm_launch import launch, run_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "pretrain_gpt.py"
-SHAPE = {  # megatron's values for these flags (dropouts: megatron's defaults)
-    "num_layers": 8,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "seq_length": 64,
-    "vocab_size": 256,
-    "micro_batch_size": 2,
-    "global_batch_size": 16,
-    "hidden_dropout": 0.1,
-    "attention_dropout": 0.1,
-    "pipeline_model_parallel_size": 4,
-}
+# FLAGS' run as megatron parses it: the tiny shape, megatron's default dropouts (FLAGS set none), 4 stages
+SHAPE = {**TINY_SHAPE, "hidden_dropout": 0.1, "attention_dropout": 0.1, "pipeline_model_parallel_size": 4}
 FLAGS = [
     "--cpu", "--pipeline-model-parallel-size", "4",
     "--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
