@@ -63,10 +63,12 @@ def with_stage_costs(args: Any, costs: LayerKindCosts, schedule: str, p: int, v:
             "per-layer-kind costs need every layer's kind (dense GPT layers, or a hybrid pattern of M * - E); give "
             "F,B,W[,COMM] of one stage instead",
         )
-    placement = make_placement(registry.get(schedule).placement, p, v or 1)
+    info = registry.get(schedule)
+    default_v = info.capabilities.chunks.default if info.capabilities is not None else 1
+    placement = make_placement(info.placement, p, v or default_v)
     try:
         counts = stage_kind_counts(kinds, placement, _split(args, placement, schedule))
-    except (LayerSplitError, ValueError) as exc:  # the split flags' own check names them (after this one)
+    except (LayerSplitError, ValueError) as exc:  # a split flag that does not fit this placement
         raise PipelineArgumentError(FLAG, f"per-layer-kind costs: this run's layers per stage: {exc}") from None
     run_micro_batch = int(getattr(args, "micro_batch_size", None) or costs.micro_batch)
     run_tp = int(getattr(args, "tensor_model_parallel_size", None) or 1)
