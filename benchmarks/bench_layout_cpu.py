@@ -3,27 +3,29 @@
 under 1f1b, zb-h1 and v-zb, each with the uniform split and with the layout the planner chooses from per-layer
 costs measured on this machine.
 
-The shape: 8 layers, hidden 256, 4 heads, sequence 256, micro-batch 1, 8 micro-batches per iteration, vocabulary
-VOCAB (untied embeddings, fp32). Per token a layer's forward is ``24 h^2 + 4 s h`` FLOPs and the output layer's
-``2 h V``, so the output layer + loss weighs ``H ~ 2 h V / (24 h^2 + 4 s h)`` layers (~4 here, cross entropy
-included); the embedding is a lookup (~0). A layer's forward is a GEMM-bound few ms, well above megatron's
-Python overhead per layer.
+The shape: 8 layers, hidden 256, 4 heads, sequence 128, micro-batch 1, 8 micro-batches per iteration,
+vocabulary 20480, untied embeddings, no dropout, fp32. Per token a layer's forward is ``24 h^2 + 4 s h`` GEMM
+FLOPs and the output layer's ``2 h V``, 6x as many; measured, with the layers' element-wise kernels and the cross
+entropy over 20480 logits, the output layer + loss (``head``) is H ~ 4 layers' worth of F + B + W (a layer ~18
+ms, the head ~75 ms per micro-batch) and the embedding E ~ 0.7 (its backward writes the dense 20480 x 256
+gradient). A layer's forward measures ~7 ms: its GEMMs ~2 ms at this core's ~110 GFLOP/s (one thread), the rest
+element-wise kernels and megatron's Python; an op (a stage's layers) takes tens of ms, an iteration ~1 s.
 
-What the layout gains, by hand (stage costs in layers' worth of F + B + W per micro-batch, m = 8, H = 4, p2p
-free):
+What the layout gains, by hand (stage costs in layers' worth of F + B + W per micro-batch, m = 8, p2p free):
 
-* 1f1b: uniform ``Etttt|ttttL`` has stages 4 | 8; the busy last stage runs its m micro-batches back to back
-  after the first stage's first forward and before its last backward: ``4 + 8 m = 68``. Planned (the min-max
-  partition) ``Etttttt|ttL``, 6 | 6: ``(m + 1) 6 = 54``. Gain ~21%.
-* zb-h1: the same uniform bottleneck (``~68``: the deferred W fills the first stage's bubbles, not the last's);
-  balanced, zb-h1 leaves a bubble of about one F + B (2/3 of a stage) on each rank: ``8 x 6 + 4 = 52``. Gain
-  ~23%.
+* 1f1b: uniform ``Etttt|ttttL`` has stages ``4 + E = 4.7 | 4 + H = 8.2``; the busy last stage runs its m
+  micro-batches back to back between the first stage's first forward and last backward: ``~4.7 + 8 m = 70``.
+  Planned (the min-max partition) ``Etttttt|ttL``: ``6.7 | 6.2``, now the first stage is the bottleneck:
+  ``~6.7 m + 6.2 = 60``. Gain ~15%.
+* zb-h1: the same uniform bottleneck (``~70``: the deferred W fills the first stage's bubbles, not the last's);
+  planned, the busy first stage waits only for about one F + B of the other (2/3 of it): ``6.7 m + 4 = 58``.
+  Gain ~17%.
 * v-zb (p = 2 gives 4 chunks, V-shaped: rank 0 holds stages 0 and 3, so the embedding and the loss sit on one
-  rank): uniform ``Ett|tt|tt|ttL`` loads rank 0 with ``2 + 2 + H = 8`` and rank 1 with 4; v-zb has almost no
-  bubble, so ``~8 m = 64``. Planned (the first/last family the V placement maps) ``Et|ttt|ttt|tL``: 6 | 6,
-  ``~48``. Gain ~25%.
+  rank): uniform ``Ett|tt|tt|ttL`` loads rank 0 with ``2 + E + 2 + H = 8.9`` and rank 1 with 4; v-zb has
+  almost no bubble, so ``~8.9 m = 71``. Planned (the first/last family the V placement maps) ``Et|ttt|ttt|tL``:
+  ``6.9 | 6``, ``~55``. Gain ~22%.
 
-What the script does, in one command (prints its wall time; about 11 min at the defaults on a quiet 2-core
+What the script does, in one command (prints its wall time; about 10 min at the defaults on a quiet 2-core
 machine):
 
 1. profiles: one short v-zb run of the uniform split with ``--pipeline-profile-out`` (its four stages hold
@@ -86,12 +88,13 @@ from megatron_pp_ext.schedules.values import parse_layer_costs  # noqa: E402
 
 P, MICRO_BATCH, MICROBATCHES = 2, 1, 8
 GLOBAL_BATCH = MICRO_BATCH * MICROBATCHES
-VOCAB = 14336
+VOCAB = 20480
 WARMUP = 4  # iterations dropped from every run's medians (first-touch allocations, the first steps)
-PROFILE_ITERS = 3
+PROFILE_ITERS = 8  # profiled iterations (the median of each op drowns the first, slow ones)
 SCHEDULES = ("1f1b", "zb-h1", "v-zb")
 MODEL = ModelSpec(
-    "layout-demo", 8, 256, 4, 256, vocab_size=VOCAB, untie_embeddings_and_output_weights=True,
+    "layout-demo", 8, 256, 4, 128, vocab_size=VOCAB, untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
+    attention_dropout=0.0,
 )  # fmt: skip
 SETUP = TrainingSetup(precision="fp32", attention="unfused")
 TRAIN_ARGS = [
@@ -235,7 +238,9 @@ def report(rows: dict[tuple[str, str], PlanRow], measured: dict[tuple[str, str],
     return "\n".join(lines)
 
 
-def plot(rows: dict[tuple[str, str], PlanRow], measured: dict[tuple[str, str], Measured], search: Planner, path: str) -> Path:
+def plot(
+    rows: dict[tuple[str, str], PlanRow], measured: dict[tuple[str, str], Measured], search: Planner, path: str
+) -> Path:
     table = search.layer_table(MICRO_BATCH, 1, "none")
     panels = {}
     for name in SCHEDULES:

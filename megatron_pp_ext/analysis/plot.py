@@ -230,7 +230,9 @@ def draw_rank_busy(
         ax.set_xticklabels([f"rank {r}" for r in range(ranks)])
         ax.set_ylabel(f"busy time per iteration ({unit})")
         ax.set_title(name, fontsize=10)
-        ax.legend(fontsize=7, frameon=False, loc="lower center")
+        top = max((max([*m, *p]) for m, p in layouts.values() if len(m) or len(p)), default=1.0)
+        ax.set_ylim(0, 1.3 * top)  # room for the legend above the bars
+        ax.legend(fontsize=7, frameon=False, loc="upper center", ncol=1)
     fig.suptitle(title, fontsize=10)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format=out.suffix.lower().lstrip("."))

@@ -19,8 +19,8 @@ def test_it_draws_one_panel_per_schedule_and_a_bar_per_layout_and_rank(tmp_path:
     pytest.importorskip("matplotlib")
     out = draw_rank_busy(PANELS, tmp_path / "busy.svg", "busy")
     svg = out.read_text()
-    assert svg.count("<g id=\"axes_") == len(PANELS)
-    assert svg.count("<g id=\"patch_") >= len(PANELS) * (1 + 2 * 2)  # each panel's background and its 4 bars
+    assert svg.count('<g id="axes_') == len(PANELS)
+    assert svg.count('<g id="patch_') >= len(PANELS) * (1 + 2 * 2)  # each panel's background and its 4 bars
 
 
 def test_it_refuses_a_format_it_does_not_draw(tmp_path: Path) -> None:

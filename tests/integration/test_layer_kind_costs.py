@@ -78,6 +78,9 @@ def test_what_is_refused(tmp_path: Path) -> None:
         validate_arguments(make_args([*AUTO, "--pipeline-costs", _profile(tmp_path)], **TINY))
 
 
+LAYOUT = "Et|ttt|ttt|tL"
+
+
 def test_a_named_schedule_sums_each_stage_from_its_layers() -> None:
     """A named cost-aware schedule given per-kind costs is built with each stage's sum over its layers under the
     run's split (the embedding on the first model stage, the head on the last), scaled to the run's micro-batch."""
@@ -90,8 +93,8 @@ def test_a_named_schedule_sums_each_stage_from_its_layers() -> None:
     # stage 0: 5 dense + embedding, stage 1: 3 dense + head (KINDS: dense 1,2,1; embedding .5,0,.5; head 3,3,3)
     assert (built.t_f, built.t_b, built.t_w) == ((5.5, 6.0), (10.0, 9.0), (5.5, 6.0))
     v = make_args(
-        ["--pipeline-schedule", "v-zb", "--pipeline-costs", KINDS, "--pipeline-model-parallel-layout", "Et|ttt|ttt|tL"],
-        **{**TINY, "pipeline_model_parallel_size": 2, "micro_batch_size": 4},
+        ["--pipeline-schedule", "v-zb", "--pipeline-costs", KINDS],
+        **{**TINY, "pipeline_model_parallel_size": 2, "micro_batch_size": 4, "pipeline_model_parallel_layout": LAYOUT},
     )
     built = validate_arguments(v).generator_kwargs(2)["costs"]
     assert isinstance(built, Costs)

@@ -71,7 +71,7 @@ def test_read_trace_medians_after_the_warmup(tmp_path: Path) -> None:
 
 def test_read_trace_names_the_missing_file_and_a_run_without_timed_iterations(tmp_path: Path) -> None:
     write_summaries(tmp_path, [[(1.0, 1.0), (1.0, 1.0)]])
-    with pytest.raises(ValueError, match="summary_rank1.json"):
+    with pytest.raises(ValueError, match=r"summary_rank1\.json"):
         read_trace(tmp_path, 2, skip=0)
     with pytest.raises(ValueError, match="no iteration after the first 2"):
         read_trace(tmp_path, 1, skip=2)

@@ -69,7 +69,8 @@ def test_the_text_reads_back() -> None:
 def test_stage_times_sums_each_stage_and_kind_times_inverts_it() -> None:
     counts = stage_kind_counts(("dense",) * 8, v_placement(2))
     per_stage = stage_times(counts, TRUE)
-    assert per_stage[0] == pytest.approx(tuple(2 * d + e for d, e in zip(TRUE["dense"], TRUE["embedding"], strict=True)))
+    first = tuple(2 * d + e for d, e in zip(TRUE["dense"], TRUE["embedding"], strict=True))
+    assert per_stage[0] == pytest.approx(first)
     fitted = kind_times(counts, per_stage)
     assert fitted is not None and all(fitted[k] == pytest.approx(TRUE[k]) for k in TRUE)
 
