@@ -267,6 +267,9 @@ def main() -> None:
     if args.iters <= WARMUP or args.rounds < 1:
         parser.error(f"--iters must be > {WARMUP} (the warm-up) and --rounds >= 1")
     start, load = time.monotonic(), os.getloadavg()[0]
+    if load > 0.5:  # the ranks need the cores to themselves: shared cores stretch ops and open idle gaps
+        print(f"note: load average {load:.1f} at start: other jobs share the cores, timings will not be "
+              "conclusive", file=sys.stderr, flush=True)  # fmt: skip
     if args.layer_costs:
         layer_costs, hop = args.layer_costs, args.hop_ms * 1e-3
     else:
