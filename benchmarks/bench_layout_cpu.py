@@ -42,7 +42,7 @@ machine):
    (uniform vs planned bars, predicted as ticks) to ``--plot``, and with ``--write`` replaces its block of
    benchmarks/RESULTS.md.
 
-    PYTHONPATH=. python benchmarks/bench_layout_cpu.py [--rounds 3] [--iters 12] [--layer-costs TEXT]
+    PYTHONPATH=. python benchmarks/bench_layout_cpu.py [--rounds 4] [--iters 12] [--layer-costs TEXT]
         [--plot benchmarks/figures/layout_cpu_busy.png] [--write benchmarks/RESULTS.md]
 """
 
@@ -258,7 +258,7 @@ def plot(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=12, help=f"iterations per run (the first {WARMUP} dropped)")
-    parser.add_argument("--rounds", type=int, default=3, help="runs per configuration, interleaved")
+    parser.add_argument("--rounds", type=int, default=4, help="runs per configuration, interleaved")
     parser.add_argument("--layer-costs", help="per-kind costs (KIND=F,B,W;... ms) and skip the profiling run")
     parser.add_argument("--hop-ms", type=float, default=0.5, help="p2p hop with --layer-costs (default 0.5)")
     parser.add_argument("--plot", default=str(REPO / "benchmarks" / "figures" / "layout_cpu_busy.png"))
