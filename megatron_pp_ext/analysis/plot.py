@@ -223,7 +223,9 @@ def draw_rank_busy(
         width = 0.8 / max(1, len(layouts))
         for j, (label, (measured, predicted)) in enumerate(layouts.items()):
             xs = [r - 0.4 + width * (j + 0.5) for r in range(len(measured))]
-            ax.bar(xs, measured, width, label=label, color=colors[j % len(colors)])
+            bars = ax.bar(xs, measured, width, label=label, color=colors[j % len(colors)])
+            for rank, rect in enumerate(bars):  # named in an SVG: busy-PANEL-LAYOUT-RANK
+                rect.set_gid(f"busy-{i}-{j}-{rank}")
             ax.scatter(xs, predicted, marker="_", s=400, color="black", zorder=3)
         ranks = max((len(m) for m, _ in layouts.values()), default=0)
         ax.set_xticks(range(ranks))

@@ -20,7 +20,9 @@ def test_it_draws_one_panel_per_schedule_and_a_bar_per_layout_and_rank(tmp_path:
     out = draw_rank_busy(PANELS, tmp_path / "busy.svg", "busy")
     svg = out.read_text()
     assert svg.count('<g id="axes_') == len(PANELS)
-    assert svg.count('<g id="patch_') >= len(PANELS) * (1 + 2 * 2)  # each panel's background and its 4 bars
+    bars = [f'id="busy-{i}-{j}-{r}"' for i in range(len(PANELS)) for j in range(2) for r in range(2)]
+    assert all(svg.count(bar) == 1 for bar in bars)  # a bar per panel, layout and rank
+    assert 'id="busy-0-2-0"' not in svg and 'id="busy-0-0-2"' not in svg
 
 
 def test_it_refuses_a_format_it_does_not_draw(tmp_path: Path) -> None:
