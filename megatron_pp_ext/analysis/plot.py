@@ -8,7 +8,7 @@ time stays blank. The output format follows the file suffix (``.png`` or ``.svg`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -197,6 +197,45 @@ def draw_gain_comparison(
     ax.set_ylabel(f"gain over {baseline} (time of {baseline} / time)")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, frameon=False)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format=out.suffix.lower().lstrip("."))
+    return out
+
+
+def draw_rank_busy(
+    panels: Mapping[str, Mapping[str, tuple[Sequence[float], Sequence[float]]]],
+    path: str | Path,
+    title: str,
+    unit: str = "ms",
+) -> Path:
+    """One panel per schedule, grouped bars per rank: each layout's measured busy time (``panels[schedule]
+    [layout] = (measured per rank, predicted per rank)``) with its predicted time as a black tick, so a layout
+    that evens out the ranks, and how far the prediction is off, show at a glance."""
+    out = _output_path(path)
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise ValueError("drawing needs matplotlib: pip install 'megatron_pp_ext[plot]'") from None
+    fig = Figure(figsize=(4.0 * max(1, len(panels)), 4.0), dpi=100, layout="constrained")
+    colors = ("#bdbdbd", "#3182bd", "#e6550d", "#31a354")
+    for i, (name, layouts) in enumerate(panels.items()):
+        ax = fig.add_subplot(1, len(panels), i + 1)
+        width = 0.8 / max(1, len(layouts))
+        for j, (label, (measured, predicted)) in enumerate(layouts.items()):
+            xs = [r - 0.4 + width * (j + 0.5) for r in range(len(measured))]
+            bars = ax.bar(xs, measured, width, label=label, color=colors[j % len(colors)])
+            for rank, rect in enumerate(bars):  # named in an SVG: busy-PANEL-LAYOUT-RANK
+                rect.set_gid(f"busy-{i}-{j}-{rank}")
+            ax.scatter(xs, predicted, marker="_", s=400, color="black", zorder=3)
+        ranks = max((len(m) for m, _ in layouts.values()), default=0)
+        ax.set_xticks(range(ranks))
+        ax.set_xticklabels([f"rank {r}" for r in range(ranks)])
+        ax.set_ylabel(f"busy time per iteration ({unit})")
+        ax.set_title(name, fontsize=10)
+        top = max((max([*m, *p]) for m, p in layouts.values() if len(m) or len(p)), default=1.0)
+        ax.set_ylim(0, 1.3 * top)  # room for the legend above the bars
+        ax.legend(fontsize=7, frameon=False, loc="upper center", ncol=1)
+    fig.suptitle(title, fontsize=10)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format=out.suffix.lower().lstrip("."))
     return out

@@ -230,11 +230,16 @@ def validate_arguments(args: Any) -> PipelineConfig:
         if _given(args, attr):
             raise PipelineArgumentError(flag, "needs --pipeline-schedule auto")
     if isinstance(config.costs, LayerKindCosts) and config.costs.profile is None:
-        raise PipelineArgumentError(
-            "--pipeline-costs",
-            "per-layer-kind costs (KIND=F,B,W;...) are read by --pipeline-schedule auto; a named schedule takes "
-            "F,B,W[,COMM] (one stage) or a profile file",
-        )
+        if not config.schedule:
+            raise PipelineArgumentError(
+                "--pipeline-costs",
+                "per-layer-kind costs (KIND=F,B,W;...) go with a named schedule or auto; a schedule file takes "
+                "F,B,W[,COMM] (one stage) or a profile file",
+            )
+        from .kind_costs import with_stage_costs  # each stage sums its layers' kinds
+
+        p = config.pipeline_parallel_size or 1
+        config.costs = with_stage_costs(args, config.costs, config.schedule, p, config.num_virtual_stages)
     fsdp_flags.check_arguments(args)
     if config.post_validation and config.fsdp:
         raise PipelineArgumentError(

@@ -63,8 +63,9 @@ class LayerKindCosts:
     """Measured times of one layer of each kind for one micro-batch (ms; ``KIND=F,B,W;...``, read by
     :func:`~megatron_pp_ext.schedules.values.parse_layer_costs`, the parser of ``plan --layer-costs``) at
     ``micro_batch`` and ``tp``. ``--pipeline-schedule auto`` costs each stage of the run's split from its
-    layers with them. ``profile``: the measured per-stage costs of the profile file they came with (what a
-    named cost-aware schedule is built with); ``None`` when given on the command line."""
+    layers with them. ``profile``: the per-stage costs a named schedule is built with: those of the profile file
+    they came with, or, given on the command line, each stage's sum over its layers (set while the flags are
+    checked, :mod:`.kind_costs`); ``None`` until then."""
 
     entries: tuple[tuple[str, tuple[float, float, float]], ...]
     micro_batch: int = 1
@@ -269,7 +270,8 @@ class PipelineConfig:
             " (the device model's hop time is). Per layer kind (`KIND=F,B,W;...`, the format of `megatron-pp plan "
             "--layer-costs`): auto costs each stage of the run's split (uneven flags, a hybrid pattern's `|` "
             "segments) from its layers, the device's cost model filling in kinds not given; a named schedule "
-            "refuses them unless they came in a profile file (whose per-stage costs it uses). A profile file "
+            "is built with each stage's sum over its layers (every kind its stages hold must be given; p2p cost 0), "
+            "or with the measured per-stage costs of the profile file they came in. A profile file "
             "reaches auto only with per-layer-kind entries (its `layer_costs` key). Without the flag auto uses "
             "the device's cost model (docs/planner.md).",
             metavar="F,B,W[,COMM]|KIND=F,B,W;...|FILE",
@@ -280,7 +282,7 @@ class PipelineConfig:
             show=repr,
             values=COSTS_RULE + "; or " + LAYER_COSTS_RULE + "; or a JSON profile (no comma)",
             help="Relative forward, input-gradient backward, weight-gradient backward and p2p costs of one "
-            "stage, for cost-aware schedules; or per layer kind (ms, KIND=F,B,W;..., for auto); or a JSON "
+            "stage, for cost-aware schedules; or per layer kind (ms of one layer, KIND=F,B,W;...); or a JSON "
             "profile saved by --pipeline-profile-out. Given costs switch off the profiling re-plan.",
         ),
     )
@@ -520,7 +522,9 @@ def as_costs(costs: Any) -> Any:
         return costs
     if isinstance(costs, LayerKindCosts):
         if costs.profile is None:
-            raise ScheduleError("per-layer-kind costs have no per-stage costs (--pipeline-schedule auto reads them)")
+            raise ScheduleError(
+                "per-layer-kind costs have no per-stage costs yet (the flag checks sum them per stage; auto reads them)"
+            )
         return as_costs(costs.profile)
     f, b, w, comm = (*tuple(costs), 0.0)[:4]
     return Costs(t_f=f, t_b=b, t_w=w, t_comm=comm)

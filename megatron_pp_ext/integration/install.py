@@ -134,21 +134,13 @@ def _profile_layers(args: Any, config: PipelineConfig) -> Any:
     the run's decoder layers by kind (a hybrid pattern's symbols, else ``dense``), its split, micro-batch size
     and TP; ``None`` without megatron's args or where a layer has no cost kind (MoE GPT layers, ``G D +``)."""
     from ..runtime.replan import ProfileLayers
+    from .kind_costs import layer_kinds
 
     if args is None or not getattr(args, "num_layers", None) or not getattr(args, "micro_batch_size", None):
         return None
-    pattern = getattr(args, "hybrid_layer_pattern", None)
-    if pattern:
-        from ..planner.models import HYBRID_KINDS
-
-        symbols = pattern.replace("|", "")
-        if not set(symbols) <= set(HYBRID_KINDS):
-            return None
-        kinds = tuple(HYBRID_KINDS[c] for c in symbols)
-    elif getattr(args, "num_experts", None):
+    kinds = layer_kinds(args)
+    if kinds is None:
         return None
-    else:
-        kinds = ("dense",) * int(args.num_layers)
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     return ProfileLayers(kinds, config.layer_split, int(args.micro_batch_size), tp)
 

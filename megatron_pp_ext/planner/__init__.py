@@ -20,7 +20,9 @@ each using the others' public names only:
   template), :mod:`.driver_flags` (the driver accepts every flag), :mod:`.specs` (checked-in plan
   specifications), :mod:`.local` (runs on this machine), :mod:`.children` (child processes);
 * reading the runs: :mod:`.log_parse` (one log), :mod:`.collect` (the rows, next to the plan),
-  :mod:`.collect_report` (CSV, markdown), :mod:`.collect_plot`, :mod:`.paper` (the paper-style table).
+  :mod:`.collect_report` (CSV, markdown), :mod:`.collect_plot`, :mod:`.paper` (the paper-style table),
+  :mod:`.layout_runs` (a planned layout against the uniform split on real runs: predicted and traced busy time
+  per rank, gains).
 
 The commands (``plan``, ``grid``, ``collect``, ``launch-local``) are in :mod:`megatron_pp_ext.cli`.
 """

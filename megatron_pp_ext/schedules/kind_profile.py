@@ -6,7 +6,9 @@ that a linear system in the per-kind times; :func:`kind_times` solves it by leas
 noisy) when its columns are independent, and gives up (``None``) otherwise: e.g. a dense GPT split evenly over
 two stages has three unknowns (``dense``, ``embedding``, ``head``) and two equations, over three or more stages
 the middle ones give ``dense`` and the ends their excess. :func:`layer_costs_text` writes the result in the
-``KIND=F,B,W;...`` text of ``--pipeline-costs`` (:func:`.values.parse_layer_costs` reads it back).
+``KIND=F,B,W;...`` text of ``--pipeline-costs`` (:func:`.values.parse_layer_costs` reads it back);
+:func:`stage_times` goes the other way: per-kind times summed into each stage's (a named schedule given per-kind
+costs is built with them).
 
 Pure Python (a few unknowns: normal equations and Gaussian elimination).
 """
@@ -14,12 +16,12 @@ Pure Python (a few unknowns: normal equations and Gaussian elimination).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from .layer_split import LayerSplit, placement_layer_counts
 from .placement import Placement
 
-__all__ = ["kind_times", "layer_costs_text", "stage_kind_counts"]
+__all__ = ["kind_times", "layer_costs_text", "stage_kind_counts", "stage_times"]
 
 _RANK_TOLERANCE = 1e-9
 
@@ -85,3 +87,19 @@ def layer_costs_text(times: dict[str, tuple[float, ...]], micro_batch: int, tens
     """``KIND=F,B,W;...;micro_batch=N;tp=N`` from per-kind times in seconds (the text is in milliseconds)."""
     cells = [f"{k}=" + ",".join(f"{x * 1e3:.6g}" for x in v) for k, v in sorted(times.items())]
     return ";".join([*cells, f"micro_batch={int(micro_batch)}", f"tp={int(tensor_parallel)}"])
+
+
+def stage_times(
+    stage_kinds: Sequence[Counter[str]], per_kind: Mapping[str, Sequence[float]]
+) -> list[tuple[float, ...]]:
+    """Each stage's times (one per column of ``per_kind``'s entries, e.g. F, B, W): the sum over its layers of
+    their kind's times, the inverse of :func:`kind_times`. ValueError naming the kinds ``per_kind`` lacks."""
+    held = sorted({k for counts in stage_kinds for k, n in counts.items() if n})
+    missing = [k for k in held if k not in per_kind]
+    if missing:
+        raise ValueError(f"no times for layer kind(s) {', '.join(missing)} (the stages hold {', '.join(held)})")
+    width = len(next(iter(per_kind.values()))) if per_kind else 0
+    return [
+        tuple(sum(n * float(per_kind[k][i]) for k, n in counts.items() if n) for i in range(width))
+        for counts in stage_kinds
+    ]

@@ -69,10 +69,37 @@ def test_a_profile_file_carries_them(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_what_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(PipelineArgumentError, match=r"per-layer-kind costs .* are read by --pipeline-schedule auto"):
-        validate_arguments(make_args(["--pipeline-schedule", "zb-auto", "--pipeline-costs", KINDS], **TINY))
+    with pytest.raises(PipelineArgumentError, match=r"no times for layer kind\(s\) embedding, head .* give every kind"):
+        validate_arguments(make_args(["--pipeline-schedule", "zb-auto", "--pipeline-costs", "dense=1,2,1"], **TINY))
+    moe = make_args(["--pipeline-schedule", "zb-auto", "--pipeline-costs", KINDS], **{**TINY, "num_experts": 4})
+    with pytest.raises(PipelineArgumentError, match="need every layer's kind"):
+        validate_arguments(moe)
     with pytest.raises(PipelineArgumentError, match="this profile has per-stage costs only"):
         validate_arguments(make_args([*AUTO, "--pipeline-costs", _profile(tmp_path)], **TINY))
+
+
+LAYOUT = "Et|ttt|ttt|tL"
+
+
+def test_a_named_schedule_sums_each_stage_from_its_layers() -> None:
+    """A named cost-aware schedule given per-kind costs is built with each stage's sum over its layers under the
+    run's split (the embedding on the first model stage, the head on the last), scaled to the run's micro-batch."""
+    loop = make_args(
+        ["--pipeline-schedule", "zb-auto", "--pipeline-costs", KINDS],
+        **{**TINY, "pipeline_model_parallel_size": 2, "decoder_first_pipeline_num_layers": 5},
+    )
+    built = validate_arguments(loop).generator_kwargs(2)["costs"]
+    assert isinstance(built, Costs) and built.t_comm == 0.0
+    # stage 0: 5 dense + embedding, stage 1: 3 dense + head (KINDS: dense 1,2,1; embedding .5,0,.5; head 3,3,3)
+    assert (built.t_f, built.t_b, built.t_w) == ((5.5, 6.0), (10.0, 9.0), (5.5, 6.0))
+    v = make_args(
+        ["--pipeline-schedule", "v-zb", "--pipeline-costs", KINDS],
+        **{**TINY, "pipeline_model_parallel_size": 2, "micro_batch_size": 4, "pipeline_model_parallel_layout": LAYOUT},
+    )
+    built = validate_arguments(v).generator_kwargs(2)["costs"]
+    assert isinstance(built, Costs)
+    # micro-batch 4 against the costs' 2: twice each kind; model stages 0-3 hold E+1, 3, 3, 1+L
+    assert built.t_f == pytest.approx((2 * 1.5, 2 * 3.0, 2 * 3.0, 2 * 4.0))
 
 
 def _stage_f_ms(args: object, split: tuple[int, ...], costs: str) -> list[float]:

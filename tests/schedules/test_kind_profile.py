@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from megatron_pp_ext.schedules.kind_profile import kind_times, layer_costs_text, stage_kind_counts
+from megatron_pp_ext.schedules.kind_profile import kind_times, layer_costs_text, stage_kind_counts, stage_times
 from megatron_pp_ext.schedules.layer_split import LayerSplit
 from megatron_pp_ext.schedules.placement import bidirectional_placement, loop_placement, v_placement
 from megatron_pp_ext.schedules.values import parse_layer_costs
@@ -64,3 +64,18 @@ def test_the_text_reads_back() -> None:
     entries, micro_batch, tp = parse_layer_costs(layer_costs_text(seconds, 2, 4))
     assert (micro_batch, tp) == (2, 4)
     assert {k: pytest.approx(v) for k, v in entries.items()} == TRUE
+
+
+def test_stage_times_sums_each_stage_and_kind_times_inverts_it() -> None:
+    counts = stage_kind_counts(("dense",) * 8, v_placement(2))
+    per_stage = stage_times(counts, TRUE)
+    first = tuple(2 * d + e for d, e in zip(TRUE["dense"], TRUE["embedding"], strict=True))
+    assert per_stage[0] == pytest.approx(first)
+    fitted = kind_times(counts, per_stage)
+    assert fitted is not None and all(fitted[k] == pytest.approx(TRUE[k]) for k in TRUE)
+
+
+def test_stage_times_names_the_kinds_it_lacks() -> None:
+    counts = stage_kind_counts(("dense",) * 4, loop_placement(2))
+    with pytest.raises(ValueError, match=r"no times for layer kind\(s\) embedding, head"):
+        stage_times(counts, {"dense": TRUE["dense"]})
