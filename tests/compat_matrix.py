@@ -115,6 +115,14 @@ CELLS.update(
 CELLS.update({(row, "bf16"): Covered(_BF16, schedule) for row, schedule in ROWS.items()})
 _HYBRID = "tests/verification/test_verify_hybrid.py::test_hybrid_model_matches_references"
 CELLS.update({(row, "HybridModel"): Covered(_HYBRID, schedule) for row, schedule in ROWS.items()})
+# the same runs as these cells (P x DP = 2 x 2, M = 4, megatron's distributed optimizer), collectives checked too
+_DATA_PARALLEL = "tests/verification/test_verify_data_parallel.py::test_data_parallel_matches_reference"
+CELLS.update(
+    {
+        (row, "distributed optimizer"): Covered(_DATA_PARALLEL, ROWS[row])
+        for row in ("loop, interleaved", "loop, B/W split", "bidirectional")
+    }
+)
 
 _MOE = {"num_experts": 4, "moe_topk": 2}
 _MOE_TESTS = "tests/verification/test_verify_moe.py"

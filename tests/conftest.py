@@ -6,8 +6,9 @@ it waited for) is measured, and the tests outside ``gloo`` and ``slow`` that tak
 :data:`tests.tiers.SLOW_CPU_S` are listed at the end of the run (mark them slow: the quick tier has about two
 minutes).
 
-``pool``: one pool of gloo rank processes for the whole session (spawning costs ~6 s of imports per rank),
-used by the real-rank tests of tests/runtime and tests/verification alike."""
+``pool``: one pool of gloo rank processes for the whole session, used by the real-rank tests of tests/runtime and
+tests/verification alike; warm (``RankPool(warm_cpu=True)``): its workers are forked from a process that has
+imported torch and megatron once, instead of importing them for ~6 s of CPU each."""
 
 from __future__ import annotations
 
@@ -71,5 +72,5 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 @pytest.fixture(scope="session")
 @launches_ranks
 def pool():
-    with RankPool(4) as ranks:
+    with RankPool(4, warm_cpu=True) as ranks:
         yield ranks

@@ -1,21 +1,26 @@
-"""A pool of spawned rank processes that run jobs, reused across runs (imports cost ~10 s per process).
+"""A pool of rank processes that run jobs, reused across runs (imports cost ~10 s per spawned process).
 
 ``verify``, the benchmarks and the tests run their gloo ranks here: each job is a picklable function
 called on every rank with ``(payload, rank, init_method)``; a rank's failure comes back as a result
 with the error, a rank that dies or a job that exceeds its wall time is reported and the pool respawns.
+A run's ``init_method`` (``rankpool://HOST:PORT``) names a store server the driver started for the run:
+``torch.distributed.init_process_group`` takes it in the workers, each rank a client of that server.
 :func:`check_errors` turns a failed rank's result into :class:`VerifyRunError`.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import queue
-import socket
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 _PROGRESS: tuple[int, Any] | None = None  # (worker index, outbox) inside a pool worker
+#: What the fork server of a ``warm_cpu`` pool imports: a CPU rank's set-up, done once.
+WARM_MODULE = "megatron_pp_ext.verification.warm_rank"
 
 
 class VerifyRunError(RuntimeError):
@@ -37,16 +42,31 @@ def report_progress(text: str) -> None:
         _PROGRESS[1].put(("progress", _PROGRESS[0], text))
 
 
-def _worker(index: int, inbox: Any, outbox: Any, driver_pid: int | None = None) -> None:
+def _driver_gone(driver_pid: int, parent: int) -> bool:
+    """Whether the driver died (killed): this worker's parent (the driver, or the fork server, which exits with
+    it) changed, or the driver's pid is gone (it may have died before this worker started)."""
+    if os.getppid() != parent:
+        return True
+    try:
+        os.kill(driver_pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # a pid of another user's process: ours is gone
+        return True
+    return False
+
+
+def _worker(index: int, inbox: Any, outbox: Any, driver_pid: int) -> None:
     global _PROGRESS
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _PROGRESS = (index, outbox)
-    parent = os.getppid() if driver_pid is None else driver_pid  # the driver may be gone already
+    parent = os.getppid()
+    _register_rendezvous()
     while True:
         try:
             job = inbox.get(timeout=5.0)
         except queue.Empty:
-            if os.getppid() != parent:  # the driver died (killed): do not linger as an orphan
+            if _driver_gone(driver_pid, parent):  # do not linger as an orphan
                 return
             continue
         if job is None:  # the pool closes: flush the results, then skip torch's interpreter teardown
@@ -60,14 +80,50 @@ def _worker(index: int, inbox: Any, outbox: Any, driver_pid: int | None = None) 
             outbox.put((index, {"error": f"rank {rank}: {type(exc).__name__}: {exc}", "tb": traceback.format_exc()}))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+#: The rendezvous of a pool's runs (:func:`_rendezvous`).
+SCHEME = "rankpool"
+
+
+def _rendezvous(url: str, timeout: datetime.timedelta = datetime.timedelta(minutes=30), **kwargs: Any) -> Iterator[Any]:
+    """``init_process_group``'s rendezvous for ``rankpool://HOST:PORT?rank=R&world_size=N``: every rank is a
+    client of the store server the driver started for the run. That server listens before any rank starts;
+    with ``tcp://`` rank 0 starts it, and a rank that connects before then waits out the client's retry
+    back-off (about half a second, every rank, in about a third of the runs)."""
+    from urllib.parse import parse_qs, urlparse
+
+    import torch.distributed as dist
+
+    parsed = urlparse(url)
+    query = {key: values[-1] for key, values in parse_qs(parsed.query).items()}
+    assert parsed.hostname is not None and parsed.port is not None, url
+    store = dist.TCPStore(parsed.hostname, parsed.port, is_master=False, timeout=timeout)
+    yield store, int(query["rank"]), int(query["world_size"])
+    raise RuntimeError("a rank pool's run has one rendezvous")
+
+
+def _register_rendezvous() -> None:
+    from torch.distributed.rendezvous import register_rendezvous_handler
+
+    try:
+        register_rendezvous_handler(SCHEME, _rendezvous)
+    except RuntimeError:  # registered already (a forked worker inherits it)
+        pass
+
+
+def _run_store() -> Any:
+    """A store server for one run, listening on a free local port."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
 class RankPool:
     """``size`` spawned rank processes that run jobs; reuse it across runs.
+
+    ``warm_cpu``: the processes are forked from one fork server that has done a CPU rank's set-up and imports
+    once (:mod:`.warm_rank`), instead of each spawned and importing torch and megatron itself (seconds of CPU
+    each). A forked worker starts as a spawned one is after its first CPU run; it keeps the fork server's
+    environment (that of the first warm pool of this process) and runs CPU jobs only. The default spawns.
 
     When a rank fails, the others get ``grace_s`` seconds to finish (a peer of a
     failed rank is usually stuck in a collective with it); ranks still running
@@ -75,8 +131,9 @@ class RankPool:
     the next run.
     """
 
-    def __init__(self, size: int, grace_s: float = 15.0, on_progress: Any = None) -> None:
+    def __init__(self, size: int, grace_s: float = 15.0, on_progress: Any = None, warm_cpu: bool = False) -> None:
         self.size = size
+        self.warm_cpu = warm_cpu
         self.grace_s = grace_s
         self.on_progress = on_progress  # callable(text) for the ranks' progress lines, or None
         self.procs: list[Any] = []
@@ -85,7 +142,11 @@ class RankPool:
     def _spawn(self) -> None:
         import torch.multiprocessing as mp
 
-        ctx = mp.get_context("spawn")
+        if self.warm_cpu:
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload([WARM_MODULE])  # no effect once this process's fork server runs
+        else:
+            ctx = mp.get_context("spawn")
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(self.size)]
         driver = os.getpid()
@@ -103,7 +164,8 @@ class RankPool:
         if not self.procs or not all(p.is_alive() for p in self.procs):
             self.close(kill=True)
             self._spawn()
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        store = _run_store()  # kept until the run is over: the ranks' groups use it
+        init_method = f"{SCHEME}://127.0.0.1:{store.port}"
         for rank in range(world_size):
             self.inboxes[rank].put((fn, payload, rank, init_method))
         results: dict[int, Any] = {}

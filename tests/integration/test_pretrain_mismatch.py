@@ -7,15 +7,14 @@ megatron's process-group set-up blocked until ``--distributed-timeout-minutes`` 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from test_megatron_pretrain import FLAGS, SCRIPT, free_port
+from test_megatron_pretrain import FLAGS, SCRIPT
+from warm_launch import launch, run_env
 
-ROOT = Path(__file__).resolve().parents[2]
+WARM = os.environ.get("WARM_LAUNCH", "1") != "0"  # the warm launcher runs these (see rank_tracebacks)
 
 WRAPPER = """
 import os, runpy, sys
@@ -26,13 +25,19 @@ runpy.run_path({script!r}, run_name="__main__")
 
 
 def run_per_rank(tmp: Path, per_rank: list[list[str]], env_extra: dict[str, str] | None = None) -> tuple[int, str]:
+    """Two ranks of one job, each with ``FLAGS`` and its own extra flags, through the warm launcher
+    (tests/integration/warm_launch.py: torchrun's environment and process groups, no imports per run)."""
     wrapper = tmp / "per_rank.py"
     wrapper.write_text(WRAPPER.format(per_rank=per_rank, script=str(SCRIPT)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
-    proc = subprocess.run([*cmd, str(wrapper), *FLAGS], cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
-    return proc.returncode, proc.stdout + proc.stderr
+    run, log = launch(tmp, "per_rank", FLAGS, env=run_env(**(env_extra or {})), script=wrapper)
+    code = run.wait(timeout=300)
+    return code, log.read_text()
+
+
+def rank_tracebacks(log: str) -> list[str]:
+    """The lines of ``log`` that start a rank's traceback: under torchrun a rank's lines start with ``[rankN]``
+    (its agent's own ChildFailedError does not count); the warm launcher's log holds the ranks' output only."""
+    return [line for line in log.splitlines() if "Traceback" in line and (line.startswith("[rank") or WARM)]
 
 
 @pytest.mark.gloo
@@ -45,7 +50,7 @@ def test_different_schedules_per_rank_stop_before_megatrons_group_setup(tmp_path
     assert len(lines) == 2, log[-4000:]  # one line per rank
     assert all("pipeline configuration" in line and "rank 0: schedule=1f1b" in line for line in lines), lines
     assert all("rank 1: schedule=v-half" in line for line in lines), lines
-    assert not any(line.startswith("[rank") and "Traceback" in line for line in log.splitlines()), log[-4000:]
+    assert rank_tracebacks(log) == [], log[-4000:]
     assert all(
         "the ranks disagree on the pipeline configuration (--pipeline-* flags): schedule, v differ" in x for x in lines
     ), lines
@@ -58,7 +63,7 @@ def test_bad_timeout_variable_fails_before_any_process_group(tmp_path: Path) -> 
     assert code != 0
     lines = [line for line in log.splitlines() if "error:" in line and "MEGATRON_PP_P2P_TIMEOUT" in line]
     assert lines and all("MEGATRON_PP_P2P_TIMEOUT='abc': expected a number of seconds > 0" in x for x in lines), log
-    assert not any(line.startswith("[rank") and "Traceback" in line for line in log.splitlines()), log[-4000:]
+    assert rank_tracebacks(log) == [], log[-4000:]
 
 
 @pytest.mark.gloo

@@ -15,8 +15,8 @@ pytestmark = pytest.mark.gloo
 @pytest.fixture(scope="module")
 @launches_ranks
 def pool():
-    """Two ranks for this module only (the session pool of conftest spawns four)."""
-    with RankPool(2) as ranks:
+    """Two warm ranks for this module only (the session pool of conftest has four)."""
+    with RankPool(2, warm_cpu=True) as ranks:
         yield ranks
 
 

@@ -16,6 +16,7 @@ import pytest
 from megatron_pp_ext.schedules import generate
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
 from megatron_pp_ext.verification.verify import verify_schedule
+from megatron_pp_ext.verification.verify_report import VerifyReport
 
 # (schedule, p, m, v, distributed optimizer)
 CASES = [
@@ -36,10 +37,22 @@ def _schedule(name: str, p: int, m: int, v: int | None):  # type: ignore[no-unty
     return generate(name, p, m, **({"v": v} if v else {}))
 
 
+_REPORTS: dict[tuple[object, ...], VerifyReport] = {}
+
+
+def _verified(pool, name: str, p: int, m: int, v: int | None, dist_opt: bool) -> VerifyReport:  # type: ignore[no-untyped-def]
+    """verify_schedule on DP = 2 ranks, once per shape in this module: tests that check other properties of the
+    same run share it (a run is deterministic: the same spec on the same pool repeats the same operations)."""
+    key = (name, p, m, v, dist_opt)
+    if key not in _REPORTS:
+        _REPORTS[key] = verify_schedule(_schedule(name, p, m, v), pool, dp=2, distributed_optimizer=dist_opt)
+    return _REPORTS[key]
+
+
 @pytest.mark.parametrize(("name", "p", "m", "v", "dist_opt"), CASES)
 def test_data_parallel_matches_reference(pool, name, p, m, v, dist_opt):
     schedule = _schedule(name, p, m, v)
-    report = verify_schedule(schedule, pool, dp=2, distributed_optimizer=dist_opt)
+    report = _verified(pool, name, p, m, v, dist_opt)
     assert report.ok, report.problems or (report.max_rel_grad_diff, report.max_abs_loss_diff)
     chunks = schedule.chunks_per_rank
     for rank, launches in enumerate(report.collectives):
@@ -55,7 +68,7 @@ def test_data_parallel_matches_reference(pool, name, p, m, v, dist_opt):
 def test_early_chunk_reduction_overlaps_the_remaining_backward(pool):
     """Interleaved: a rank's later chunk finishes its backwards first; its reduction starts while the
     rank still has backward work of the other chunk to do (breadth-first's point, here on v=2)."""
-    report = verify_schedule(_schedule("interleaved-1f1b", 2, 4, 2), pool, dp=2)
+    report = _verified(pool, "interleaved-1f1b", 2, 4, 2, False)  # test_data_parallel_matches_reference's run
     assert report.ok
     for rank, launches in enumerate(report.collectives):
         first, last = [x for x in launches if x.startswith("reduce-grads")]
