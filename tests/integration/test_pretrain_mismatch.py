@@ -24,12 +24,16 @@ runpy.run_path({script!r}, run_name="__main__")
 """
 
 
-def run_per_rank(tmp: Path, per_rank: list[list[str]], env_extra: dict[str, str] | None = None) -> tuple[int, str]:
+def run_per_rank(
+    tmp: Path, per_rank: list[list[str]], env_extra: dict[str, str] | None = None, *, torchrun: bool = False
+) -> tuple[int, str]:
     """Two ranks of one job, each with ``FLAGS`` and its own extra flags, through the warm launcher
-    (tests/integration/warm_launch.py: torchrun's environment and process groups, no imports per run)."""
+    (tests/integration/warm_launch.py: torchrun's environment and process groups, no imports per run), or through
+    real torchrun (``torchrun``: for a test that reads the ranks' exit status from torchrun's report)."""
     wrapper = tmp / "per_rank.py"
     wrapper.write_text(WRAPPER.format(per_rank=per_rank, script=str(SCRIPT)))
-    run, log = launch(tmp, "per_rank", FLAGS, env=run_env(**(env_extra or {})), script=wrapper)
+    env = run_env(**(env_extra or {}))
+    run, log = launch(tmp, "per_rank", FLAGS, env=env, script=wrapper, torchrun=torchrun)
     code = run.wait(timeout=300)
     return code, log.read_text()
 
