@@ -19,7 +19,9 @@ What it does (docs/architecture.md, "CPU / gloo mode"):
 7. makes the tensor-parallel all-reduce return a fresh tensor, never its input (MoE experts add
    their bias in place into it; :func:`_patch_reduce_from_model_parallel_region` says why that is exact);
 8. gives megatron's MoE token dispatcher its all-to-all split sizes as host arrays, as on a GPU
-   (:func:`_patch_moe_split_sizes`).
+   (:func:`_patch_moe_split_sizes`);
+9. makes the C allocator keep freed large buffers for reuse, as a GPU's caching allocator does
+   (:mod:`megatron_pp_ext.integration.cpu_allocator` says why op costs depend on it).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from megatron_pp_ext.integration.cpu_allocator import keep_freed_buffers
 
 _ENABLED = False
 _MODE: TorchFunctionMode | None = None
@@ -375,6 +379,7 @@ def enable_cpu_mode(force: bool = False, threads: int | None = None) -> bool:
         threads = int(os.environ.get("MEGATRON_PP_CPU_THREADS", "1"))
     if threads > 0:
         torch.set_num_threads(threads)
+    keep_freed_buffers()
     _define_typing_override()
     _stub_triton_modules()
     _patch_torch_cuda()
