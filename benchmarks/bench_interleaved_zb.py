@@ -17,9 +17,9 @@ profiled 1.5B model at p=8 (its Table 9; also bench_dualpipev.py).
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from megatron_pp_ext.analysis import Costs, simulate
+from megatron_pp_ext.analysis.results_file import write_block
 from megatron_pp_ext.analysis.torch_orders import import_torch_schedule
 from megatron_pp_ext.schedules import Schedule, generate
 
@@ -28,7 +28,7 @@ COST_MODELS: dict[str, tuple[float, float, float, float]] = {
     "profiled": (1.0, 1.1, 0.6, 0.05),
     "zb-1.5b": (18.522, 18.086, 9.337, 0.601),
 }
-BEGIN, END = "<!-- interleaved-zb:begin -->", "<!-- interleaved-zb:end -->"
+BLOCK = "interleaved-zb"
 COLUMNS = ("interleaved-zb", "interleaved-zb 1.5p", "torch ZB1P", "interleaved-1f1b", "zb-h1")
 
 
@@ -103,15 +103,7 @@ def main() -> None:
                 text,
             ]
         )
-        target = Path(args.write)
-        old = target.read_text()
-        block = f"{BEGIN}\n{section}\n{END}"
-        if BEGIN in old and END in old:
-            head, _, rest = old.partition(BEGIN)
-            new = head + block + rest.partition(END)[2]
-        else:
-            new = old.rstrip("\n") + "\n\n" + block + "\n"
-        target.write_text(new)
+        write_block(args.write, BLOCK, section)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from megatron_pp_ext.analysis.plot import draw_rank_busy  # noqa: E402
+from megatron_pp_ext.analysis.results_file import write_block  # noqa: E402
 from megatron_pp_ext.planner.cost_model import CostModel, get_device  # noqa: E402
 from megatron_pp_ext.planner.layer_costs import MeasuredLayers  # noqa: E402
 from megatron_pp_ext.planner.layout import layout_text  # noqa: E402
@@ -74,7 +75,6 @@ from megatron_pp_ext.planner.layout_runs import (  # noqa: E402
     gain,
     predicted_busy,
     read_trace,
-    replace_block,
 )
 from megatron_pp_ext.planner.log_parse import parse_log  # noqa: E402
 from megatron_pp_ext.planner.megatron_args import config_args, model_args  # noqa: E402
@@ -309,9 +309,8 @@ def main() -> None:
         except ValueError:
             shown_figure = figure
         body = f"Command: `{command}`\n\n{about}\n\n{text}\n\n![busy time per rank]({shown_figure})\n"
-        target = Path(args.write)
-        target.write_text(replace_block(target.read_text() if target.exists() else "", BLOCK, body))
-        print(f"wrote the {BLOCK!r} block of {target}")
+        write_block(args.write, BLOCK, body)
+        print(f"wrote the {BLOCK!r} block of {args.write}")
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ profiled 1.5B model (its Table 9) halved; ``profiled/2`` bench_zero_bubble.py's 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from megatron_pp_ext.analysis import Costs, simulate
+from megatron_pp_ext.analysis.results_file import write_block
 from megatron_pp_ext.schedules import generate
 
 COST_MODELS: dict[str, Costs] = {
@@ -38,7 +38,7 @@ SHAPES = [
     ("w-heavy", 6, 13, 18, 0.3),
 ]
 ITERATIONS = 3
-BEGIN, END = "<!-- zb-auto-looped:begin -->", "<!-- zb-auto-looped:end -->"
+BLOCK = "zb-auto-looped"
 COMMAND = "PYTHONPATH=. python benchmarks/bench_zb_auto_looped.py --write benchmarks/RESULTS.md"
 
 
@@ -100,7 +100,6 @@ def section() -> str:
     grid = " ".join((sweep.__doc__ or "").split("(", 1)[1].split(")", 1)[0].split())
     return "\n".join(
         [
-            BEGIN,
             "### zb-auto with v = 2: W memory fraction and span objective (simulator)",
             "",
             f"Command: `{COMMAND}` (regenerates this section). zb-auto -v 2 under each objective, with whole "
@@ -120,7 +119,6 @@ def section() -> str:
             f"{c['w faster']} of {c['w shapes']} shapes and a longer one in {c['w slower']}. The looped policies "
             "rarely differ in span (no span-specific candidates like the v = 1 path's round heuristic, zb_rounds), "
             "and the room a smaller W share leaves helps only where the limit binds the steady state.",
-            END,
         ]
     )
 
@@ -133,15 +131,7 @@ def main() -> None:
     if not args.write:
         print(text)
         return
-    target = Path(args.write)
-    current = target.read_text()
-    if BEGIN in current:
-        start, stop = current.index(BEGIN), current.index(END) + len(END)
-        new = current[:start] + text + current[stop:]
-    else:  # next to the interleaved-zb section
-        anchor = current.index("<!-- interleaved-zb:end -->") + len("<!-- interleaved-zb:end -->")
-        new = current[:anchor] + "\n\n" + text + current[anchor:]
-    target.write_text(new)
+    write_block(args.write, BLOCK, text, after="interleaved-zb")
 
 
 if __name__ == "__main__":

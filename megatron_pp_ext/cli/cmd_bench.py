@@ -8,29 +8,14 @@ from typing import Any
 
 from .support import int_list
 
-PEERS_BEGIN, PEERS_END = "<!-- peers:begin -->", "<!-- peers:end -->"
-
-
-def _write_peers_section(path: str, text: str) -> None:
-    """Replace the peers section of ``path`` (between its markers), or append it. The command writes the
-    file; ``analysis/peers.py`` only builds the text."""
-    from pathlib import Path
-
-    target = Path(path)
-    old = target.read_text() if target.exists() else ""
-    block = f"{PEERS_BEGIN}\n{text}\n{PEERS_END}"
-    if PEERS_BEGIN in old and PEERS_END in old:
-        head, _, rest = old.partition(PEERS_BEGIN)
-        new = head + block + rest.partition(PEERS_END)[2]
-    else:
-        new = old.rstrip("\n") + "\n\n" + block + "\n"
-    target.write_text(new)
+PEERS_BLOCK = "peers"  # the results file's block this command's --write replaces (analysis/peers.py builds it)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Peer tables: torch.distributed.pipelining's schedules next to ours (imports torch); with --emulate,
     every schedule on real ranks with emulated compute (verification/emulate_bench.py)."""
     from ..analysis import peers
+    from ..analysis.results_file import write_block
     from ..verification import emulate_bench
 
     if args.emulate:
@@ -50,7 +35,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for path in peers.plot_rows(rows, args.plots):
             text += f"\n\n![{path.stem}]({os.path.relpath(path.resolve(), base)})"
     if args.write:
-        _write_peers_section(args.write, text)
+        write_block(args.write, PEERS_BLOCK, text)
         print(f"wrote the peers section of {args.write}")
     else:
         print(text)

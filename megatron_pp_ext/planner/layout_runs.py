@@ -1,7 +1,6 @@
 """A planned layer layout against the uniform split on real runs, as arithmetic: how long the planner expects
 each rank to be busy (its stages' per-layer costs times the micro-batches), what a run's tracer measured (the
-per-rank summaries ``--pipeline-trace DIR`` writes), the gains, and the marked block of a results file that a
-benchmark's ``--write`` replaces.
+per-rank summaries ``--pipeline-trace DIR`` writes) and the gains.
 
 Read by ``benchmarks/bench_layout_cpu.py``, which runs the layouts through megatron's training loop and
 compares. Pure Python (files and numbers; no torch, no megatron).
@@ -23,11 +22,9 @@ from .layout import rank_loads
 __all__ = [
     "TracedRun",
     "agreement",
-    "block_markers",
     "gain",
     "predicted_busy",
     "read_trace",
-    "replace_block",
 ]
 
 
@@ -78,22 +75,3 @@ def gain(uniform: float, planned: float) -> float:
 def agreement(measured_gain: float, predicted_gain: float) -> float:
     """Measured gain / predicted gain (1.0: the prediction held); NaN where nothing was predicted."""
     return measured_gain / predicted_gain if predicted_gain != 0 and math.isfinite(predicted_gain) else math.nan
-
-
-def block_markers(name: str) -> tuple[str, str]:
-    """The comment lines around a results file's block that a script's ``--write`` owns."""
-    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-
-
-def replace_block(text: str, name: str, body: str) -> str:
-    """``text`` with block ``name``'s contents replaced by ``body``; the block (markers included) is appended
-    at the end when ``text`` has none. ValueError when the markers are not once each, begin before end."""
-    begin, end = block_markers(name)
-    block = f"{begin}\n{body.strip(chr(10))}\n{end}"
-    if text.count(begin) == 0 and text.count(end) == 0:
-        return text.rstrip("\n") + "\n\n" + block + "\n"
-    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
-        raise ValueError(f"the results file must hold {begin!r} once, then {end!r} once")
-    head, _, rest = text.partition(begin)
-    _, _, tail = rest.partition(end)
-    return head + block + tail

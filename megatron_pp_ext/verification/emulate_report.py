@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .emulate_results import BASELINE, BEGIN, END, P2P_ROUNDS, SECTION, Outcome, Row, Settings
+from ..analysis.results_file import block_markers, replace_block
+from .emulate_results import BASELINE, BLOCK, P2P_ROUNDS, SECTION, Outcome, Row, Settings
 
 INTRO = (
     "Every registered schedule that builds at (p, m) on p spawned gloo ranks: real megatron-core GPTModel chunks "
@@ -211,9 +212,9 @@ def draw(outcome: Outcome, directory: str) -> Path:
     )
 
 
-def _markers(settings: Settings) -> tuple[str, str]:
-    name = f"emulated p={settings.p} m={settings.m}"
-    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+def block_name(settings: Settings) -> str:
+    """The results file's block of one pipeline shape, nested in the section's block."""
+    return f"{BLOCK} p={settings.p} m={settings.m}"
 
 
 def write_block(path: str, settings: Settings, text: str) -> None:
@@ -221,15 +222,7 @@ def write_block(path: str, settings: Settings, text: str) -> None:
     block if present, else add it at the end of the section (which is appended if missing)."""
     target = Path(path)
     old = target.read_text() if target.exists() else ""
-    if BEGIN not in old or END not in old:
-        old = old.rstrip("\n") + f"\n\n{BEGIN}\n## {SECTION}\n\n{INTRO}\n{END}\n"
-    begin, end = _markers(settings)
-    block = f"{begin}\n### p = {settings.p}, m = {settings.m}\n\n{text}\n{end}"
-    if begin in old and end in old:
-        head, _, rest = old.partition(begin)
-        _, _, tail = rest.partition(end)
-        new = head + block + tail
-    else:
-        head, _, tail = old.partition(END)
-        new = head.rstrip("\n") + "\n\n" + block + "\n" + END + tail
-    target.write_text(new)
+    if block_markers(BLOCK)[0] not in old:
+        old = replace_block(old, BLOCK, f"## {SECTION}\n\n{INTRO}")
+    body = f"### p = {settings.p}, m = {settings.m}\n\n{text}"
+    target.write_text(replace_block(old, block_name(settings), body, inside=BLOCK))

@@ -10,7 +10,7 @@ from typing import Any
 BASELINE = "1f1b"  # the schedule every gain is over
 P2P_ROUNDS = 50  # round trips timed for the measured p2p time
 SECTION = "Emulated compute on real ranks"
-BEGIN, END = "<!-- emulated:begin -->", "<!-- emulated:end -->"
+BLOCK = "emulated"  # the results file's block holding the section; one nested block per (p, m)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The arithmetic of a layout run against its prediction (planner/layout_runs.py): predicted busy time per
-rank, the tracer summaries read back, gains, and the results file's marked block."""
+rank, the tracer summaries read back and the gains."""
 
 from __future__ import annotations
 
@@ -13,11 +13,9 @@ from megatron_pp_ext.planner.cost_model import LayerTimes
 from megatron_pp_ext.planner.layer_costs import LayerCostTable
 from megatron_pp_ext.planner.layout_runs import (
     agreement,
-    block_markers,
     gain,
     predicted_busy,
     read_trace,
-    replace_block,
 )
 from megatron_pp_ext.schedules.placement import loop_placement, v_placement
 
@@ -84,20 +82,3 @@ def test_gain_and_agreement() -> None:
         gain(0.0, 1.0)
     assert agreement(0.18, 0.2) == pytest.approx(0.9)
     assert math.isnan(agreement(0.1, 0.0))
-
-
-def test_replace_block_replaces_only_its_block_and_appends_a_missing_one() -> None:
-    begin, end = block_markers("demo")
-    text = f"intro\n{begin}\nold figures\n{end}\nafter\n"
-    new = replace_block(text, "demo", "new figures\n")
-    assert new == f"intro\n{begin}\nnew figures\n{end}\nafter\n"
-    assert replace_block(new, "demo", "new figures") == new  # idempotent
-    appended = replace_block("intro\n", "demo", "body")
-    assert appended == f"intro\n\n{begin}\nbody\n{end}\n"
-
-
-@pytest.mark.parametrize("bad", ["{b}\n{b}\n{e}\n", "{e}\nx\n{b}\n", "{b}\nno end\n"])
-def test_replace_block_refuses_broken_markers(bad: str) -> None:
-    begin, end = block_markers("demo")
-    with pytest.raises(ValueError, match="once"):
-        replace_block(bad.format(b=begin, e=end), "demo", "body")

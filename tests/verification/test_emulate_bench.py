@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_pp_ext.analysis.results_file import block_markers
 from megatron_pp_ext.cli import main
 from megatron_pp_ext.schedules import generate
 from megatron_pp_ext.schedules.ir import Op, OpKind
@@ -105,9 +106,10 @@ def test_results_block_is_replaced_not_appended(tmp_path: Path) -> None:
         emulate_report.write_block(str(results), _settings(p, m), text)
     out = results.read_text()
     assert out.startswith("# Results\n\nkept\n\n## Later section\n")
-    assert out.count(emulate_results.BEGIN) == 1 and out.count(f"## {emulate_results.SECTION}") == 1
+    begin, end = block_markers(emulate_results.BLOCK)
+    assert out.count(begin) == 1 and out.count(f"## {emulate_results.SECTION}") == 1
     assert "first" not in out and out.index("### p = 2, m = 4\n\nsecond") < out.index("### p = 2, m = 8\n\nother")
-    assert out.rstrip().endswith(emulate_results.END)
+    assert out.rstrip().endswith(end)
 
 
 @pytest.mark.gloo
