@@ -18,6 +18,7 @@ from ..schedules import registry
 from ..schedules.kind_profile import stage_kind_counts, stage_times
 from ..schedules.layer_split import LayerSplit, LayerSplitError, split_from_args
 from ..schedules.placement import make_placement
+from ..schedules.values import layer_costs_scale
 from .config import LayerKindCosts, PipelineArgumentError
 
 __all__ = ["layer_kinds", "with_stage_costs"]
@@ -72,7 +73,7 @@ def with_stage_costs(args: Any, costs: LayerKindCosts, schedule: str, p: int, v:
         raise PipelineArgumentError(FLAG, f"per-layer-kind costs: this run's layers per stage: {exc}") from None
     run_micro_batch = int(getattr(args, "micro_batch_size", None) or costs.micro_batch)
     run_tp = int(getattr(args, "tensor_model_parallel_size", None) or 1)
-    scale = (run_micro_batch / costs.micro_batch) * (costs.tp / run_tp)
+    scale = layer_costs_scale(run_micro_batch, run_tp, costs.micro_batch, costs.tp)
     per_kind = {kind: tuple(x * scale for x in times) for kind, times in costs.entries}
     try:
         times = stage_times(counts, per_kind)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from ..analysis.simulate import Costs
 from ..schedules.placement import Placement
+from ..schedules.values import layer_costs_scale
 from .cost_model import CostModel, LayerTimes, flop_times, kind_flops, recomputed_backward
 from .memory import StageInfo, TrainingSetup, layer_activation_bytes, stage_layout
 from .models import ModelSpec, kind_parameters
@@ -107,7 +108,7 @@ class MeasuredLayers:
     def get(self, kind: str, micro_batch: int, tensor_parallel: int) -> LayerTimes | None:
         for name, times in self.times:
             if name == kind:
-                scale = (micro_batch / self.micro_batch) * (self.tp / tensor_parallel)
+                scale = layer_costs_scale(micro_batch, tensor_parallel, self.micro_batch, self.tp)
                 return LayerTimes(times.f * scale, times.b * scale, times.w * scale)
         return None
 

@@ -165,6 +165,12 @@ LAYER_COSTS_RULE = (
 )
 
 
+def layer_costs_scale(micro_batch: int, tp: int, measured_micro_batch: int, measured_tp: int) -> float:
+    """The factor that takes per-layer times measured at ``measured_micro_batch`` and ``measured_tp`` to a run
+    at ``micro_batch`` and ``tp``: linear in the micro-batch, inverse in TP (the GEMMs' share of the work)."""
+    return (micro_batch / measured_micro_batch) * (measured_tp / tp)
+
+
 def parse_layer_costs(text: str) -> tuple[dict[str, tuple[float, float, float]], int, int]:
     """``"dense=1.2,2.3,1.1;head=3,3,2.8;micro_batch=2"`` as ``({kind: (F, B, W)}, micro_batch, tp)``."""
     entries: dict[str, tuple[float, float, float]] = {}

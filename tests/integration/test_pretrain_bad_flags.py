@@ -12,7 +12,7 @@ from test_pretrain_mismatch import run_per_rank
 @pytest.mark.gloo
 def test_mistyped_flags_give_one_line_each_from_rank_0(tmp_path: Path) -> None:
     bad = ["--pipline-memory-limit", "2p", "--pipeline-schedule", "zb-h3", "--num-layrs", "4"]
-    code, log = run_per_rank(tmp_path, [bad, bad], torchrun=True)  # the ranks' exit status: torchrun's report
+    code, log, _ = run_per_rank(tmp_path, [bad, bad], torchrun=True)  # the ranks' exit status: torchrun's report
     assert code != 0, log[-3000:]
     errors = [line for line in log.splitlines() if "pretrain_gpt.py: error:" in line]
     assert len(errors) == 3, log[-3000:]  # three problems, printed once (rank 0), not per rank

@@ -6,15 +6,21 @@ megatron's process-group set-up blocked until ``--distributed-timeout-minutes`` 
 
 from __future__ import annotations
 
-import os
+import subprocess
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from test_megatron_pretrain import FLAGS, SCRIPT
 from warm_launch import launch, run_env
 
-WARM = os.environ.get("WARM_LAUNCH", "1") != "0"  # the warm launcher runs these (see rank_tracebacks)
+
+class PerRankRun(NamedTuple):
+    code: int
+    log: str
+    torchrun: bool  # run by real torchrun (asked for, or the warm launcher could not take it), not warm
+
 
 WRAPPER = """
 import os, runpy, sys
@@ -26,7 +32,7 @@ runpy.run_path({script!r}, run_name="__main__")
 
 def run_per_rank(
     tmp: Path, per_rank: list[list[str]], env_extra: dict[str, str] | None = None, *, torchrun: bool = False
-) -> tuple[int, str]:
+) -> PerRankRun:
     """Two ranks of one job, each with ``FLAGS`` and its own extra flags, through the warm launcher
     (tests/integration/warm_launch.py: torchrun's environment and process groups, no imports per run), or through
     real torchrun (``torchrun``: for a test that reads the ranks' exit status from torchrun's report)."""
@@ -35,26 +41,29 @@ def run_per_rank(
     env = run_env(**(env_extra or {}))
     run, log = launch(tmp, "per_rank", FLAGS, env=env, script=wrapper, torchrun=torchrun)
     code = run.wait(timeout=300)
-    return code, log.read_text()
+    return PerRankRun(code, log.read_text(), isinstance(run, subprocess.Popen))
 
 
-def rank_tracebacks(log: str) -> list[str]:
-    """The lines of ``log`` that start a rank's traceback: under torchrun a rank's lines start with ``[rankN]``
-    (its agent's own ChildFailedError does not count); the warm launcher's log holds the ranks' output only."""
-    return [line for line in log.splitlines() if "Traceback" in line and (line.startswith("[rank") or WARM)]
+def rank_tracebacks(run: PerRankRun) -> list[str]:
+    """The lines of the run's log that start a rank's traceback: under torchrun a rank's lines start with
+    ``[rankN]`` (its agent's own ChildFailedError does not count); the warm launcher's log holds the ranks'
+    output only."""
+    lines = run.log.splitlines()
+    return [line for line in lines if "Traceback" in line and (line.startswith("[rank") or not run.torchrun)]
 
 
 @pytest.mark.gloo
 def test_different_schedules_per_rank_stop_before_megatrons_group_setup(tmp_path: Path) -> None:
     start = time.monotonic()
-    code, log = run_per_rank(tmp_path, [["--pipeline-schedule", "1f1b"], ["--pipeline-schedule", "v-half"]])
+    run = run_per_rank(tmp_path, [["--pipeline-schedule", "1f1b"], ["--pipeline-schedule", "v-half"]])
+    code, log = run.code, run.log
     elapsed = time.monotonic() - start
     assert code != 0, log[-4000:]
     lines = [line for line in log.splitlines() if "the ranks disagree" in line]
     assert len(lines) == 2, log[-4000:]  # one line per rank
     assert all("pipeline configuration" in line and "rank 0: schedule=1f1b" in line for line in lines), lines
     assert all("rank 1: schedule=v-half" in line for line in lines), lines
-    assert rank_tracebacks(log) == [], log[-4000:]
+    assert rank_tracebacks(run) == [], log[-4000:]
     assert all(
         "the ranks disagree on the pipeline configuration (--pipeline-* flags): schedule, v differ" in x for x in lines
     ), lines
@@ -63,11 +72,12 @@ def test_different_schedules_per_rank_stop_before_megatrons_group_setup(tmp_path
 
 @pytest.mark.gloo
 def test_bad_timeout_variable_fails_before_any_process_group(tmp_path: Path) -> None:
-    code, log = run_per_rank(tmp_path, [["--pipeline-schedule", "1f1b"]] * 2, {"MEGATRON_PP_P2P_TIMEOUT": "abc"})
+    run = run_per_rank(tmp_path, [["--pipeline-schedule", "1f1b"]] * 2, {"MEGATRON_PP_P2P_TIMEOUT": "abc"})
+    code, log = run.code, run.log
     assert code != 0
     lines = [line for line in log.splitlines() if "error:" in line and "MEGATRON_PP_P2P_TIMEOUT" in line]
     assert lines and all("MEGATRON_PP_P2P_TIMEOUT='abc': expected a number of seconds > 0" in x for x in lines), log
-    assert rank_tracebacks(log) == [], log[-4000:]
+    assert rank_tracebacks(run) == [], log[-4000:]
 
 
 @pytest.mark.gloo
@@ -75,7 +85,8 @@ def test_rank_without_pipeline_schedule_is_named_at_once(tmp_path: Path) -> None
     """A rank started without --pipeline-schedule still joins the configuration agreement (as schedule=-):
     its peer stops with the disagreement instead of waiting the agreement's 300 s timeout for it."""
     start = time.monotonic()
-    code, log = run_per_rank(tmp_path, [[], ["--pipeline-schedule", "1f1b"]], {"MEGATRON_PP_AGREE_TIMEOUT": "250"})
+    run = run_per_rank(tmp_path, [[], ["--pipeline-schedule", "1f1b"]], {"MEGATRON_PP_AGREE_TIMEOUT": "250"})
+    code, log = run.code, run.log
     elapsed = time.monotonic() - start
     assert code != 0, log[-4000:]
     lines = [line for line in log.splitlines() if "the ranks disagree" in line]
@@ -87,7 +98,8 @@ def test_rank_without_pipeline_schedule_is_named_at_once(tmp_path: Path) -> None
 @pytest.mark.gloo
 def test_unit_size_disagreement_names_each_ranks_own_value(tmp_path: Path) -> None:
     zeropp = ["--pipeline-schedule", "zeropp", "--pipeline-unit-size"]
-    code, log = run_per_rank(tmp_path, [[*zeropp, "2"], [*zeropp, "4"]])
+    run = run_per_rank(tmp_path, [[*zeropp, "2"], [*zeropp, "4"]])
+    code, log = run.code, run.log
     assert code != 0, log[-4000:]
     lines = [line for line in log.splitlines() if "the ranks disagree" in line]
     assert lines and all("rank 0: unit_size=2" in x and "rank 1: unit_size=4" in x for x in lines), log[-4000:]
