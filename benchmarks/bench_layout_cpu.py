@@ -1,39 +1,45 @@
-"""A planned layer layout on real ranks: a GPT whose output layer + loss is worth about four of its layers, on
+"""A planned layer layout on real ranks: a GPT whose output layer + loss is worth about six of its layers, on
 2 CPU pipeline ranks (gloo, one thread each, megatron's own training loop through scripts/pretrain_gpt.py),
 under 1f1b, zb-h1 and v-zb, each with the uniform split and with the layout the planner chooses from per-layer
 costs measured on this machine.
 
 The shape: 8 layers, hidden 256, 4 heads, sequence 128, micro-batch 1, 8 micro-batches per iteration,
-vocabulary 20480, untied embeddings, no dropout, fp32. Per token a layer's forward is ``24 h^2 + 4 s h`` GEMM
-FLOPs and the output layer's ``2 h V``, 6x as many; measured, with the layers' element-wise kernels and the cross
-entropy over 20480 logits, the output layer + loss (``head``) is H ~ 4 layers' worth of F + B + W (a layer ~18
-ms, the head ~75 ms per micro-batch) and the embedding E ~ 0.7 (its backward writes the dense 20480 x 256
-gradient). A layer's forward measures ~7 ms: its GEMMs ~2 ms at this core's ~110 GFLOP/s (one thread), the rest
-element-wise kernels and megatron's Python; an op (a stage's layers) takes tens of ms, an iteration ~1 s.
+vocabulary 40960, untied embeddings, no dropout, fp32. Per token a layer's forward is ``24 h^2 + 4 s h`` GEMM
+FLOPs and the output layer's ``2 h V``, 12x as many; measured, with the layers' element-wise kernels and the
+cross entropy over 40960 logits, the output layer + loss (``head``) is H ~ 6.6 layers' worth of F + B + W (a
+layer ~17 ms, the head ~110 ms per micro-batch) and the embedding E ~ 0.75 (its backward writes the dense
+40960 x 256 gradient). A layer's forward measures ~7 ms: its GEMMs ~2 ms at this core's ~110 GFLOP/s (one
+thread), the rest element-wise kernels and megatron's Python; an op (a stage's layers) takes tens of ms, an
+iteration ~1.5 s. The head is made this large so that the gains (~20%) stand well above this machine's
+run-to-run spread (several percent between runs of one configuration).
 
 What the layout gains, by hand (stage costs in layers' worth of F + B + W per micro-batch, m = 8, p2p free):
 
-* 1f1b: uniform ``Etttt|ttttL`` has stages ``4 + E = 4.7 | 4 + H = 8.2``; the busy last stage runs its m
-  micro-batches back to back between the first stage's first forward and last backward: ``~4.7 + 8 m = 70``.
-  Planned (the min-max partition) ``Etttttt|ttL``: ``6.7 | 6.2``, now the first stage is the bottleneck:
-  ``~6.7 m + 6.2 = 60``. Gain ~15%.
-* zb-h1: the same uniform bottleneck (``~70``: the deferred W fills the first stage's bubbles, not the last's);
-  planned, the busy first stage waits only for about one F + B of the other (2/3 of it): ``6.7 m + 4 = 58``.
-  Gain ~17%.
+* 1f1b: uniform ``Etttt|ttttL`` has stages ``4 + E = 4.75 | 4 + H = 10.6``; the busy last stage runs its m
+  micro-batches back to back between the first stage's first forward and last backward: ``~4.75 + 10.6 m =
+  90``. Planned (the min-max partition) ``Ettttttt|tL``: ``7.75 | 7.6``, now the first stage is the bottleneck:
+  ``~7.75 m + 7.6 = 70``. Gain ~23%.
+* zb-h1: the same uniform bottleneck (``~90``: the deferred W fills the first stage's bubbles, not the last's);
+  planned, the busy first stage waits only for about one F + B of the other (2/3 of it): ``7.75 m + 5 = 67``.
+  Gain ~25%.
 * v-zb (p = 2 gives 4 chunks, V-shaped: rank 0 holds stages 0 and 3, so the embedding and the loss sit on one
-  rank): uniform ``Ett|tt|tt|ttL`` loads rank 0 with ``2 + E + 2 + H = 8.9`` and rank 1 with 4; v-zb has
-  almost no bubble, so ``~8.9 m = 71``. Planned (the first/last family the V placement maps) ``Et|ttt|ttt|tL``:
-  ``6.9 | 6``, ``~55``. Gain ~22%.
+  rank): uniform ``Ett|tt|tt|ttL`` loads rank 0 with ``2 + E + 2 + H = 11.35`` and rank 1 with 4; v-zb has
+  almost no bubble, so ``~11.35 m = 91``. Planned (the first/last family the V placement maps) ``E|tttt|tttt|L``:
+  rank 0 ``E + H = 7.35``, rank 1 8: ``~8 m = 64`` plus the bubble a rank 1 twice as long as its chunks' peers
+  leaves. Gain ~20-30%.
 
-What the script does, in one command (prints its wall time; about 10 min at the defaults on a quiet 2-core
+What the script does, in one command (prints its wall time; about 14 min at the defaults on a quiet 2-core
 machine):
 
-1. profiles: one short v-zb run of the uniform split with ``--pipeline-profile-out`` (its four stages hold
-   embedding + 2 layers, 2, 2, 2 + head, which determines the per-kind times; schedules/kind_profile.py), giving
-   per-layer-kind F, B, W (``dense``, ``embedding``, ``head``) and the measured p2p hop;
+1. profiles: ``--profile-runs`` short v-zb runs of the uniform split with ``--pipeline-profile-out`` (its four
+   stages hold embedding + 2 layers, 2, 2, 2 + head, which determines the per-kind times;
+   schedules/kind_profile.py), giving per-layer-kind F, B, W (``dense``, ``embedding``, ``head``) and the
+   measured p2p hop, and the time an iteration spends outside the pipeline (optimizer step, gradient norm,
+   logging: megatron's iteration time less the traced forward-backward call), each the median over the runs;
 2. plans: the planner (``--layer-split search``) with those costs (the ``CPU`` device preset's link latency set
-   so its hop time is the measured one) predicts the iteration time of each schedule's uniform split and of
-   its best planned layout; the runs get the plan's own flags (planner/megatron_args.py);
+   so its hop time is the measured one, its memory bandwidth so its optimizer step for the profiled
+   configuration lasts the measured time outside the pipeline) predicts the iteration time of each schedule's
+   uniform split and of its best planned layout; the runs get the plan's own flags (planner/megatron_args.py);
 3. measures: ``--rounds`` interleaved rounds of the six runs, ``--iters`` iterations each (the first
    ``WARMUP`` dropped), traced (``--pipeline-trace``): per run the median iteration time megatron logs, the
    median forward-backward time and each rank's median busy time (time in compute ops; tracer summaries);
@@ -42,7 +48,7 @@ machine):
    (uniform vs planned bars, predicted as ticks) to ``--plot``, and with ``--write`` replaces its block of
    benchmarks/RESULTS.md.
 
-    PYTHONPATH=. python benchmarks/bench_layout_cpu.py [--rounds 4] [--iters 12] [--layer-costs TEXT]
+    PYTHONPATH=. python benchmarks/bench_layout_cpu.py [--rounds 4] [--iters 12] [--profile-runs 3] [--layer-costs TEXT]
         [--plot benchmarks/figures/layout_cpu_busy.png] [--write benchmarks/RESULTS.md]
 """
 
@@ -83,12 +89,13 @@ from megatron_pp_ext.planner.models import ModelSpec  # noqa: E402
 from megatron_pp_ext.planner.result import PlanRow  # noqa: E402
 from megatron_pp_ext.planner.search import Planner  # noqa: E402
 from megatron_pp_ext.planner.space import SearchSpace  # noqa: E402
+from megatron_pp_ext.schedules.kind_profile import layer_costs_text  # noqa: E402
 from megatron_pp_ext.schedules.placement import make_placement  # noqa: E402
 from megatron_pp_ext.schedules.values import parse_layer_costs  # noqa: E402
 
 P, MICRO_BATCH, MICROBATCHES = 2, 1, 8
 GLOBAL_BATCH = MICRO_BATCH * MICROBATCHES
-VOCAB = 20480
+VOCAB = 40960
 WARMUP = 4  # iterations dropped from every run's medians (first-touch allocations, the first steps)
 PROFILE_ITERS = 8  # profiled iterations (the median of each op drowns the first, slow ones)
 SCHEDULES = ("1f1b", "zb-h1", "v-zb")
@@ -126,34 +133,75 @@ def pretrain(flags: list[str], iters: int, workdir: Path) -> Path:
     return log
 
 
-def profile(workdir: Path) -> tuple[str, float]:
-    """Per-layer-kind costs (``KIND=F,B,W;...`` ms) and the p2p hop (s) from one v-zb run's profile."""
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    layer_costs: str  # KIND=F,B,W;... ms
+    hop_s: float  # the measured p2p hop
+    outside_s: float  # of an iteration, the time outside the pipeline (optimizer step, gradient norm, logging)
+
+
+def profile(workdir: Path) -> Profile:
+    """Per-layer-kind costs from one v-zb run's profile, its p2p hop, and the time its iterations after the
+    warm-up spent outside the forward-backward call (megatron's logged iteration time less the traced step)."""
     out = workdir / "profile.json"
     flags = [
         "--pipeline-model-parallel-size", str(P), "--micro-batch-size", str(MICRO_BATCH),
         "--global-batch-size", str(GLOBAL_BATCH), "--pipeline-schedule", "v-zb",
         "--pipeline-profile-iters", str(PROFILE_ITERS), "--pipeline-profile-out", str(out),
+        "--pipeline-trace", str(workdir / "trace"),
     ]  # fmt: skip
-    pretrain(flags, PROFILE_ITERS + 1, workdir)
+    log = pretrain(flags, PROFILE_ITERS + 1, workdir)
     doc = json.loads(out.read_text())
     if "layer_costs" not in doc:
         raise SystemExit(f"the profile {out} has no per-layer-kind costs: {doc}")
-    return str(doc["layer_costs"]), float(doc["t_comm"])
+    times = [it["elapsed_ms"] for it in parse_log(log).iterations if it["iteration"] > WARMUP]
+    outside = 1e-3 * statistics.median(times) - read_trace(workdir / "trace", P, WARMUP).step
+    return Profile(str(doc["layer_costs"]), float(doc["t_comm"]), outside)
 
 
-def planner(layer_costs: str, hop_s: float) -> Planner:
-    """The layout search with the measured per-kind costs, the CPU preset's link latency fitted to the hop."""
-    entries, micro_batch, tp = parse_layer_costs(layer_costs)
+def median_profile(runs: int, workdir: Path) -> Profile:
+    """The per-kind costs, hop and outside time of ``runs`` profiling runs, each entry the median over the
+    runs: one short run takes whatever the machine was doing then (a run's ops all slower by 10% moves every
+    prediction)."""
+    profiles = []
+    for i in range(runs):
+        run_dir = workdir / f"profile{i}"
+        run_dir.mkdir()
+        profiles.append(profile(run_dir))
+    parsed = [parse_layer_costs(p.layer_costs) for p in profiles]
+    kinds = sorted(set.intersection(*(set(entries) for entries, _, _ in parsed)))
+    times = {
+        kind: tuple(1e-3 * statistics.median(entries[kind][i] for entries, _, _ in parsed) for i in range(3))
+        for kind in kinds
+    }
+    _, micro_batch, tp = parsed[0]
+    return Profile(
+        layer_costs_text(times, micro_batch, tp),
+        statistics.median(p.hop_s for p in profiles),
+        statistics.median(p.outside_s for p in profiles),
+    )
+
+
+def planner(measured: Profile) -> Planner:
+    """The layout search with the measured per-kind costs, the CPU preset's link latency fitted to the hop and,
+    where the profile measured it, its memory bandwidth fitted so the optimizer step the planner predicts for
+    the profiled configuration (v-zb, uniform split) lasts the time its runs spent outside the pipeline."""
+    entries, micro_batch, tp = parse_layer_costs(measured.layer_costs)
     device = get_device("CPU")
     volume = MODEL.seq_length * MICRO_BATCH * MODEL.hidden_size * SETUP.activation_bytes
-    latency_us = max(0.0, hop_s - volume / (device.intra_gbps * 1e9)) * 1e6
-    cost = CostModel(MODEL, dataclasses.replace(device, intra_latency_us=latency_us), SETUP)
+    latency_us = max(0.0, measured.hop_s - volume / (device.intra_gbps * 1e9)) * 1e6
+    device = dataclasses.replace(device, intra_latency_us=latency_us)
     space = SearchSpace(
         tp=(1,), pp=(P,), micro_batch=(MICRO_BATCH,), recompute=("none",), schedules=SCHEDULES, virtual=(1,),
         layer_split="search",
     )  # fmt: skip
-    measured = MeasuredLayers.from_ms(entries, micro_batch, tp)
-    return Planner(MODEL, P, GLOBAL_BATCH, cost, space=space, measured_layers=measured)
+    layers = MeasuredLayers.from_ms(entries, micro_batch, tp)
+    search = Planner(MODEL, P, GLOBAL_BATCH, CostModel(MODEL, device, SETUP), space=space, measured_layers=layers)
+    if not measured.outside_s > 0:
+        return search
+    predicted = plan(search)[("v-zb", "uniform")].optimizer_time  # the step time is inverse in the bandwidth
+    device = dataclasses.replace(device, hbm_gbps=device.hbm_gbps * predicted / measured.outside_s)
+    return Planner(MODEL, P, GLOBAL_BATCH, CostModel(MODEL, device, SETUP), space=space, measured_layers=layers)
 
 
 def plan(search: Planner) -> dict[tuple[str, str], PlanRow]:
@@ -260,23 +308,27 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=12, help=f"iterations per run (the first {WARMUP} dropped)")
     parser.add_argument("--rounds", type=int, default=4, help="runs per configuration, interleaved")
     parser.add_argument("--layer-costs", help="per-kind costs (KIND=F,B,W;... ms) and skip the profiling run")
+    parser.add_argument("--profile-runs", type=int, default=3, help="profiling runs, medians taken (default 3)")
     parser.add_argument("--hop-ms", type=float, default=0.5, help="p2p hop with --layer-costs (default 0.5)")
     parser.add_argument("--plot", default=str(REPO / "benchmarks" / "figures" / "layout_cpu_busy.png"))
     parser.add_argument("--write", metavar="RESULTS_MD", help=f"replace the {BLOCK!r} block of RESULTS_MD")
     args = parser.parse_args()
-    if args.iters <= WARMUP or args.rounds < 1:
-        parser.error(f"--iters must be > {WARMUP} (the warm-up) and --rounds >= 1")
+    if args.iters <= WARMUP or args.rounds < 1 or args.profile_runs < 1:
+        parser.error(f"--iters must be > {WARMUP} (the warm-up), --rounds and --profile-runs >= 1")
     start, load = time.monotonic(), os.getloadavg()[0]
     if load > 0.5:  # the ranks need the cores to themselves: shared cores stretch ops and open idle gaps
         print(f"note: load average {load:.1f} at start: other jobs share the cores, timings will not be "
               "conclusive", file=sys.stderr, flush=True)  # fmt: skip
     if args.layer_costs:
-        layer_costs, hop = args.layer_costs, args.hop_ms * 1e-3
+        measured_profile = Profile(args.layer_costs, args.hop_ms * 1e-3, 0.0)
     else:
         with tempfile.TemporaryDirectory(prefix="layout-cpu-") as tmp:
-            layer_costs, hop = profile(Path(tmp))
-    print(f"per-layer-kind costs (ms): {layer_costs}; p2p hop {1e3 * hop:.2f} ms", flush=True)
-    search = planner(layer_costs, hop)
+            measured_profile = median_profile(args.profile_runs, Path(tmp))
+    layer_costs, hop = measured_profile.layer_costs, measured_profile.hop_s
+    search = planner(measured_profile)
+    bandwidth = search.costs.device.hbm_gbps
+    print(f"per-layer-kind costs (ms): {layer_costs}; p2p hop {1e3 * hop:.2f} ms; outside the pipeline "
+          f"{1e3 * measured_profile.outside_s:.0f} ms (memory bandwidth {bandwidth:.2f} GB/s)", flush=True)  # fmt: skip
     rows = plan(search)
     keys = sorted(rows)
     measured = {key: Measured() for key in keys}
@@ -293,17 +345,21 @@ def main() -> None:
     text = report(rows, measured, search)
     figure = plot(rows, measured, search, args.plot)
     seconds = time.monotonic() - start
+    source = "given" if args.layer_costs else f"medians of {args.profile_runs} profiling v-zb runs"
     about = (
         f"GPT of {MODEL.num_layers} layers, hidden {MODEL.hidden_size}, sequence {MODEL.seq_length}, vocabulary "
         f"{VOCAB} (untied), fp32, micro-batch {MICRO_BATCH}, {MICROBATCHES} micro-batches, {P} gloo ranks (one "
-        f"thread each). Per-layer-kind costs (ms, {'given' if args.layer_costs else 'profiled by a v-zb run'}): "
-        f"`{layer_costs}`; p2p hop {1e3 * hop:.2f} ms. {args.rounds} interleaved rounds of {args.iters} "
+        f"thread each). Per-layer-kind costs (ms, {source}): "
+        f"`{layer_costs}`; p2p hop {1e3 * hop:.2f} ms; outside the pipeline "
+        f"{1e3 * measured_profile.outside_s:.0f} ms per iteration (the CPU preset's memory bandwidth fitted to it: "
+        f"{bandwidth:.2f} GB/s). {args.rounds} interleaved rounds of {args.iters} "
         f"iterations, the first {WARMUP} dropped; medians. Load average {load:.1f} at start, "
         f"{os.getloadavg()[0]:.1f} at end; {seconds / 60:.1f} min in all."
     )
     print(f"\n{about}\n\n{text}\n\nfigure: {figure}\ntook {seconds:.0f} s ({seconds / 60:.1f} min)")
     if args.write:
-        command = f"{COMMAND} --rounds {args.rounds} --iters {args.iters} --write {args.write}"
+        command = f"{COMMAND} --rounds {args.rounds} --iters {args.iters} --profile-runs {args.profile_runs}"
+        command += f" --write {args.write}"
         try:
             shown_figure = figure.resolve().relative_to(Path(args.write).resolve().parent)
         except ValueError:
