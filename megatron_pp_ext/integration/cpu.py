@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_pp_ext.integration.cpu_allocator import keep_freed_buffers
+from .cpu_allocator import keep_freed_buffers
 
 _ENABLED = False
 _MODE: TorchFunctionMode | None = None

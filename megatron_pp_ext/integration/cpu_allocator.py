@@ -13,10 +13,9 @@ thresholds raised, and its last rank's W ops 20-70% longer.
 :func:`keep_freed_buffers` raises both thresholds to their maximum through ``mallopt`` so a CPU rank
 reuses freed memory instead. A rank's resident size no longer shrinks after a peak, as on a GPU, and
 can exceed the peak of live tensors by what fragmentation strands (as a caching allocator's reserve
-exceeds its allocated bytes). It leaves the allocator alone where the
-user has chosen its thresholds (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or the
-``GLIBC_TUNABLES`` entries), where ``MEGATRON_PP_CPU_KEEP_FREED=0``, and where the C library has no
-glibc ``mallopt``.
+exceeds its allocated bytes). It leaves the allocator alone where the user has chosen its thresholds
+(``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or the ``GLIBC_TUNABLES`` entries), where
+``MEGATRON_PP_CPU_KEEP_FREED=0``, and where the C library has no glibc ``mallopt``.
 """
 
 from __future__ import annotations
