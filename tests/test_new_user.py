@@ -27,6 +27,7 @@ def _variants(command: str) -> list[list[str]]:
     return [base, *[base + shlex.split(opt) for opt in optional]]
 
 
+@pytest.mark.slow  # runs every simulate / compare example of the README and docs/cli.md: ~2.5 s of CPU
 def test_readme_simulate_and_compare_examples_run(capsys: pytest.CaptureFixture[str]) -> None:
     pages = (README, DOCS / "cli.md")  # the README's one screen and the full command reference
     commands = _readme_commands("megatron-pp simulate", pages) + _readme_commands("megatron-pp compare", pages)
