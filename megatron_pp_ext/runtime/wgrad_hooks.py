@@ -10,8 +10,8 @@ closure instead; the ``W`` op of the same (chunk, micro-batch) runs it:
 
 * the weight gradient ``grad_output^T @ input`` (and ``grad_output.sum(0)`` for
   the bias), exactly the GEMMs megatron's unsplit backward runs;
-* accumulation through the parameter's own autograd accumulator
-  (``torch.autograd.backward(param, grad)``), so megatron DDP's grad hooks
+* accumulation through the parameter's own autograd accumulator (:func:`hand_over`: the gradients
+  reach it from an autograd function's backward, as in a fused backward), so megatron DDP's grad hooks
   (``main_grad`` accumulation, ``overlap_grad_reduce`` bucket readiness) fire as
   they would in a fused backward; with ``gradient_accumulation_fusion`` the GEMM
   accumulates straight into ``main_grad`` through megatron's fused kernel and the
@@ -54,6 +54,33 @@ _ORIGINAL_ROUTER: Any = None
 _SPLIT_ROUTER: Any = None
 
 
+class _HandOver(torch.autograd.Function):
+    """A node between parameters and nothing: its backward computes their gradients (``ctx.compute``)."""
+
+    @staticmethod
+    def forward(ctx: Any, compute: Any, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.compute = compute
+        return params[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        grads = ctx.compute()
+        ctx.compute = None
+        return (None, *grads)
+
+
+def hand_over(params: list[torch.Tensor], compute: Any) -> None:
+    """Accumulate ``compute()`` (one gradient per parameter, computed now) into ``params`` through their
+    autograd accumulators, so every grad hook (megatron DDP's ``main_grad`` accumulation) fires.
+
+    The gradients are returned from an autograd function's backward, as a fused backward returns its weight
+    gradient: the engine holds the only reference, and the accumulator takes the tensor as the parameter's
+    ``.grad`` without copying it. ``torch.autograd.backward(params, grads)`` would copy every one of them
+    first (its caller still holds ``grads``): a weight-sized copy per linear per micro-batch in every W.
+    """
+    torch.autograd.backward(_HandOver.apply(compute, *params))
+
+
 def _weight_grad_closure(ctx: Any, input_: torch.Tensor, weight: torch.Tensor, grad_output: torch.Tensor) -> Any:
     from megatron.core.tensor_parallel import layers as mlayers
     from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
@@ -74,7 +101,7 @@ def _weight_grad_closure(ctx: Any, input_: torch.Tensor, weight: torch.Tensor, g
             total_input = input_
         go, ti = prepare_input_tensors_for_wgrad_compute(grad_output, total_input)
         roots: list[torch.Tensor] = []
-        grads: list[torch.Tensor] = []
+        grads: list[Any] = []  # each a function: the gradient is computed inside hand_over's backward
         if fusion:
             weight.main_grad = main_grad
             if main_grad.dtype == torch.float32:
@@ -84,19 +111,18 @@ def _weight_grad_closure(ctx: Any, input_: torch.Tensor, weight: torch.Tensor, g
             if hasattr(weight, "grad_added_to_main_grad"):
                 weight.grad_added_to_main_grad = True
                 make = torch.zeros_like if getattr(weight, "zero_out_wgrad", False) else torch.empty_like
-                dummy = make(main_grad, dtype=input_.dtype)
                 roots.append(weight)
-                grads.append(dummy)
+                grads.append(lambda: make(main_grad, dtype=input_.dtype))
         else:
             _clear_dummy_flag(weight)
             roots.append(weight)
-            grads.append(go.t().matmul(ti))
+            grads.append(lambda: go.t().matmul(ti))
         if bias is not None:
             _clear_dummy_flag(bias)
             roots.append(bias)
-            grads.append(go.sum(dim=0))
+            grads.append(lambda: go.sum(dim=0))
         if roots:
-            torch.autograd.backward(roots, grads)
+            hand_over(roots, lambda: [grad() for grad in grads])
 
     held = input_.untyped_storage().nbytes() + grad_output.untyped_storage().nbytes()
     return run, held
@@ -207,17 +233,19 @@ def _router_input_grad_only(ctx: Any, grad_output: torch.Tensor, store: Any) -> 
     weight_param, bias_param, weight_dtype = ctx.weight_param, ctx.bias_param, ctx.weight_dtype
 
     def run() -> None:
-        if te_gemm is not None:
-            grad_weight = te_gemm(inp2.to(rdtype), go, rdtype, layout="NT", grad=True)[0].to(weight_dtype)
-        else:
-            grad_weight = torch.mm(go.t(), inp2.to(rdtype)).to(weight_dtype)
-        roots, grads = [weight_param], [grad_weight]
+        def compute() -> list[torch.Tensor]:
+            if te_gemm is not None:
+                grad_weight = te_gemm(inp2.to(rdtype), go, rdtype, layout="NT", grad=True)[0].to(weight_dtype)
+            else:
+                grad_weight = torch.mm(go.t(), inp2.to(rdtype)).to(weight_dtype)
+            if bias_param is None:
+                return [grad_weight]
+            return [grad_weight, go.sum(dim=0).to(weight_dtype)]
+
         _clear_dummy_flag(weight_param)
         if bias_param is not None:
             _clear_dummy_flag(bias_param)
-            roots.append(bias_param)
-            grads.append(go.sum(dim=0).to(weight_dtype))
-        torch.autograd.backward(roots, grads)
+        hand_over([weight_param] if bias_param is None else [weight_param, bias_param], compute)
 
     store.put(run, inp.untyped_storage().nbytes() + grad_output.untyped_storage().nbytes())
     return grad_input.view(*inp_shape), _dummy_grad(weight_param), _dummy_grad(bias_param), None
