@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command (README): lint, the type check of the pure packages, then the tests.
-#   bash scripts/run_tests.sh            every test: pure ones and real gloo runs (CI; ~16 min on 2 idle cores)
+#   bash scripts/run_tests.sh            every test: pure ones and real gloo runs (CI; ~15 min on 2 idle cores)
 #   bash scripts/run_tests.sh --quick    pure and single-process tests only (-m "not gloo and not slow"; ~2 min)
 # Any other argument goes to pytest (a file, -k EXPR, -x, ...). Which tests are real-rank (gloo) tests, and the
 # guard that fails an unmarked one: tests/tiers.py.
