@@ -28,6 +28,14 @@ def _span(text: str, name: str) -> tuple[int, int] | None:
     return text.index(begin), text.index(end) + len(end)
 
 
+def _anchor(text: str, anchor: str, name: str) -> tuple[int, int]:
+    """The span of block ``anchor``, which block ``name`` is placed by; ValueError when it is absent."""
+    span = _span(text, anchor)
+    if span is None:
+        raise ValueError(f"the results file has no block {anchor!r} to place {name!r} by")
+    return span
+
+
 def replace_block(text: str, name: str, body: str, *, inside: str | None = None, after: str | None = None) -> str:
     """``text`` with block ``name``'s contents replaced by ``body``.
 
@@ -40,14 +48,11 @@ def replace_block(text: str, name: str, body: str, *, inside: str | None = None,
     span = _span(text, name)
     if span is not None:
         return text[: span[0]] + block + text[span[1] :]
-    for anchor in (inside, after):
-        if anchor is not None and _span(text, anchor) is None:
-            raise ValueError(f"the results file has no block {anchor!r} to place {name!r} by")
     if inside is not None:
-        at = text.index(block_markers(inside)[1])
+        at = _anchor(text, inside, name)[1] - len(block_markers(inside)[1])  # before its end marker
         return text[:at].rstrip("\n") + "\n\n" + block + "\n" + text[at:]
     if after is not None:
-        at = _span(text, after)[1]  # type: ignore[index]
+        at = _anchor(text, after, name)[1]
         return text[:at] + "\n\n" + block + text[at:]
     return (text.rstrip("\n") + "\n\n" if text.strip() else "") + block + "\n"
 
