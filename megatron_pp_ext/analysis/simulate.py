@@ -4,10 +4,10 @@ Timing model (:mod:`megatron_pp_ext.schedules.timing`, one pass over the lowered
 in their length):
 
 * every rank starts at time 0 and runs its program in order;
-* a :class:`Compute` starts when its rank is free and lasts ``t_f``, ``t_b``, ``t_w`` or
-  ``t_bw`` of its stage;
-* an :class:`Exchange` posts its sends at once (non-blocking: a message sent at time ``t``
-  arrives at ``t + t_comm``); a local hand-off (same rank) costs nothing. What happens to its
+* a :class:`~megatron_pp_ext.schedules.lowering.Compute` starts when its rank is free and lasts ``t_f``,
+  ``t_b``, ``t_w`` or ``t_bw`` of its stage;
+* an :class:`~megatron_pp_ext.schedules.lowering.Exchange` posts its sends at once (non-blocking: a message
+  sent at time ``t`` arrives at ``t + t_comm``); a local hand-off (same rank) costs nothing. What happens to its
   receives depends on ``comm``:
 
   - ``"async"`` (default; what the executor does): receives are posted and not waited for;

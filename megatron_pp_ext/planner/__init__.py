@@ -11,11 +11,13 @@ each using the others' public names only:
   across planners), :mod:`.schedule_cache` (slow generators' output on disk), :mod:`.layout` (the layer
   layouts a candidate tries, megatron's layout flags, a given layout's checks) and :mod:`.layout_search`
   (a candidate under those layouts);
-* the models: :mod:`.models`, :mod:`.memory`, :mod:`.costs`, :mod:`.timing`, :mod:`.dp_stream`, :mod:`.fsdp`,
-  :mod:`.layer_costs` (each layer kind's time, activations and parameters; per-stage costs of a layout);
-* the output: :mod:`.result` (``PlanRow``, ``PlanResult``), :mod:`.megatron_args`, :mod:`.report` (table,
-  summary, JSON document, CSV), :mod:`.auto` (the ``--pipeline-schedule auto`` decision), :mod:`.options`
-  (the planner's flags and the ``Planner`` they describe);
+* the models: :mod:`.models`, :mod:`.memory`, :mod:`.cost_model`, :mod:`.retiming`, :mod:`.dp_stream`,
+  :mod:`.fsdp_axis`, :mod:`.layer_costs` (each layer kind's time, activations and parameters; per-stage
+  costs of a layout);
+* the output: :mod:`.result` (``PlanRow``, ``PlanResult``), :mod:`.megatron_args`, :mod:`.plan_report`
+  (table, summary, JSON document, CSV), :mod:`.files` (input files read with a size cap), :mod:`.auto`
+  (the ``--pipeline-schedule auto`` decision), :mod:`.options` (the planner's flags and the ``Planner``
+  they describe);
 * running the plan: :mod:`.grid` (a Slurm grid's files), :mod:`.sbatch` (its job script, from one
   template), :mod:`.driver_flags` (the driver accepts every flag), :mod:`.specs` (checked-in plan
   specifications), :mod:`.local` (runs on this machine), :mod:`.children` (child processes);

@@ -1,7 +1,7 @@
 """``auto``: pick the fastest schedule that fits the memory budget.
 
 The same logic behind ``megatron-pp plan --schedules auto`` and ``--pipeline-schedule auto``: the
-:class:`~.plan.Planner` evaluates every registered schedule with every parameter it takes (chunks per
+:class:`~.search.Planner` evaluates every registered schedule with every parameter it takes (chunks per
 rank for loop placements, the memory limits :data:`AUTO_MEMORY_LIMITS` for memory-aware schedules, the
 costs for cost-aware ones) with the simulator and the memory model, drops what does not fit the budget
 and ranks the rest by estimated iteration time; ``auto`` takes the first. :class:`AutoDecision` prints

@@ -1,7 +1,7 @@
 """What the planner computes from schedules and costs alone, and keeps: built and validated schedules,
 their activation and reduction profiles, simulations (:class:`PlannerMemo`), and how a simulation is keyed
 (costs normalised by the largest forward time, 3 significant digits: a simulation depends on costs only
-through their ratios) and run (the simulator, or a compiled :class:`.timing.TimingProgram` once a schedule
+through their ratios) and run (the simulator, or a compiled :class:`.retiming.TimingProgram` once a schedule
 is timed often)."""
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class Built:
 
 @dataclass
 class PlannerMemo:
-    """What a :class:`Planner` computes that depends on the schedules and costs only, not on the model,
+    """What a :class:`~.search.Planner` computes that depends on the schedules and costs only, not on the model,
     device or budget: built and validated schedules, their activation profiles, simulations and
     reduction profiles. Planners given the same memo share it, so a schedule is built, validated and
     compiled once (``plan_spec`` over several global batches, ``grid --spec`` over several specs).

@@ -75,7 +75,7 @@ def replay(
     start: Sequence[float] | None = None,
 ) -> Timing:
     """The :class:`Timing` of a fixed per-rank order on the engine's clock (:func:`order_times`).
-    ``start``: when each rank is free to begin (default 0); ``w_memory``: see :class:`Engine`."""
+    ``start``: when each rank is free to begin (default 0); ``w_memory``: see :class:`.engine.Engine`."""
     try:
         times, busy, peaks = _time_order(placement, m, costs, rows, w_memory=w_memory, start=start)
     except RuntimeError:
@@ -139,7 +139,7 @@ def _time_order(
     last = stages - 1
     dst, latency = _messages(placement, m, costs.comm)
     # per op kind and stage: (duration, id of its input message for micro-batch 0 or -1, the same for
-    # its output, live activations it adds); w_memory as in :class:`Engine` (1: integral counts)
+    # its output, live activations it adds); w_memory as in :class:`.engine.Engine` (1: integral counts)
     w_frees: float = 1 if w_memory == 1 else float(w_memory)
     b_frees: float = 0 if w_memory == 1 else 1.0 - float(w_memory)
     table: dict[OpKind, list[tuple[float, int, int, float]]] = {

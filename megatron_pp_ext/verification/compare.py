@@ -1,7 +1,7 @@
-"""Comparison of a verification run with its references: the numbers of :class:`~.report.VerifyReport`.
+"""Comparison of a verification run with its references: the numbers of :class:`~.verify_report.VerifyReport`.
 
 The runs themselves happen in :mod:`.rank_run` (driven by :mod:`.verify`); the verdict's criterion is
-:mod:`.criterion`; the report and its text are :mod:`.report`.
+:mod:`.criterion`; the report and its text are :mod:`.verify_report`.
 """
 
 from __future__ import annotations

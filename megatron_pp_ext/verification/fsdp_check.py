@@ -1,4 +1,4 @@
-"""Self-check of :mod:`.fsdp` on data-parallel gloo ranks against a single-process reference.
+"""Self-check of :mod:`..runtime.fsdp` on data-parallel gloo ranks against a single-process reference.
 
 Every rank holds a tiny GPTModel split into two chunks (embedding side, loss side) and runs them
 breadth-first, as a looped schedule does on one pipeline rank: all forwards of chunk 0, then of

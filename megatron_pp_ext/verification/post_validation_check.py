@@ -1,5 +1,5 @@
 """``megatron-pp verify --post-validation``: the same schedule, ranks, model and data stepped by
-megatron-core's synchronous optimizer and by :class:`~.post_validation.PostValidatedOptimizer`;
+megatron-core's synchronous optimizer and by :class:`~..runtime.post_validation.PostValidatedOptimizer`;
 the weights after the last step must be equal (bitwise, see :func:`compare_weights`)."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 :func:`verify_schedule` runs the references (:mod:`.reference`) and the schedule (one
 :class:`~.run_spec.RunSpec`, executed on every rank by :mod:`.rank_run`) on a
 :class:`~.rank_run.RankPool`, then compares them (:mod:`.compare`, judged by :mod:`.criterion`) into a
-:class:`~.report.VerifyReport`.
+:class:`~.verify_report.VerifyReport`.
 """
 
 from __future__ import annotations
