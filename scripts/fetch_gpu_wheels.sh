@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# Fetch, here (with network), the wheels the GPU machine lacks, into gpu_wheels/ (git-ignored). The device call
-# carries that folder (carry: ["gpu_wheels"]) and scripts/gpu_check.sh installs it there without network.
+# Fetch, where there is network, the wheels a GPU machine without network lacks, into gpu_wheels/ (git-ignored).
+# Copy that folder with the checkout to the GPU machine; scripts/gpu_check.sh installs it there without network.
 #
-# The GPU machine (docs/gpu.md): Python 3.12, torch 2.11 + CUDA 13, numpy and packaging installed, no network.
-# It lacks megatron-core and this package; megatron-core 0.19.2 needs only torch, numpy and packaging>=24.2
-# (packaging is carried too: the machine's version is not recorded). Transformer Engine is not fetched: its
+# The GPU machine (docs/gpu.md): Python 3.12, a CUDA build of torch, numpy; no network needed. megatron-core
+# 0.19.2 needs only torch, numpy and packaging>=24.2 (packaging is fetched too, in case the machine lacks it). Transformer Engine is not fetched: its
 # torch extension has no binary wheel (docs/gpu.md, "Transformer Engine").
 set -euo pipefail
 cd "$(dirname "$0")/.."
