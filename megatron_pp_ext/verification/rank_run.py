@@ -6,26 +6,30 @@ the schedule's placement (:mod:`.rank_model`: megatron DDP, megatron's distribut
 FSDP, and the optimizer), trains ``spec.iterations`` iterations with our executor (``OURS``) or
 megatron-core's own schedule (``NATIVE``), and returns every loss and every parameter gradient (keyed by
 global parameter name, tensor-parallel rank, stage and data-parallel rank) with the trace, timings and
-counters. Mode ``AB`` times megatron's function against ours instead (:mod:`.ab_timing`).
+counters. Mode ``AB`` times megatron's function against ours instead (:mod:`megatron_pp_ext.verification.ab_timing`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import math
 import time
 from collections import OrderedDict
 from typing import Any
 
 from . import rank_pool
-from .ab_timing import ab_timing
 from .rank_model import RankModel, build_rank_model, inject_inf, owned_grad_ranges
 from .rank_pool import report_progress
 from .rank_setup import rank_process_group
 from .run_spec import AB, OURS, RunSpec
 
 __all__ = ["RankPool", "run_on_rank"]
+
+# Mode AB's timing loop is a benchmark's, not verify's: imported by name when a spec asks for it, so verify's
+# modules do not import the benchmarks built on them.
+AB_TIMING_MODULE = "megatron_pp_ext.verification.ab_timing"
 
 
 def run_on_rank(spec: RunSpec, rank: int, init_method: str) -> dict[str, Any]:
@@ -90,6 +94,7 @@ def _ab_timing(spec: RunSpec, model: RankModel, schedule: Any) -> dict[str, Any]
             config.batch_p2p_comm, config.overlap_p2p_comm = False, True
         config.microbatch_group_size_per_vp_stage = int(schedule.params.get("microbatch_group_size") or spec.pp)
         native_func = forward_backward_pipelining_with_interleaving
+    ab_timing = importlib.import_module(AB_TIMING_MODULE).ab_timing
     return ab_timing(spec, chunks, make_forward_backward_func(lambda m: schedule), native_func)
 
 
