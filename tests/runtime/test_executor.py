@@ -121,9 +121,8 @@ def run(schedule: Schedule, collection: Any, model: FakeChunk | None = None) -> 
 
 
 def one_rank(order: str, pairs: tuple[int, ...] = ()) -> Schedule:
-    ops = tuple(
-        Op(OpKind(text[0] if not text.startswith("BW") else "BW"), 0, int(text.split(".")[1])) for text in order.split()
-    )
+    """A one-rank schedule from ``"F.0 BW.0 ..."`` (kind, micro-batch), with overlap pairs at those indices."""
+    ops = tuple(Op(OpKind(text.split(".")[0]), 0, int(text.split(".")[1])) for text in order.split())
     schedule = Schedule(make_placement("loop", 1, 1), M, (ops,), name="test")
     return schedule.with_overlap_pairs([pairs]) if pairs else schedule
 
