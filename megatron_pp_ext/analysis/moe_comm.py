@@ -18,6 +18,11 @@ backward). Model, per stage with ``L`` MoE layers, compute time ``C`` of the op 
   whose all-to-alls take no time; where the two sides have different layer counts, the extra layers
   of one side run alone after the paired ones.
 
+Where the all-to-alls are launched: on GPU (``host_launch=False``, default) the host issues every node
+ahead and the streams alone order them, as above; on CPU (``host_launch=True``: the executor under gloo,
+the emulated bench) the compute runs on the host thread, so an all-to-all is launched only once the host
+has finished the compute issued before it, and starts no earlier than that.
+
 With ``a = 0`` a pair takes ``C_f + C_b`` (both on the compute stream): the old model without overlap.
 A pair never takes longer than its two ops one after the other (every node starts no later than the
 end of the node issued before it).
@@ -45,11 +50,13 @@ class MoeComm:
     """The all-to-all model's input: ``a2a`` the time of one all-to-all (dispatch or combine) of one MoE
     layer, in the costs' unit; ``layers`` MoE layers of each global stage (one number or one per stage);
     ``overlap``: the schedule's overlap pairs run as two streams (megatron's
-    ``--overlap-moe-expert-parallel-comm``), else every all-to-all adds to its op."""
+    ``--overlap-moe-expert-parallel-comm``), else every all-to-all adds to its op; ``host_launch``: the
+    CPU launch model (module doc)."""
 
     a2a: float
     layers: int | tuple[int, ...]
     overlap: bool = False
+    host_launch: bool = False  # all-to-alls launched by the host after the compute before them (CPU)
 
     def __post_init__(self) -> None:
         if isinstance(self.a2a, bool) or not isinstance(self.a2a, int | float) or not 0 <= self.a2a < float("inf"):
@@ -120,25 +127,29 @@ def pair_nodes(f_compute: float, f_layers: int, b_compute: float, b_layers: int,
     return out
 
 
-def timed_nodes(nodes: Sequence[Node]) -> list[tuple[Node, float, float]]:
+def timed_nodes(nodes: Sequence[Node], host_launch: bool = False) -> list[tuple[Node, float, float]]:
     """``(node, start, end)`` of each node on two streams: a node starts when its stream is free and the
-    previous node of its side has ended."""
+    previous node of its side has ended (``host_launch``: an all-to-all also waits for the compute issued
+    before it)."""
     stream_free = {COMPUTE: 0.0, COMM: 0.0}
     side_done = {FORWARD: 0.0, BACKWARD: 0.0}
     out = []
     for node in nodes:
         start = max(stream_free[node.stream], side_done[node.side])
+        if host_launch and node.stream == COMM:
+            start = max(start, stream_free[COMPUTE])
         end = start + node.duration
         stream_free[node.stream] = side_done[node.side] = end
         out.append((node, start, end))
     return out
 
 
-def pair_time(f_compute: float, f_layers: int, b_compute: float, b_layers: int, a2a: float) -> float:
+def pair_time(
+    f_compute: float, f_layers: int, b_compute: float, b_layers: int, a2a: float, host_launch: bool = False
+) -> float:
     """Duration of an overlapped F&B pair: the end of its last node."""
-    return max(
-        (end for _, _, end in timed_nodes(pair_nodes(f_compute, f_layers, b_compute, b_layers, a2a))), default=0.0
-    )
+    timed = timed_nodes(pair_nodes(f_compute, f_layers, b_compute, b_layers, a2a), host_launch)
+    return max((end for _, _, end in timed), default=0.0)
 
 
 def op_times(
@@ -156,5 +167,6 @@ def op_times(
         if ops[f].kind is not OpKind.F or ops[bwd].kind not in (OpKind.B, OpKind.BW):
             steps[i] = serial[i] + serial[i + 1]
             continue
-        steps[i] = pair_time(compute[f], layers[ops[f].stage], compute[bwd], layers[ops[bwd].stage], moe.a2a)
+        lf, lb = layers[ops[f].stage], layers[ops[bwd].stage]
+        steps[i] = pair_time(compute[f], lf, compute[bwd], lb, moe.a2a, moe.host_launch)
     return serial, steps
