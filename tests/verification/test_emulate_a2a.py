@@ -12,7 +12,7 @@ import pytest
 from megatron_pp_ext.analysis.moe_comm import COMM, MoeComm, pair_nodes, pair_time, timed_nodes
 from megatron_pp_ext.cli import main
 from megatron_pp_ext.schedules import generate
-from megatron_pp_ext.verification import emulate_bench
+from megatron_pp_ext.verification import emulate_bench, emulate_report, emulate_results
 from megatron_pp_ext.verification.emulate_a2a import A2APads, CommStream, play_pair
 
 
@@ -135,6 +135,8 @@ def test_bench_pads_and_simulates_the_all_to_alls() -> None:
             assert job.pads_s[kind] == pytest.approx((want,) * schedule.num_stages), (name, kind)
         moe = emulate_bench.moe_comm(settings, schedule)
         assert moe == MoeComm(3.0 / k, 2, host_launch=True)
+    outcome = emulate_results.Outcome(settings, 1.0, None, [], {}, (0.0, 0.0), 1.0)
+    assert "MoE all-to-alls: 3 ms each, 2 MoE layer(s) per 1F1B stage" in emulate_report.report(outcome, None)
     plain = _settings("--emulate", "-p", "2", "-m", "4")
     assert emulate_bench.moe_comm(plain, generate("1f1b", 2, 4)) is None
 
