@@ -95,6 +95,10 @@ unit_size = _shared(values.parse_unit_size, "unit_size")
 memory_limit = _shared(values.parse_memory_limit, "memory_limit")
 # ``F,B,W[,COMM]`` as a tuple of four floats.
 costs = _shared(values.parse_costs, "costs")
+# one all-to-all's time (MoE dispatch or combine of one layer), a float >= 0.
+a2a_time = _shared(values.parse_a2a_time, "a2a_time")
+# ``N`` or ``N,N,...`` MoE layers per stage.
+moe_layers = _shared(values.parse_moe_layers, "moe_layers")
 # ``KIND=F,B,W;...`` measured per-layer times: ``({kind: (F, B, W)}, micro_batch, tp)``.
 layer_costs = _shared(values.parse_layer_costs, "layer_costs")
 

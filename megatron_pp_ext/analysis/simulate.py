@@ -59,6 +59,7 @@ from ..schedules.lowering import CommPlan, LoweredSchedule
 from ..schedules.op_arrays import KIND_B, KIND_BW, KIND_F, KIND_W, op_arrays
 from ..schedules.schedule import Schedule
 from ..schedules.timing import op_start_times, op_start_times_with_stream, repeat_iterations
+from .moe_comm import MoeComm, op_times
 from .schedule_check import DeadlockError, validate
 
 __all__ = [
@@ -66,6 +67,7 @@ __all__ = [
     "Costs",
     "DataParallelResult",
     "IterationResult",
+    "MoeComm",
     "SimResult",
     "collective_time",
     "simulate",
@@ -257,6 +259,7 @@ def simulate(
     iterations: int = 1,
     post_validation: bool = False,
     step_time: float | list[float] = 0.0,
+    moe: MoeComm | None = None,
 ) -> SimResult:
     """Simulate ``schedule`` (validated and lowered unless ``lowered`` is given).
 
@@ -275,6 +278,12 @@ def simulate(
     DualPipe's forward-and-backward steps) hides under the longer one: a pair takes
     ``max + (1 - overlap) * min`` and sends both outputs at its end; busy time counts it so. 0 (default):
     the two ops run one after the other, as the executor runs them without an overlap hook.
+
+    ``moe``: expert-parallel all-to-alls (:mod:`.moe_comm`): every ``F``, ``B`` and ``BW`` pays
+    ``2 x layers x a2a`` after its compute, or, with ``moe.overlap``, each overlap pair of one forward
+    and one backward runs as two streams (compute, communication) node by node, each side's
+    all-to-alls under the other side's compute. Not with ``overlap`` (the plain pair factor); the
+    pairs are the schedule's own (``Schedule.overlap_pairs``); ``busy`` counts a pair's step.
 
     Data parallelism (module doc): ``dp`` ranks per data-parallel group, ``collectives`` the policy
     (default: gradient reduction only), ``dp_bandwidth`` in bytes per time unit of ``costs`` and
@@ -296,6 +305,14 @@ def simulate(
         raise ValueError(f"overlap must be a number in [0, 1], got {overlap!r}")
     if overlap and schedule.overlap_pairs and (comm != "async" or collectives is not None or dp != 1):
         raise ValueError("overlap pairs are timed with comm='async' and without data-parallel collectives only")
+    if moe is not None and not isinstance(moe, MoeComm):
+        raise ValueError(f"moe must be a MoeComm, got {moe!r}")
+    if moe is not None and moe.overlap and overlap:
+        raise ValueError("give either overlap (the plain pair factor) or moe with overlap (the two-stream pair model)")
+    if moe is not None and moe.overlap and schedule.overlap_pairs and (collectives is not None or dp != 1):
+        raise ValueError("overlapped MoE pairs are timed without data-parallel collectives only")
+    if moe is not None and moe.overlap and comm != "async":
+        raise ValueError("overlapped MoE pairs are timed with comm='async' only")
     repeat = _check_iterations(iterations, post_validation, step_time, schedule)
     if repeat is not None and (collectives is not None or dp != 1):
         raise ValueError("iterations / post_validation are simulated without data-parallel collectives only")
@@ -310,10 +327,19 @@ def simulate(
         raise ValueError("dp_bandwidth and param_bytes describe data parallelism: give dp (> 1) or collectives too")
     with cyclic_gc_paused():
         result = _simulate(
-            schedule, costs, lowered, activation_bytes, w_retained_fraction, message_bytes, comm, dp_setup, overlap
+            schedule,
+            costs,
+            lowered,
+            activation_bytes,
+            w_retained_fraction,
+            message_bytes,
+            comm,
+            dp_setup,
+            overlap,
+            moe,
         )
         if repeat is not None:
-            result.iterations = _repeat(schedule, costs, lowered, comm, overlap, *repeat)
+            result.iterations = _repeat(schedule, costs, lowered, comm, overlap, moe, *repeat)
         return result
 
 
@@ -340,15 +366,19 @@ def _repeat(
     lowered: LoweredSchedule,
     comm: str,
     overlap: float,
+    moe: MoeComm | None,
     iterations: int,
     post_validation: bool,
     steps: list[float],
 ) -> IterationResult:
-    per_op = _op_durations(schedule, _Durations(costs, schedule.num_stages))
+    per_op, pair_steps = _with_moe(schedule, _op_durations(schedule, _Durations(costs, schedule.num_stages)), moe)
     t_comm = float(costs.t_comm)
 
     def run_once(start: list[float]) -> list[float]:
-        return op_start_times(lowered, per_op, t_comm, blocking=comm == "blocking", overlap=overlap, start=start)[1]
+        blocking = comm == "blocking"
+        return op_start_times(
+            lowered, per_op, t_comm, blocking=blocking, overlap=overlap, pair_durations=pair_steps, start=start
+        )[1]
 
     out = repeat_iterations(run_once, schedule.num_ranks, iterations, post_validation=post_validation, step=steps)
     return IterationResult(iterations, post_validation, steps, out.ends, out.time)
@@ -396,15 +426,21 @@ def _simulate(
     comm: str,
     dp_setup: _DPSetup | None = None,
     overlap: float = 0.0,
+    moe: MoeComm | None = None,
 ) -> SimResult:
     num_stages = schedule.num_stages
-    durations = _Durations(costs, num_stages)
-    per_op = _op_durations(schedule, durations)
+    durations = _Durations(costs, num_stages, moe)
+    per_op, pair_steps = _with_moe(schedule, _op_durations(schedule, _Durations(costs, num_stages)), moe)
     data_parallel = None
     try:
         if dp_setup is None:
             starts, last_end = op_start_times(
-                lowered, per_op, float(costs.t_comm), blocking=comm == "blocking", overlap=overlap
+                lowered,
+                per_op,
+                float(costs.t_comm),
+                blocking=comm == "blocking",
+                overlap=overlap,
+                pair_durations=pair_steps,
             )
         else:
             starts, last_end, data_parallel = _simulate_dp(schedule, lowered, per_op, float(costs.t_comm), dp_setup)
@@ -417,6 +453,9 @@ def _simulate(
     if overlap:  # a pair's shorter op hides overlap x its time under the longer one
         for rank, pair_starts in enumerate(schedule.overlap_pairs):
             busy[rank] -= overlap * sum(min(per_op[rank][i], per_op[rank][i + 1]) for i in pair_starts)
+    if pair_steps is not None:  # a pair is busy for its step
+        for rank, steps in enumerate(pair_steps):
+            busy[rank] -= sum(per_op[rank][i] + per_op[rank][i + 1] - step for i, step in steps.items())
     c_max = max(span, default=0.0)
     w_max = max(busy, default=0.0)
     per_rank_stages = schedule.placement.stages_per_rank_per_replica
@@ -518,12 +557,17 @@ def _ratio(num: float, den: float) -> float:
 
 
 class _Durations:
-    """Duration of an op by kind and global stage."""
+    """Duration of an op by kind and global stage (with ``moe``: plus its all-to-alls, not overlapped)."""
 
     __slots__ = ("b", "bw", "f", "w")
 
-    def __init__(self, costs: Costs, num_stages: int) -> None:
+    def __init__(self, costs: Costs, num_stages: int, moe: MoeComm | None = None) -> None:
         self.f, self.b, self.w, self.bw = costs.per_stage(num_stages)
+        if moe is not None:
+            extra = [2 * n * moe.a2a for n in moe.per_stage(num_stages)]
+            self.f, self.b, self.bw = (
+                [x + e for x, e in zip(t, extra, strict=True)] for t in (self.f, self.b, self.bw)
+            )
 
     def of(self, op: Op) -> float:
         kind = op.kind
@@ -543,6 +587,23 @@ def _op_durations(schedule: Schedule, durations: _Durations) -> list[list[float]
         table[code * num_stages : (code + 1) * num_stages] = values
     flat = table[arrays.kind.astype(np.int64) * num_stages + arrays.stage]
     return [flat[arrays.slice(rank)].tolist() for rank in range(schedule.num_ranks)]
+
+
+def _with_moe(
+    schedule: Schedule, per_op: list[list[float]], moe: MoeComm | None
+) -> tuple[list[list[float]], list[dict[int, float]] | None]:
+    """Op durations with the all-to-alls, and per rank the step of each overlapped pair (None: no pair
+    is timed by the two-stream model)."""
+    if moe is None:
+        return per_op, None
+    layers = moe.per_stage(schedule.num_stages)
+    pairs = schedule.overlap_pairs or tuple(() for _ in schedule.ops)
+    out, steps = [], []
+    for ops, compute, firsts in zip(schedule.ops, per_op, pairs, strict=True):
+        serial, pair_steps = op_times(ops, compute, firsts, layers, moe)
+        out.append(serial)
+        steps.append(pair_steps)
+    return out, steps if moe.overlap and schedule.overlap_pairs else None
 
 
 def _receive_buffer_bytes(plan: CommPlan, message: list[float]) -> list[np.ndarray]:

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..argtypes import nonnegative_int, output_file
 from ..planner.memory import GIB
-from ..planner.options import add_plan_arguments, planner_from_args
+from ..planner.options import add_plan_arguments, planner_from_args, positive_int_list
 from ..planner.plan_report import (
     csv_text,
     format_table,
@@ -49,6 +49,16 @@ def add_parser(subparsers: Any) -> None:
         "--save", type=output_file, metavar="PLAN.json", help="also write the plan (every fitting row) to this file"
     )
     o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar on stderr")
+    e = p.add_argument_group("MoE (docs/moe.md, docs/planner.md)")
+    e.add_argument(
+        "--moe-report",
+        action="store_true",
+        help="instead of the search: at one shape (the first --pp, --tp, --micro-batch), every schedule at every "
+        "expert-parallel size that fits, with and without the overlap of its F&B pairs, and which wins",
+    )
+    e.add_argument(
+        "--ep", type=positive_int_list, default=None, help="expert-parallel sizes to try (default: every divisor of DP)"
+    )
     p.set_defaults(func=cmd_plan)
 
 
@@ -73,7 +83,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.list_models:
         print_models()
         return 0
+    if args.ep is not None and not args.moe_report:
+        raise ValueError("--ep: only with --moe-report")
     planner = planner_from_args(args)
+    if args.moe_report:
+        return moe_report(args, planner)
     result = planner.run(progress=args.progress)
     top = None if args.top == 0 else args.top
     rows = select_rows(result, args.best_per_schedule, top)
@@ -102,6 +116,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.save:
         print(f"wrote {args.save} ({len(result.rows)} configurations)")
     return _nothing_fits(result)
+
+
+def moe_report(args: argparse.Namespace, planner: Any) -> int:
+    """``plan --moe-report``: the MoE comparison at one shape (planner/moe_plan.py)."""
+    from ..planner.moe_plan import MoeShape, moe_report_text, moe_rows
+
+    model = planner.model
+    shape = MoeShape(
+        gpus=planner.num_gpus,
+        pp=(args.pp or (2,))[0],
+        tp=(args.tp or (1,))[0],
+        micro_batch=(args.micro_batch or (model.default_micro_batch or 1,))[0],
+        global_batch=planner.global_batch,
+    )
+    names = list(planner.schedule_names)
+    rows, skipped, dropped = moe_rows(model, planner.costs, shape, names, args.ep, planner.budget_bytes)
+    print(moe_report_text(model, shape, rows, skipped, dropped))
+    if not rows:
+        print("megatron-pp: error: --moe-report: no schedule and EP size fits (reasons above)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _nothing_fits(result: PlanResult) -> int:

@@ -15,6 +15,7 @@ from .formatting import building_block_of, data_parallel_summary, num, summary
 from .support import step_times
 
 if TYPE_CHECKING:
+    from ..analysis.moe_comm import MoeComm
     from ..analysis.simulate import Costs, SimResult
     from ..schedules.lowering import LoweredSchedule
 
@@ -44,8 +45,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise CliError("--iterations / --post-validation / --step-time are simulated without --dp only")
     w_retained = 1.0 if args.w_memory is None else args.w_memory
     costs = uneven_costs(args, schedule)
+    moe = moe_comm(args, schedule, bool(options))
     if options:
-        result = simulate(schedule, costs, lowered=validate(schedule), w_retained_fraction=w_retained, **options)
+        result = simulate(
+            schedule, costs, lowered=validate(schedule), w_retained_fraction=w_retained, moe=moe, **options
+        )
     else:
         result = simulate(
             schedule,
@@ -53,7 +57,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             lowered=validate(schedule),
             overlap=args.overlap,
             w_retained_fraction=w_retained,
-            **repeat,  # type: ignore[arg-type]
+            moe=moe,
+            **repeat,
         )
     if args.json:
         data = result.to_json_dict()
@@ -63,6 +68,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(json.dumps(data))
         return 0
     print(summary(schedule, result))
+    if moe is not None:
+        print(moe_summary(schedule, moe))
     if result.data_parallel is not None:
         print()
         print(data_parallel_summary(result))
@@ -76,6 +83,44 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print()
         print(schedule.table())
     return 0
+
+
+def moe_comm(args: argparse.Namespace, schedule: Schedule, data_parallel: bool) -> MoeComm | None:
+    """The all-to-all model of ``--moe-a2a``, ``--moe-layers`` and ``--overlap-moe-expert-parallel-comm``
+    (None without ``--moe-a2a``); CliError names the flag."""
+    from ..analysis.moe_comm import MoeComm
+
+    if args.moe_a2a is None:
+        given = [
+            f
+            for f, v in (("--moe-layers", args.moe_layers), ("--overlap-moe-expert-parallel-comm", args.overlap_moe))
+            if v not in (None, False)
+        ]
+        if given:
+            raise CliError(f"{given[0]}: only with --moe-a2a (the time of one all-to-all)")
+        return None
+    if args.overlap_moe and args.overlap:
+        raise CliError("--overlap-moe-expert-parallel-comm: not with --overlap (two models of the same pairs)")
+    if args.overlap_moe and data_parallel:
+        raise CliError("--overlap-moe-expert-parallel-comm: simulated without --dp only")
+    layers = 1 if args.moe_layers is None else args.moe_layers
+    n = schedule.num_stages
+    if isinstance(layers, tuple) and len(layers) != n:
+        raise CliError(f"--moe-layers lists {len(layers)} stages: give one number, or one per stage ({n})")
+    return MoeComm(args.moe_a2a, layers, bool(args.overlap_moe))
+
+
+def moe_summary(schedule: Schedule, moe: MoeComm) -> str:
+    """One line: the all-to-all model and how many pairs hide them."""
+    pairs = sum(len(row) for row in schedule.overlap_pairs)
+    layers = moe.layers if isinstance(moe.layers, int) else ",".join(map(str, moe.layers))
+    if not moe.overlap:
+        how = "added to every F, B and BW (no overlap)"
+    elif pairs:
+        how = f"hidden in {pairs} overlapped F&B pairs (two streams), added to the other ops"
+    else:
+        how = "added to every F, B and BW: this schedule carries no overlap pairs"
+    return f"all-to-all     {num(moe.a2a)} each, {layers} MoE layers per stage, {how}"
 
 
 def uneven_costs(args: argparse.Namespace, schedule: Schedule) -> Costs | None:
@@ -112,6 +157,28 @@ def add_parser(subparsers: Any) -> None:
         metavar="F",
         help="overlap factor of the schedule's forward-and-backward pairs (dualpipev): a pair takes "
         "max + (1-F) x min; 0 (default) = one after the other",
+    )
+    moe = sim.add_argument_group("MoE expert-parallel all-to-alls (docs/moe.md)")
+    moe.add_argument(
+        "--moe-a2a",
+        type=argtypes.a2a_time,
+        default=None,
+        metavar="T",
+        help="time of one all-to-all (dispatch or combine) of one MoE layer, in the unit of --costs",
+    )
+    moe.add_argument(
+        "--moe-layers",
+        type=argtypes.moe_layers,
+        default=None,
+        metavar="N[,N...]",
+        help="MoE layers of each stage: one number, or one per global stage (default 1)",
+    )
+    moe.add_argument(
+        "--overlap-moe-expert-parallel-comm",
+        dest="overlap_moe",
+        action="store_true",
+        help="the schedule's F&B overlap pairs run on two streams, each side's all-to-alls under the other's "
+        "compute (megatron's flag); without it every all-to-all adds to its op",
     )
     sim.add_argument(
         "--iterations",

@@ -23,6 +23,12 @@ Presets (``megatron-pp plan --model NAME``; ``models_table()`` prints them):
   ``deepseek-v2-lite`` (DeepSeek-V2 paper, Appendix B: MoE with a dense first layer; its multi-head latent
   attention is costed as plain attention), ``nemotron-h-8b`` (Nemotron-H paper and model card: Mamba-2,
   attention and MLP layers in megatron's hybrid pattern); cluster size and batch assumed.
+* MoE presets (``megatron-pp plan --moe-report``, docs/moe.md): ``deepseek-v3`` (DeepSeek-V3 technical report:
+  61 layers, the first 3 dense, 256 routed experts of 2048 + 1 shared, top-8, MTP depth 1; its multi-head latent
+  attention costed as plain attention), ``qwen3-235b-a22b`` (Qwen3 technical report and model card: 94 layers,
+  128 experts of 1536, top-8, 64 heads / 4 KV) and ``mixtral-8x22b`` (Mistral AI's model card and configuration:
+  56 layers, 8 experts of 16384, top-2, 48 heads / 8 KV); training sequence, cluster and batch assumed where
+  the publication does not state them.
 * ``tiny``: the CPU smoke-test model of ``scripts/run_tiny_cpu.sh`` (for the local launcher).
 """
 
@@ -147,6 +153,7 @@ class ModelSpec:
     moe_router_topk: int = 2
     moe_shared_expert_ffn: int = 0  # total FFN width of the shared experts (0: none)
     moe_first_dense_layers: int = 0  # the first layers keep a dense MLP (DeepSeek's first_k_dense_replace)
+    mtp_num_layers: int = 0  # megatron's --mtp-num-layers (recorded and passed on; not costed by the planner)
     # Hybrid models: one character per layer in megatron's hybrid alphabet (M Mamba-2 mixer,
     # * self-attention, - MLP, E MoE MLP); num_layers must equal its length. None: GPT layers.
     hybrid_pattern: str | None = None
@@ -185,6 +192,8 @@ class ModelSpec:
                 )
         if ("E" in (self.hybrid_pattern or "") or self.moe_first_dense_layers) and not self.num_experts:
             raise ValueError(f"model {self.name}: MoE layers need num_experts")
+        if not 0 <= self.mtp_num_layers <= 8:
+            raise ValueError(f"model {self.name}: mtp_num_layers must be in [0, 8]")
         if not 0 <= self.moe_first_dense_layers <= self.num_layers:
             raise ValueError(f"model {self.name}: moe_first_dense_layers must be in [0, {self.num_layers}]")
 
@@ -290,6 +299,8 @@ class ModelSpec:
             if self.moe_first_dense_layers:
                 k = self.moe_first_dense_layers
                 args += ["--moe-layer-freq", f"([0]*{k}+[1]*{self.num_layers - k})"]
+        if self.mtp_num_layers:
+            args += ["--mtp-num-layers", str(self.mtp_num_layers)]
         args += ["--hidden-dropout", f"{self.hidden_dropout:g}", "--attention-dropout", f"{self.attention_dropout:g}"]
         return args
 
@@ -316,6 +327,7 @@ _LAYER_KIND_FIELDS = (
     "moe_router_topk",
     "moe_shared_expert_ffn",
     "moe_first_dense_layers",
+    "mtp_num_layers",
     "hybrid_pattern",
     "mamba_state_dim",
     "mamba_head_dim",
@@ -328,6 +340,9 @@ _CM = "Qi et al., Pipeline Parallelism with Controllable Memory, NeurIPS 2024, T
 _BF = "Lamy-Poirier, Breadth-First Pipeline Parallelism, MLSys 2023"
 _LLAMA3 = "Llama Team (Meta), The Llama 3 Herd of Models, 2024, Table 3, and the Meta-Llama-3 model cards"
 _DSV2 = "DeepSeek-AI, DeepSeek-V2 (2024), Appendix B (DeepSeek-V2-Lite) and the DeepSeek-V2-Lite model card"
+_DSV3 = "DeepSeek-AI, DeepSeek-V3 Technical Report (2024), Sections 3.1-3.4 and 4.2"
+_QWEN3 = "Qwen Team, Qwen3 Technical Report (2025), Table 2, and the Qwen3-235B-A22B model card"
+_MIXTRAL = "Mistral AI, Mixtral-8x22B-v0.1 model card and configuration (2024)"
 _NEMOTRON_H = "NVIDIA, Nemotron-H: Hybrid Mamba-Transformer Models (2025) and the Nemotron-H-8B-Base-8K model card"
 # Llama-style decoder: SwiGLU, RMSNorm, RoPE, no biases, no dropout, untied output layer
 _MODERN = {
@@ -556,6 +571,70 @@ PRESETS: dict[str, ModelSpec] = {
             source=_NEMOTRON_H + " (52 layers: 24 Mamba-2, 4 attention, 24 MLP of 21504 (squared ReLU), 4096 hidden, "
             "32 heads / 8 KV, 128 Mamba heads of 64, state 128, 8K context)",
             assumed=("vocab_size", "mamba_num_groups", "default_gpus", "default_global_batch"),
+        ),
+        ModelSpec(
+            "deepseek-v3",
+            61,
+            7168,
+            128,
+            4096,
+            vocab_size=129280,
+            ffn_hidden_size=18432,
+            kv_channels=128,
+            **_MODERN,  # type: ignore[arg-type]
+            num_experts=256,
+            moe_ffn_hidden_size=2048,
+            moe_router_topk=8,
+            moe_shared_expert_ffn=2048,
+            moe_first_dense_layers=3,
+            mtp_num_layers=1,
+            default_gpus=2048,
+            default_micro_batch=1,
+            default_global_batch=15360,
+            source=_DSV3 + " (61 layers, 7168 hidden, 128 heads, first 3 layers dense with FFN 18432, 256 routed "
+            "experts of 2048 / 8 active + 1 shared, MTP depth 1, vocabulary 129K, 4K sequence; 2048 H800 GPUs, PP 16, "
+            "EP 64; batch 15360 after its ramp-up)",
+            assumed=("attention (MLA costed as 128-head attention of head size 128)", "default_micro_batch"),
+        ),
+        ModelSpec(
+            "qwen3-235b-a22b",
+            94,
+            4096,
+            64,
+            4096,
+            vocab_size=151936,
+            ffn_hidden_size=12288,
+            kv_channels=128,
+            num_query_groups=4,
+            **_MODERN,  # type: ignore[arg-type]
+            num_experts=128,
+            moe_ffn_hidden_size=1536,
+            moe_router_topk=8,
+            default_gpus=1024,
+            default_micro_batch=1,
+            default_global_batch=4096,
+            source=_QWEN3 + " (94 layers, 4096 hidden, 64 heads / 4 KV of 128, 128 experts of 1536 / 8 active, "
+            "no shared expert, vocabulary 151936, 4K pre-training sequence)",
+            assumed=("default_gpus", "default_global_batch"),
+        ),
+        ModelSpec(
+            "mixtral-8x22b",
+            56,
+            6144,
+            48,
+            4096,
+            vocab_size=32768,
+            ffn_hidden_size=16384,
+            num_query_groups=8,
+            **_MODERN,  # type: ignore[arg-type]
+            num_experts=8,
+            moe_router_topk=2,
+            default_gpus=256,
+            default_micro_batch=1,
+            default_global_batch=1024,
+            source=_MIXTRAL + " (56 layers, 6144 hidden, 48 heads / 8 KV, 8 experts of 16384 / 2 active, "
+            "vocabulary 32768)",
+            assumed=("seq_length (64K context; 4K training sequence assumed)", "default_gpus", "default_global_batch"),
         ),
         ModelSpec(
             "tiny",

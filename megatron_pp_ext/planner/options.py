@@ -47,6 +47,11 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def positive_int_list(text: str) -> tuple[int, ...]:
+    """Comma-separated integers >= 1, as the search-space flags take them (an argparse type)."""
+    return _int_list(text)
+
+
 def _str_list(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in str(text).split(",") if x.strip())
 

@@ -8,7 +8,8 @@ waits for and what a rank runs besides its ops:
 * ``waits[r][k]``: what op ``k`` of rank ``r`` waits for. Its own input message only is the
   ``comm="async"`` model (what the executor does, what the list-scheduling engine decides with);
   every receive of the batch the lowering placed before it is the ``comm="blocking"`` model.
-* ``pairs``: overlap pairs (two ops run as one step that takes ``max + (1 - overlap) * min``).
+* ``pairs``: overlap pairs (two ops run as one step that takes ``max + (1 - overlap) * min``, or a
+  duration the caller gives per pair: the MoE two-stream model of :mod:`megatron_pp_ext.analysis.moe_comm`).
 * ``collectives`` / ``gates``: one collective stream per rank (data parallelism, FSDP).
 
 The callers are thin: :func:`op_start_times` and :func:`op_start_times_with_stream` time a lowered
@@ -18,7 +19,7 @@ generator's candidate order (its local hand-offs are messages of latency 0 to th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ def time_ops(
     groups: bool = False,
     pairs: Sequence[Sequence[int]] = (),
     overlap: float = 0.0,
+    pair_durations: Sequence[Mapping[int, float]] | None = None,
     collectives: Sequence[Sequence[tuple[int, float]]] | None = None,
     gates: Sequence[Sequence[int]] | None = None,
     start: Sequence[float] | None = None,
@@ -69,7 +71,8 @@ def time_ops(
     ``groups`` both hold tuples of ids (None: none): every message the op waits for, every one sent
     after it. ``dst[mid]``: the rank receiving message ``mid``; ``latency[mid]``: from its send to
     its arrival. ``pairs[r]``: the first op of each overlap pair of rank ``r``, run as one step with
-    ``overlap`` (0..1) of the shorter op hidden under the longer (:func:`_pair_steps`).
+    ``overlap`` (0..1) of the shorter op hidden under the longer (:func:`_pair_steps`), or lasting
+    ``pair_durations[r][i]`` when given (``i``: the pair's first op).
     ``collectives[r]``: ``(gap, duration)`` in issue order (gap ``i`` = just before op ``i``), issued
     when the rank reaches the gap and run one after another on the rank's stream, overlapping
     compute; ``gates[r][k]``: index in ``collectives[r]`` of the one op ``k`` waits for, -1 for none.
@@ -78,10 +81,10 @@ def time_ops(
 
     Raises ``RuntimeError`` if some rank waits for a message that is never sent.
     """
-    if overlap and any(pairs):
+    if (overlap or pair_durations is not None) and any(pairs):
         if collectives is not None:
             raise ValueError("overlap pairs are not timed with a collective stream")
-        steps = _pair_steps(durations, waits, sends, groups, pairs, overlap)
+        steps = _pair_steps(durations, waits, sends, groups, pairs, overlap, pair_durations)
         times = time_ops(*steps, dst, latency, groups=True, start=start)
         return times._replace(starts=[_unpair(row, firsts) for row, firsts in zip(times.starts, pairs, strict=True)])
     p = len(durations)
@@ -175,10 +178,12 @@ def _pair_steps(
     groups: bool,
     pairs: Sequence[Sequence[int]],
     overlap: float,
+    pair_durations: Sequence[Mapping[int, float]] | None = None,
 ) -> tuple[list[list[float]], list[list[tuple[int, ...]]], list[list[tuple[int, ...]]]]:
     """Per rank, its ops as steps: an overlap pair (ops ``i``, ``i+1``) is one step that starts once
-    both inputs are there, takes ``max + (1 - overlap) * min`` of the two durations and sends both
-    outputs at its end; other ops are steps of their own. Waits and sends as groups."""
+    both inputs are there, takes ``max + (1 - overlap) * min`` of the two durations (or
+    ``pair_durations[rank][i]``) and sends both outputs at its end; other ops are steps of their own.
+    Waits and sends as groups."""
     out_d: list[list[float]] = []
     out_w: list[list[tuple[int, ...]]] = []
     out_s: list[list[tuple[int, ...]]] = []
@@ -190,7 +195,9 @@ def _pair_steps(
         k = 0
         while k < len(dur):
             width = 2 if k in first else 1
-            if width == 2:
+            if width == 2 and pair_durations is not None:
+                d.append(pair_durations[rank][k])
+            elif width == 2:
                 a, b = dur[k], dur[k + 1]
                 d.append(max(a, b) + (1.0 - overlap) * min(a, b))
             else:
@@ -222,6 +229,7 @@ def op_start_times(
     *,
     blocking: bool = False,
     overlap: float = 0.0,
+    pair_durations: Sequence[Mapping[int, float]] | None = None,
     start: Sequence[float] | None = None,
 ) -> tuple[list[list[float]], list[float]]:
     """``(starts, last_end)`` of a lowered schedule (:func:`time_ops`): per rank the start of each
@@ -229,13 +237,14 @@ def op_start_times(
     the executor does): an op waits only for its own input; ``blocking=True``: a rank waits at each
     batch of receives the lowering placed (possibly early, see :mod:`.lowering`) until all arrived.
     ``overlap`` (0..1, non-blocking only): the schedule's overlap pairs run as one step each.
+    ``pair_durations`` (non-blocking only): the duration of each pair instead (:func:`time_ops`).
     ``start[r]``: when rank ``r`` is free to begin (default 0: one iteration alone).
 
     Raises ``RuntimeError`` if some rank waits for a message that never comes (a lowering that
     :func:`~megatron_pp_ext.analysis.schedule_check.validate` would reject).
     """
     plan = lowered.timing_plan
-    pairs = lowered.schedule.overlap_pairs if overlap else ()
+    pairs = lowered.schedule.overlap_pairs if overlap or pair_durations is not None else ()
     if pairs and blocking:
         raise ValueError("overlap pairs are timed with non-blocking receives only")
     latency = [t_comm] * plan.num_messages
@@ -251,6 +260,7 @@ def op_start_times(
             latency,
             pairs=pairs,
             overlap=overlap,
+            pair_durations=pair_durations,
             start=start,
         )
     return times.starts, times.last_end

@@ -15,6 +15,10 @@ The meanings (also in ``docs/flags.md``):
   weight-gradient backward and of one p2p hop. All finite in [0, 1e12]; F and B must be > 0 (the
   planner and the simulator's cost ratios divide by them), W and COMM may be 0 (W = 0: weight
   gradients cost nothing, e.g. folded into B).
+* all-to-all time: the time of one expert-parallel all-to-all (a dispatch or a combine) of one MoE
+  layer for one micro-batch, in the unit of the costs it goes with (ms for the emulated bench); finite
+  in [0, 1e12].
+* MoE layers: ``N`` for every stage or ``N,N,...`` one per global stage, integers in [0, 100000].
 * unit size: ``zeropp``'s scheduling unit, an integer number of micro-batches >= 1, or ``auto``.
 * layer layout: megatron's ``--pipeline-model-parallel-layout`` string, stages separated by ``|``, one
   symbol per layer (``E`` embedding, ``t`` transformer layer, ``m`` multi-token prediction, ``L`` loss),
@@ -34,18 +38,22 @@ import re
 from dataclasses import dataclass
 
 __all__ = [
+    "A2A_RULE",
     "COSTS_RULE",
     "LAYER_COSTS_RULE",
     "LAYER_COST_KINDS",
     "LAYER_LAYOUT_RULE",
     "MAX_VALUE",
     "MEMORY_LIMIT_RULE",
+    "MOE_LAYERS_RULE",
     "UNIT_SIZE_RULE",
     "ActivationLimit",
+    "parse_a2a_time",
     "parse_costs",
     "parse_layer_costs",
     "parse_layer_layout",
     "parse_memory_limit",
+    "parse_moe_layers",
     "parse_unit_size",
 ]
 
@@ -57,6 +65,9 @@ MEMORY_LIMIT_RULE = (
     f"a number of activations in (0, {MAX_VALUE:g}] or a multiple of the pipeline size p like 2p (p = 1p)"
 )
 COSTS_RULE = f"F,B,W or F,B,W,COMM: finite numbers in [0, {MAX_VALUE:g}], F and B > 0"
+A2A_RULE = f"the time of one all-to-all of one MoE layer: a finite number in [0, {MAX_VALUE:g}]"
+MAX_MOE_LAYERS = 100_000
+MOE_LAYERS_RULE = f"N or N,N,... (one per stage): MoE layers, integers in [0, {MAX_MOE_LAYERS}]"
 UNIT_SIZE_RULE = "an integer number of micro-batches >= 1, or auto"
 LAYER_LAYOUT_RULE = (
     "stages separated by |, layers E (embedding), t (transformer), m (MTP), L (loss); X*n and (...)*n repeat"
@@ -112,6 +123,29 @@ def parse_costs(text: str) -> tuple[float, float, float, float]:
     if len(values) == 3:
         values.append(0.0)
     return values[0], values[1], values[2], values[3]
+
+
+def parse_a2a_time(text: str) -> float:
+    """``"2.5"``: one all-to-all's time (dispatch or combine of one MoE layer)."""
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise ValueError(f"expected {A2A_RULE}, got {text!r}") from None
+    if not (math.isfinite(value) and 0 <= value <= MAX_VALUE):
+        raise ValueError(f"expected {A2A_RULE}, got {text!r}")
+    return value
+
+
+def parse_moe_layers(text: str) -> int | tuple[int, ...]:
+    """``"4"`` (every stage) or ``"3,4,4,4"`` (one per global stage) MoE layers."""
+    cells = [c.strip() for c in str(text).split(",")]
+    try:
+        values = [int(c) for c in cells]
+    except ValueError:
+        raise ValueError(f"expected {MOE_LAYERS_RULE}, got {text!r}") from None
+    if any(not 0 <= v <= MAX_MOE_LAYERS for v in values):
+        raise ValueError(f"expected {MOE_LAYERS_RULE}, got {text!r}")
+    return values[0] if len(values) == 1 else tuple(values)
 
 
 def parse_unit_size(text: str) -> int | str:

@@ -77,9 +77,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"wall time in ms of one 1F1B stage's F, B and W (default {DEFAULT_COSTS}; a rank holding k stages "
         "per replica pads each of its ops to 1/k); COMM: the simulator's hop time (default: measured)",
     )
+    group.add_argument(
+        "--a2a-ms",
+        type=argtypes.a2a_time,
+        default=None,
+        metavar="T",
+        help="wall time in ms of one expert-parallel all-to-all (dispatch or combine) of one MoE layer, padded on "
+        "the communication side: each F, B and BW of a 1F1B stage lasts 2 x --moe-layers x T longer (1/k of it "
+        "on a rank holding k stages per replica); the simulator gets the same (docs/moe.md)",
+    )
+    group.add_argument(
+        "--moe-layers",
+        type=argtypes.positive_int,
+        default=None,
+        metavar="N",
+        help="MoE layers per 1F1B stage for --a2a-ms (default 1)",
+    )
 
 
-EMULATE_ONLY = ("m", "schedules", "costs", "iterations", "warmup")
+EMULATE_ONLY = ("m", "schedules", "costs", "iterations", "warmup", "a2a_ms", "moe_layers")
 
 
 def settings_from(args: argparse.Namespace) -> Settings | None:
@@ -89,7 +105,11 @@ def settings_from(args: argparse.Namespace) -> Settings | None:
     from ..schedules import registry
 
     if not args.emulate:
-        given = [("--" if len(name) > 1 else "-") + name for name in EMULATE_ONLY if getattr(args, name) is not None]
+        given = [
+            ("--" if len(name) > 1 else "-") + name.replace("_", "-")
+            for name in EMULATE_ONLY
+            if getattr(args, name) is not None
+        ]
         if given:
             raise EmulateError(f"{', '.join(given)}: only with --emulate")
         return None
@@ -124,6 +144,14 @@ def settings_from(args: argparse.Namespace) -> Settings | None:
     comm_given = len(costs_text.split(",")) == 4
     if max(costs.t_f, costs.t_b, costs.t_w, costs.t_comm) > MAX_PAD_MS:  # type: ignore[type-var]
         raise EmulateError(f"--costs F,B,W[,COMM] with --emulate are ms, each in [0, {MAX_PAD_MS:g}], got {costs_text}")
+    if args.moe_layers is not None and args.a2a_ms is None:
+        raise EmulateError("--moe-layers: only with --a2a-ms")
+    a2a_ms = args.a2a_ms or 0.0
+    moe_layers = (args.moe_layers or 1) if args.a2a_ms is not None else 0
+    if a2a_ms > MAX_PAD_MS or 2 * moe_layers * a2a_ms > MAX_PAD_MS:
+        raise EmulateError(
+            f"--a2a-ms x 2 x --moe-layers must be in [0, {MAX_PAD_MS:g}] ms, got {a2a_ms:g} x {moe_layers}"
+        )
     if args.plots:
         try:
             import matplotlib  # noqa: F401
@@ -132,6 +160,7 @@ def settings_from(args: argparse.Namespace) -> Settings | None:
     command = f"megatron-pp bench --emulate -p {p} -m {m}"
     command += f" --schedules {','.join(wanted)}" if args.schedules else ""
     command += f" --iterations {iterations} --warmup {warmup} --costs {costs_text}"
+    command += f" --a2a-ms {a2a_ms:g} --moe-layers {moe_layers}" if args.a2a_ms is not None else ""
     command += (f" --write {args.write}" if args.write else "") + (f" --plots {args.plots}" if args.plots else "")
     return Settings(
         p=p,
@@ -143,6 +172,8 @@ def settings_from(args: argparse.Namespace) -> Settings | None:
         t_b=float(costs.t_b),  # type: ignore[arg-type]
         t_w=float(costs.t_w),  # type: ignore[arg-type]
         comm_ms=costs.t_comm if comm_given else None,
+        a2a_ms=a2a_ms,
+        moe_layers=moe_layers,
         write=args.write,
         plots=args.plots,
         command=command,
@@ -161,11 +192,30 @@ def stage_costs(settings: Settings, schedule: Any, comm_ms: float) -> Any:
     return Costs(settings.t_f / k, settings.t_b / k, settings.t_w / k, None, comm_ms)
 
 
+def moe_comm(settings: Settings, schedule: Any) -> Any:
+    """The simulator's all-to-all model of the emulated run (None without ``--a2a-ms``): a rank holding ``k``
+    stages per replica pays 1/k of a 1F1B stage's all-to-all time per op, launched by the host (CPU)."""
+    from ..analysis.moe_comm import MoeComm
+
+    if not settings.moe_layers:
+        return None
+    k = schedule.placement.stages_per_rank_per_replica
+    return MoeComm(settings.a2a_ms / k, settings.moe_layers, host_launch=True)
+
+
 def _job(settings: Settings, schedule: Any, costs: Any) -> Any:
     from .emulate import NATIVE_PEERS, EmulateJob
+    from .emulate_a2a import A2APads
     from .tiny_gpt import TinyGPTSpec
 
     t_f, t_b, t_w, t_bw = costs.per_stage(schedule.num_stages)
+    moe = moe_comm(settings, schedule)
+    if moe is not None:  # not overlapped: every all-to-all padded onto its op (emulate_a2a.py)
+        a2a = A2APads(moe.a2a, tuple(moe.per_stage(schedule.num_stages)))
+        t_f, t_b, t_bw = (
+            [x + a2a.serial_s(kind, stage) for stage, x in enumerate(t)]
+            for kind, t in zip(("F", "B", "BW"), (t_f, t_b, t_bw), strict=True)
+        )
     pads = {kind: tuple(x / 1000 for x in values) for kind, values in zip(KINDS, (t_f, t_b, t_w, t_bw), strict=True)}
     native = schedule.name if schedule.name in NATIVE_PEERS else None
     return EmulateJob(
@@ -336,7 +386,7 @@ def run_emulation(settings: Settings, pool: Any = None, say: Any = print) -> Out
         paid: tuple[float, int] | None = None
         for schedule, costs in built:
             lowered.append(validate(schedule))
-            sim = simulate(schedule, costs, lowered=lowered[-1]).makespan
+            sim = simulate(schedule, costs, lowered=lowered[-1], moe=moe_comm(settings, schedule)).makespan
             job = _job(settings, schedule, costs)
             row = Row(schedule.name, schedule.chunks_per_rank, sim, native=job.native)
             say(f"{schedule.name}: running {settings.warmup} + {settings.iterations} iterations")
@@ -349,7 +399,8 @@ def run_emulation(settings: Settings, pool: Any = None, say: Any = print) -> Out
         if paid is not None:  # every schedule again, with the hop the baseline's run paid
             for row, (schedule, costs), low in zip(rows, built, lowered, strict=True):
                 repriced = dataclasses.replace(costs, t_comm=paid[0])
-                row.simulated_paid_hop = simulate(schedule, repriced, lowered=low).makespan
+                moe = moe_comm(settings, schedule)
+                row.simulated_paid_hop = simulate(schedule, repriced, lowered=low, moe=moe).makespan
     finally:
         if own:
             pool.close()

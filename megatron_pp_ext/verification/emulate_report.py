@@ -43,8 +43,9 @@ def report(outcome: Outcome, figure_link: str | None = None) -> str:
         f"Command: `{s.command}`",
         "",
         f"Pads per 1F1B stage: T_F = {s.t_f:g} ms, T_B = {s.t_b:g} ms, T_W = {s.t_w:g} ms, BW = B + W (a rank holding "
-        f"k stages per replica pads each op to 1/k of these); simulator hop time {comm}. Measured: the slowest "
-        f"rank's forward-backward call per iteration (all ranks start it after a barrier), median of "
+        f"k stages per replica pads each op to 1/k of these){_a2a_text(s)}; simulator hop time {comm}. "
+        f"Measured: the slowest rank's forward-backward call per iteration (all ranks start it after a barrier), "
+        f"median of "
         f"{s.iterations} iterations after {s.warmup} warm-up. Machine: {os.cpu_count()} CPUs, 1-minute load "
         f"average {outcome.load[0]:.1f} at the start and {outcome.load[1]:.1f} at the end"
         f"{' (shared with other work: loaded)' if max(outcome.load) > (os.cpu_count() or 1) else ''}; "
@@ -226,3 +227,14 @@ def write_block(path: str, settings: Settings, text: str) -> None:
         old = replace_block(old, BLOCK, f"## {SECTION}\n\n{INTRO}")
     body = f"### p = {settings.p}, m = {settings.m}\n\n{text}"
     target.write_text(replace_block(old, block_name(settings), body, inside=BLOCK))
+
+
+def _a2a_text(settings: Settings) -> str:
+    """The all-to-all pad, in words (empty without ``--a2a-ms``)."""
+    if not settings.moe_layers:
+        return ""
+    t, n = settings.a2a_ms, settings.moe_layers
+    return (
+        f"; MoE all-to-alls: {t:g} ms each, {n} MoE layer(s) per 1F1B stage, not overlapped: F, B and BW "
+        f"padded {2 * n * t:g} ms longer, and simulated so"
+    )

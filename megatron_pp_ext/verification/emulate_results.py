@@ -26,6 +26,8 @@ class Settings:
     t_b: float
     t_w: float
     comm_ms: float | None  # None: measured
+    a2a_ms: float = 0.0  # one all-to-all of one MoE layer (emulate_a2a.py); 0: none
+    moe_layers: int = 0  # MoE layers per 1F1B stage
     write: str | None = None
     plots: str | None = None
     command: str = ""

@@ -134,7 +134,12 @@ def test_activation_profile_equals_the_simulators_peak_bytes(p: int, m: int) -> 
 
 
 def test_presets_parameter_counts_match_their_names() -> None:
-    published = {"deepseek-v2-lite": 15.7}  # DeepSeek-V2 paper, Appendix B: 15.7B parameters
+    published = {
+        "deepseek-v2-lite": 15.7,  # DeepSeek-V2 paper, Appendix B: 15.7B parameters
+        "deepseek-v3": 671,  # DeepSeek-V3 report: 671B without the MTP module (MLA costed as plain attention here)
+        "qwen3-235b-a22b": 235,  # Qwen3 report
+        "mixtral-8x22b": 141,  # Mistral AI's model card
+    }
     for name, spec in PRESETS.items():
         if name == "tiny":
             continue
