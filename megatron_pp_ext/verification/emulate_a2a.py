@@ -11,7 +11,7 @@ Two ways an all-to-all's pad elapses, matching the simulator's model (:mod:`mega
   sleeps until then. So the pad of one side's all-to-all elapses while the caller runs (and pads) the other
   side's compute. :func:`play_pair` runs an overlapped F&B pair node by node this way (compute nodes run
   and padded on the caller's thread, all-to-alls launched on the stream and waited for by the next node of
-  their micro-batch), in megatron's combined-1F1B issue order (:func:`~.moe_comm.pair_nodes`).
+  their micro-batch), in megatron's combined-1F1B issue order (:func:`~megatron_pp_ext.analysis.moe_comm.pair_nodes`).
 
 The clock and the sleep are injectable: tests run the mechanism on a fake clock, deterministically.
 Pure Python (no torch).
