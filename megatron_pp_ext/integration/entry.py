@@ -145,7 +145,9 @@ class RunShape:
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
         values["rampup_batch_size"] = list(self.rampup_batch_size) if self.rampup_batch_size else None
         values["group_query_attention"] = self.num_query_groups is not None
-        values["num_virtual_stages_per_pipeline_rank"] = None
+        # a chunk count the run gives is the user's, as megatron's virtual pipeline flag (a schedule placing
+        # another count is refused naming it); without one the schedule's placement sets it
+        values["num_virtual_stages_per_pipeline_rank"] = self.virtual_pipeline_model_parallel_size
         values["num_layers_per_virtual_pipeline_stage"] = None
         values["padded_vocab_size"] = self.vocab_size
         return argparse.Namespace(**{**values, **self.extra})
