@@ -226,3 +226,21 @@ def test_plan_json_keys_unchanged_by_the_checks(tmp_path: Path, capsys: pytest.C
     path = tmp_path / "plan.json"
     assert outcome(capsys, "plan", "--model", "tiny", "--pp", "2", "--schedules", "1f1b", "--save", str(path))[0] == 0
     assert json.loads(path.read_text())["format"] == "megatron-pp plan v1"
+
+
+def test_save_to_a_device_or_a_full_disk_is_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device passes the folder checks (``/dev/full``: writable, and every write fails with ENOSPC): refused
+    when the command line is read; a disk that fills during the write is one line naming --save and the file."""
+    if os.path.exists("/dev/full"):
+        assert "/dev/full is not a regular file" in one_error(capsys, "plan", "--model", "tiny", "--save", "/dev/full")
+    import errno
+
+    def full(self: Path, *args: object, **kwargs: object) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+
+    monkeypatch.setattr(Path, "write_text", full)
+    path = tmp_path / "plan.json"
+    line = one_error(capsys, "plan", "--model", "tiny", "--pp", "2", "--schedules", "1f1b", "--save", str(path))
+    assert f"argument --save: cannot write {path}: No space left on device" in line

@@ -22,6 +22,7 @@ from ..planner.plan_report import (
     table_rows,
 )
 from ..planner.result import PlanResult
+from ..schedule_args import CliError
 
 
 def add_top_argument(parser: Any, default: int) -> None:
@@ -78,8 +79,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     top = None if args.top == 0 else args.top
     rows = select_rows(result, args.best_per_schedule, top)
     if args.save:
-        doc = plan_document(result, planner, result.rows)
-        Path(args.save).write_text(json.dumps(doc, indent=1) + "\n")
+        _save(args.save, plan_document(result, planner, result.rows))
     if args.json:
         doc = plan_document(result, planner, rows)
         doc["summary"] = summary_lines(result, planner)
@@ -102,6 +102,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.save:
         print(f"wrote {args.save} ({len(result.rows)} configurations)")
     return _nothing_fits(result)
+
+
+def _save(path: str, doc: dict[str, Any]) -> None:
+    """Write the plan; a failed write (a full disk, say) is one error line naming the file, not a traceback."""
+    try:
+        Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+    except OSError as exc:
+        raise CliError(f"argument --save: cannot write {path}: {exc.strerror or exc}") from None
 
 
 def _nothing_fits(result: PlanResult) -> int:
