@@ -244,3 +244,13 @@ def test_save_to_a_device_or_a_full_disk_is_one_line(
     path = tmp_path / "plan.json"
     line = one_error(capsys, "plan", "--model", "tiny", "--pp", "2", "--schedules", "1f1b", "--save", str(path))
     assert f"argument --save: cannot write {path}: No space left on device" in line
+
+
+def test_draw_refuses_charts_over_its_limit(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """draw's own bound (a chart costs far more per op than a simulation): one line with the count and limit."""
+    monkeypatch.setattr(limits, "MAX_DRAWN_OPS", 20)
+    line = one_error(capsys, "draw", "zb-h1", "-p", "2", "-m", "4", "-o", str(tmp_path / "x.png"))
+    assert "the schedule has 24 ops; draw charts at most 20" in line
+    assert not (tmp_path / "x.png").exists()
