@@ -254,3 +254,11 @@ def test_draw_refuses_charts_over_its_limit(
     line = one_error(capsys, "draw", "zb-h1", "-p", "2", "-m", "4", "-o", str(tmp_path / "x.png"))
     assert "the schedule has 24 ops; draw charts at most 20" in line
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_search_timing_its_builds_at_many_shapes_counts_them(capsys: pytest.CaptureFixture[str], no_search) -> None:
+    """16 GPUs at global batch 1024: 3.4 M ops of distinct builds (under the limit) but 55 (TP, PP, DP,
+    micro-batch) shapes timing and sizing them again with their own costs; it took 15 s of CPU and 550 MB,
+    over what the limit promises, so the estimate counts the further shapes (search.RESIMULATE) and refuses it."""
+    line = one_error(capsys, "plan", "--model", "tiny", "--gpus", "16", "--global-batch", "1024", "--no-cache")
+    assert "the search would build about" in line and "the limit is 4,000,000 (about 10 s and 350 MB" in line
