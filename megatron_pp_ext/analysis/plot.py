@@ -52,6 +52,7 @@ def title_for(result: SimResult, schedule: Schedule) -> str:
     )
 
 
+_Colour = tuple[float, float, float]
 #: micro-batch labels drawn at most (more: none; each is a separate text, the costly part of a large chart)
 MAX_LABELS = 2000
 
@@ -91,8 +92,8 @@ def draw(result: SimResult, schedule: Schedule, path: str | Path) -> Path:
     used: set[tuple[OpKind, int]] = set()
     for rank in range(p):
         ax.axhspan(rank - 0.42, rank + 0.42, color="#f2f2f2", zorder=0, linewidth=0)
-    boxes: dict[tuple[int, str], list[tuple[float, float]]] = {}  # one collection per rank and colour, not per op
-    labels: list[tuple[float, int, str, str]] = []
+    boxes: dict[tuple[int, _Colour], list[tuple[float, float]]] = {}  # one collection per rank and colour, not per op
+    labels: list[tuple[float, int, str, _Colour]] = []
     for rank, op_text, start, end in result.timeline:
         op = Op.parse(op_text)
         chunk = schedule.placement.chunk_of(op.stage) if op.stage < schedule.num_stages else 0
@@ -103,12 +104,12 @@ def draw(result: SimResult, schedule: Schedule, path: str | Path) -> Path:
         if (end - start) * pt_per_time >= fontsize * 0.62 * len(label) + 2:
             labels.append(((start + end) / 2, rank, label, color))
 
-    for (rank, color), spans in boxes.items():
-        ax.broken_barh(spans, (rank - 0.4, 0.8), facecolors=color, edgecolor="white", linewidth=0.6, zorder=2)
+    for (rank, face), spans in boxes.items():
+        ax.broken_barh(spans, (rank - 0.4, 0.8), facecolors=face, edgecolor="white", linewidth=0.6, zorder=2)
     if len(labels) > MAX_LABELS:  # each text is drawn on its own: thousands take minutes, and are not readable
         labels = []
-    for x, rank, label, color in labels:
-        ax.text(x, rank, label, ha="center", va="center", fontsize=fontsize, color=_text_color(color), zorder=3)
+    for x, rank, label, face in labels:
+        ax.text(x, rank, label, ha="center", va="center", fontsize=fontsize, color=_text_color(face), zorder=3)
     ax.set_ylim(p - 0.5, -0.5)
     ax.set_yticks(range(p))
     ax.set_yticklabels([f"rank {r}" for r in range(p)])
