@@ -119,11 +119,14 @@ def memory_limit_list(text: str) -> tuple[str, ...]:
 
 def output_file(text: str) -> str:
     """A file to write (``plan --save``): checked when the command line is read, before any work, so that
-    a search of minutes does not end in a traceback: its folder exists and is writable, and it is not a folder."""
+    a search of minutes does not end in a traceback: its folder exists and is writable, and it is a regular file
+    or none yet (not a folder, a device or a pipe). A full disk shows only when writing: the command says so then."""
     path = Path(text)
     folder = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory, not a file")
+    if path.exists() and not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text} is not a regular file (a device or a pipe): name a file")
     if not folder.is_dir():
         raise argparse.ArgumentTypeError(f"{text}: folder {folder} does not exist (create it first)")
     if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):

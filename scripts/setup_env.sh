@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-time set-up of the pinned environment (see README): Python 3.11, torch 2.13.0 (CPU build
+# One-time set-up of the pinned environment (see README): Python 3.11 or 3.12, torch 2.13.0 (CPU build
 # where no CUDA is wanted), megatron-core 0.19.2 and this package in editable mode with its test
 # extras. Installs into the Python named by $PYTHON (default: python3); use a venv if you like.
 set -euo pipefail
@@ -8,16 +8,23 @@ cd "$(dirname "$0")/.."
 
 "$PYTHON" - <<'PY'
 import sys
-if sys.version_info[:2] != (3, 11):
-    sys.exit(f"megatron_pp_ext is pinned to Python 3.11, found {sys.version.split()[0]} (set PYTHON=...)")
+if sys.version_info[:2] not in ((3, 11), (3, 12)):
+    sys.exit(f"megatron_pp_ext supports Python 3.11 and 3.12, found {sys.version.split()[0]} (set PYTHON=...)")
 PY
+MINOR=$("$PYTHON" -c 'import sys; print(sys.version_info[1])')
 
 pip_install() { "$PYTHON" -m pip install --disable-pip-version-check --no-input "$@"; }
 
 # torch first, pinned: an unpinned torch would pull a multi-GB CUDA build on a CPU machine.
 pip_install "torch==${TORCH_VERSION:-2.13.0}"
-# megatron-core >= 0.17 declares Python >= 3.12, but its cp311 wheel of 0.19.2 works on 3.11.
-pip_install --no-deps --ignore-requires-python "megatron-core==0.19.2"
+if [ "$MINOR" = 11 ]; then
+    # megatron-core >= 0.17 declares Python >= 3.12, but its cp311 wheel of 0.19.2 works on 3.11.
+    pip_install --no-deps --ignore-requires-python "megatron-core==0.19.2"
+else
+    # 3.12: megatron-core's declared Python (and Megatron-Bridge's): installed normally, with its dependencies
+    # (torch, pinned above, already satisfies its torch requirement).
+    pip_install "megatron-core==0.19.2"
+fi
 pip_install numpy "packaging>=24.2" psutil
 pip_install -e ".[test]"  # with the test tools: pytest, hypothesis, ruff, mypy (pinned in setup.py)
 

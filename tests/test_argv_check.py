@@ -36,3 +36,34 @@ def test_value_of_an_unknown_flag_is_not_a_second_problem() -> None:
     assert argv_problems(["--pipline-schedule", "zb-h1"], _parser) == [
         "unknown flag --pipline-schedule (did you mean --pipeline-schedule?)"
     ]
+
+
+def test_layers_megatron_cannot_split_over_a_loop_placement_are_one_line() -> None:
+    """megatron's validate_args asserts (a traceback) when --num-layers does not divide by the pipeline size;
+    under a loop-placement schedule the pre-check says so first, in one line naming --num-layers."""
+    from megatron_pp_ext.integration.argv_check import layer_split_problems
+
+    base = ["--pipeline-model-parallel-size", "2", "--num-layers", "5"]
+    (problem,) = layer_split_problems([*base, "--pipeline-schedule", "zb-h1"])
+    assert problem.startswith("argument --num-layers: 5 layers do not split evenly over --pipeline-model-parallel")
+    assert "give a multiple of 2" in problem and "\n" not in problem
+    assert layer_split_problems([*base, "--pipeline-schedule", "auto"])  # decided after megatron's checks
+    assert (
+        layer_split_problems(
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers",
+                "5",
+                "--pipeline-schedule",
+                "1f1b",
+                "--account-for-loss-in-pipeline-split",
+            ]
+        )
+        == []
+    )  # 5 + 1 splits
+    assert layer_split_problems([*base, "--pipeline-schedule", "v-zb"]) == []  # V: the plugin splits its stages
+    assert layer_split_problems(base) == []  # megatron's own schedule: megatron's own message
+    assert (
+        layer_split_problems([*base, "--pipeline-schedule", "zb-h1", "--decoder-first-pipeline-num-layers", "2"]) == []
+    )

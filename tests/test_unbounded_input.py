@@ -226,3 +226,39 @@ def test_plan_json_keys_unchanged_by_the_checks(tmp_path: Path, capsys: pytest.C
     path = tmp_path / "plan.json"
     assert outcome(capsys, "plan", "--model", "tiny", "--pp", "2", "--schedules", "1f1b", "--save", str(path))[0] == 0
     assert json.loads(path.read_text())["format"] == "megatron-pp plan v1"
+
+
+def test_save_to_a_device_or_a_full_disk_is_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device passes the folder checks (``/dev/full``: writable, and every write fails with ENOSPC): refused
+    when the command line is read; a disk that fills during the write is one line naming --save and the file."""
+    if os.path.exists("/dev/full"):
+        assert "/dev/full is not a regular file" in one_error(capsys, "plan", "--model", "tiny", "--save", "/dev/full")
+    import errno
+
+    def full(self: Path, *args: object, **kwargs: object) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+
+    monkeypatch.setattr(Path, "write_text", full)
+    path = tmp_path / "plan.json"
+    line = one_error(capsys, "plan", "--model", "tiny", "--pp", "2", "--schedules", "1f1b", "--save", str(path))
+    assert f"argument --save: cannot write {path}: No space left on device" in line
+
+
+def test_draw_refuses_charts_over_its_limit(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """draw's own bound (a chart costs far more per op than a simulation): one line with the count and limit."""
+    monkeypatch.setattr(limits, "MAX_DRAWN_OPS", 20)
+    line = one_error(capsys, "draw", "zb-h1", "-p", "2", "-m", "4", "-o", str(tmp_path / "x.png"))
+    assert "the schedule has 24 ops; draw charts at most 20" in line
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_a_search_timing_its_builds_at_many_shapes_counts_them(capsys: pytest.CaptureFixture[str], no_search) -> None:
+    """16 GPUs at global batch 1024: 3.4 M ops of distinct builds (under the limit) but 55 (TP, PP, DP,
+    micro-batch) shapes timing and sizing them again with their own costs; it took 15 s of CPU and 550 MB,
+    over what the limit promises, so the estimate counts the further shapes (search.RESIMULATE) and refuses it."""
+    line = one_error(capsys, "plan", "--model", "tiny", "--gpus", "16", "--global-batch", "1024", "--no-cache")
+    assert "the search would build about" in line and "the limit is 4,000,000 (about 10 s and 350 MB" in line

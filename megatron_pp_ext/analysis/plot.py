@@ -52,6 +52,11 @@ def title_for(result: SimResult, schedule: Schedule) -> str:
     )
 
 
+_Colour = tuple[float, float, float]
+#: micro-batch labels drawn at most (more: none; each is a separate text, the costly part of a large chart)
+MAX_LABELS = 2000
+
+
 def _output_path(path: str | Path) -> Path:
     """``path`` as a Path, refused unless it names a format we draw (.png, .svg)."""
     out = Path(path)
@@ -87,31 +92,32 @@ def draw(result: SimResult, schedule: Schedule, path: str | Path) -> Path:
     used: set[tuple[OpKind, int]] = set()
     for rank in range(p):
         ax.axhspan(rank - 0.42, rank + 0.42, color="#f2f2f2", zorder=0, linewidth=0)
+    boxes: dict[tuple[int, _Colour], list[tuple[float, float]]] = {}  # one collection per rank and colour, not per op
+    labels: list[tuple[float, int, str, _Colour]] = []
     for rank, op_text, start, end in result.timeline:
         op = Op.parse(op_text)
         chunk = schedule.placement.chunk_of(op.stage) if op.stage < schedule.num_stages else 0
         color = shade(op.kind, chunk, chunks)
         used.add((op.kind, chunk))
-        ax.barh(rank, end - start, left=start, height=0.8, color=color, edgecolor="white", linewidth=0.6, zorder=2)
+        boxes.setdefault((rank, color), []).append((start, end - start))
         label = str(op.microbatch)
         if (end - start) * pt_per_time >= fontsize * 0.62 * len(label) + 2:
-            ax.text(
-                (start + end) / 2,
-                rank,
-                label,
-                ha="center",
-                va="center",
-                fontsize=fontsize,
-                color=_text_color(color),
-                zorder=3,
-            )
+            labels.append(((start + end) / 2, rank, label, color))
 
+    for (rank, face), spans in boxes.items():
+        ax.broken_barh(spans, (rank - 0.4, 0.8), facecolors=face, edgecolor="white", linewidth=0.6, zorder=2)
+    if len(labels) > MAX_LABELS:  # each text is drawn on its own: thousands take minutes, and are not readable
+        labels = []
+    for x, rank, label, face in labels:
+        ax.text(x, rank, label, ha="center", va="center", fontsize=fontsize, color=_text_color(face), zorder=3)
     ax.set_ylim(p - 0.5, -0.5)
     ax.set_yticks(range(p))
     ax.set_yticklabels([f"rank {r}" for r in range(p)])
     ax.set_xlim(0, makespan)
     ax.set_xlabel(
-        "time (cost units); box label = micro-batch" + ("; lighter shade = later chunk" if chunks > 1 else "")
+        "time (cost units); "
+        + ("box label = micro-batch" if labels else f"micro-batch labels left out (over {MAX_LABELS} boxes)")
+        + ("; lighter shade = later chunk" if chunks > 1 else "")
     )
     ax.set_title(title_for(result, schedule), fontsize=10)
     for side in ("top", "right", "left"):

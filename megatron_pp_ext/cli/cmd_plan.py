@@ -22,6 +22,7 @@ from ..planner.plan_report import (
     table_rows,
 )
 from ..planner.result import PlanResult
+from ..schedule_args import CliError
 
 
 def add_top_argument(parser: Any, default: int) -> None:
@@ -92,8 +93,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     top = None if args.top == 0 else args.top
     rows = select_rows(result, args.best_per_schedule, top)
     if args.save:
-        doc = plan_document(result, planner, result.rows)
-        Path(args.save).write_text(json.dumps(doc, indent=1) + "\n")
+        _save(args.save, plan_document(result, planner, result.rows))
     if args.json:
         doc = plan_document(result, planner, rows)
         doc["summary"] = summary_lines(result, planner)
@@ -137,6 +137,14 @@ def moe_report(args: argparse.Namespace, planner: Any) -> int:
         print("megatron-pp: error: --moe-report: no schedule and EP size fits (reasons above)", file=sys.stderr)
         return 1
     return 0
+
+
+def _save(path: str, doc: dict[str, Any]) -> None:
+    """Write the plan; a failed write (a full disk, say) is one error line naming the file, not a traceback."""
+    try:
+        Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+    except OSError as exc:
+        raise CliError(f"argument --save: cannot write {path}: {exc.strerror or exc}") from None
 
 
 def _nothing_fits(result: PlanResult) -> int:

@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-__all__ = ["argv_problems", "check_argv_or_exit", "interleaving_problems"]
+__all__ = ["argv_problems", "check_argv_or_exit", "interleaving_problems", "layer_split_problems"]
 
 MAX_PROBLEMS = 20
 RANK0_GRACE_S = 3.0
@@ -168,9 +168,59 @@ def interleaving_problems(argv: Sequence[str]) -> list[str]:
     ]
 
 
+def layer_split_problems(argv: Sequence[str]) -> list[str]:
+    """Where megatron's ``validate_args`` asserts, with a traceback, that ``--num-layers`` (plus one for each
+    ``--account-for-embedding/loss-in-pipeline-split``) divides by ``--pipeline-model-parallel-size``: with a
+    plugin schedule of megatron's loop placement (or ``auto``, decided after megatron's checks), no uneven-split
+    flags, no hybrid pattern and no virtual pipeline flag (megatron's other branch). V and bidirectional
+    placements split the layers over their own model stages (:mod:`.uneven`), checked by the plugin."""
+    from argparse import Namespace
+
+    from .uneven import selected_placement_style
+
+    schedule = _value(argv, "--pipeline-schedule")
+    if schedule is None and _value(argv, "--pipeline-schedule-file") is None:
+        return []
+    style = selected_placement_style(
+        Namespace(pipeline_schedule=schedule, pipeline_schedule_file=_value(argv, "--pipeline-schedule-file"))
+    )
+    if style in ("v", "bidirectional"):
+        return []
+    others = (
+        "--decoder-first-pipeline-num-layers",
+        "--decoder-last-pipeline-num-layers",
+        "--pipeline-model-parallel-layout",
+        "--hybrid-layer-pattern",
+        "--num-virtual-stages-per-pipeline-rank",
+        "--num-layers-per-virtual-pipeline-stage",
+    )
+    if any(_value(argv, flag) is not None for flag in others):
+        return []
+    layers, p = _int(argv, "--num-layers"), _int(argv, "--pipeline-model-parallel-size") or 1
+    if layers is None or p <= 1:
+        return []
+    extra = [
+        f for f in ("--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split") if f in argv
+    ]
+    counted = layers + len(extra)
+    if counted % p == 0:
+        return []
+    what = f"{layers} layers" + "".join(f" + 1 ({f})" for f in extra)
+    return [
+        f"argument --num-layers: {what} do not split evenly over --pipeline-model-parallel-size {p} (megatron's "
+        f"loop placement of {schedule or 'the schedule file'}): give a multiple of {p}, or "
+        "--decoder-first/last-pipeline-num-layers for an uneven split"
+    ]
+
+
 def check_argv_or_exit(argv: Sequence[str], prog: str | None = None) -> None:
     """Exit with status 2 on every rank if ``argv`` has a problem; rank 0 prints one line per problem."""
-    problems = argv_problems(argv) or hybrid_pattern_problems(argv) or interleaving_problems(argv)
+    problems = (
+        argv_problems(argv)
+        or hybrid_pattern_problems(argv)
+        or interleaving_problems(argv)
+        or layer_split_problems(argv)
+    )
     if not problems:
         return
     if os.environ.get("RANK", "0") == "0":

@@ -430,6 +430,9 @@ class PipelineConfig:
     num_layers: int | None = field(default=None, metadata=_agreed("layers"))
     pipeline_parallel_size: int | None = field(default=None, metadata=_agreed("p"))
     microbatch_group_size: int | None = field(default=None, metadata=_agreed("mb_group"))
+    # The typed entry's model and batch (integration/entry.py, RunShape): what install(args) reads from megatron's
+    # args; install(config) then checks the configuration as it checks the flags, and decides auto.
+    run: Any = field(default=None, compare=False, repr=False)
     # Resolved while checking.
     layer_split: Any = None  # runtime.layer_map.LayerSplit for uneven splits under non-loop placements
     virtual_flag: str = "--num-virtual-stages-per-pipeline-rank"

@@ -15,7 +15,7 @@ What it does (docs/architecture.md, "CPU / gloo mode"):
 3. makes ``torch.cuda.synchronize`` / ``empty_cache`` / ``set_device`` no-ops;
 4. gives ``torch.cuda.current_stream()``, ``Stream`` and ``Event`` null objects;
 5. points megatron's CUDA RNG tracker at the CPU generator;
-6. defines ``typing.override`` on Python 3.11 (``megatron.training`` uses it);
+6. defines ``typing.override`` on Python 3.11 (``megatron.training`` uses it; 3.12 has its own, kept);
 7. makes the tensor-parallel all-reduce return a fresh tensor, never its input (MoE experts add
    their bias in place into it; :func:`_patch_reduce_from_model_parallel_region` says why that is exact);
 8. gives megatron's MoE token dispatcher its all-to-all split sizes as host arrays, as on a GPU

@@ -15,7 +15,10 @@ FLAG = "--pipeline-fsdp"
 
 # (megatron attribute, the flag the message names, refused when, message) under --pipeline-fsdp
 _NOT_WITH = f"not allowed with {FLAG}"
-_PLUGIN_FSDP = f"{_NOT_WITH}, which is the FSDP of plugin schedules (megatron's refuses pipeline parallelism)"
+_PLUGIN_FSDP = (
+    f"{_NOT_WITH}, which is the FSDP of plugin schedules (megatron's FSDP gathers and reduces from module hooks, "
+    "where the schedule cannot place them)"
+)
 _FP32 = f"{_NOT_WITH} yet (fp32 training only for now)"
 _NO_CKPT = f"{_NOT_WITH} yet: checkpoints of FSDP shards are not implemented"
 _REFUSED: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (

@@ -54,12 +54,10 @@ def installed() -> PipelineConfig | None:
 
 
 def _config_of(args_or_config: Any) -> PipelineConfig:
-    if isinstance(args_or_config, PipelineConfig):
-        if args_or_config.schedule == AUTO:
-            raise PipelineArgumentError(
-                "--pipeline-schedule", "auto is decided from megatron's args: call install(args), not install(config)"
-            )
-        return args_or_config
+    if isinstance(args_or_config, PipelineConfig):  # the typed entry: checked (and auto decided) with its run
+        from .entry import resolve as resolve_typed
+
+        return resolve_typed(args_or_config)[0]
     if args_or_config is None:
         from megatron.training import get_args
 

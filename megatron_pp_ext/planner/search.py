@@ -176,15 +176,17 @@ class Planner:
     def search_ops(self) -> int:
         """An upper estimate of the schedule ops the search builds, cheap to compute: every distinct build
         (schedule, p, micro-batches, chunks, memory limit, unit size; shapes that share one share the build,
-        as the memo does) of :func:`builds_at`, weighted by its op count. :meth:`check_search` refuses a
-        search over :data:`MAX_SEARCH_OPS` up front."""
-        keys: set[tuple[Any, ...]] = set()  # (memory limit, *build), the op count last
-        for _, p, _, _, m in self.shapes():
+        as the memo does) of :func:`builds_at`, weighted by its op count, plus :data:`RESIMULATE` times that
+        count for every further shape (TP, micro-batch, DP) timing and sizing the same build with its own
+        costs. :meth:`check_search` refuses a search over :data:`MAX_SEARCH_OPS` up front."""
+        uses: dict[tuple[Any, ...], set[tuple[int, int, int]]] = {}  # (memory limit, *build) -> its shapes
+        for t, p, d, b, m in self.shapes():
             for name in self.schedules_at(p):
                 for limit in self.limits_at(p):
                     feasible = feasible_chunks(self, registry.get(name).placement, p)
-                    keys.update((limit, *key) for key in builds_at(name, p, m, self.space, feasible))
-        return sum(weight for *_, weight in keys)
+                    for key in builds_at(name, p, m, self.space, feasible):
+                        uses.setdefault((limit, *key), set()).add((t, b, d))
+        return sum(key[-1] * (1 + RESIMULATE * (len(shapes) - 1)) for key, shapes in uses.items())
 
     def check_search(self) -> None:
         """Refuse, before any schedule is built, a search with no shape or one too large to finish in minutes."""
@@ -194,7 +196,7 @@ class Planner:
         if ops > MAX_SEARCH_OPS:
             raise ValueError(
                 f"the search would build about {ops:,} schedule ops ({self.num_gpus} GPUs, global batch "
-                f"{self.global_batch}); the limit is {MAX_SEARCH_OPS:,} (about 10 s and 300 MB of search): narrow "
+                f"{self.global_batch}); the limit is {MAX_SEARCH_OPS:,} (about 10 s and 350 MB of search): narrow "
                 "it with --pp, --tp, --micro-batch, --schedules, --virtual or --unit-sizes, "
                 "or a smaller --global-batch"
             )
@@ -366,14 +368,20 @@ class Planner:
         )
 
 
-# Schedule ops one search may build: the distinct builds of :func:`builds_at` (shapes that share a build share
-# it, as the memo does), in linear-generator equivalents (zeropp's unit sizes weighted, see UNIT_SCAN).
-# Measured on one CPU core of this project's CI machine (CPU time of the whole command, peak memory):
-# ``plan --model tiny --global-batch 512`` 0.95 M: 5.0 s, 140 MB; ``--global-batch 1024`` 3.6 M: 9.5 s, 260 MB;
-# the largest published plan here (bf-52b on 64 GPUs at global batch 512) 1.4 M: 6.0 s, 315 MB. The estimate
-# grows about 4x per doubling of the batch (``--global-batch 2048``: 14 M), so 4 M admits every plan above and
-# refuses the searches that would take minutes and gigabytes.
+# Schedule ops one search may build and time (:meth:`Planner.search_ops`): the distinct builds of
+# :func:`builds_at` (shapes that share a build share it, as the memo does), in linear-generator equivalents
+# (zeropp's unit sizes weighted, see UNIT_SCAN), plus RESIMULATE x the build's ops for each further shape that
+# simulates and sizes it with other costs. Measured on the shared 2-core development machine (user CPU time of the
+# whole command, peak memory; `/usr/bin/time -f "%U user %M KB" megatron-pp plan ... --top 1`):
+#   --model tiny --global-batch 1024             builds 3.60 M, further shapes 0.01 M:  7.8 s, 335 MB
+#   --model tiny --gpus 16 --global-batch 1024   builds 3.37 M, further shapes 1.22 M: 14.8 s, 550 MB
+#   --model tiny --gpus 32 --global-batch 1024   builds 0.91 M, further shapes 0.39 M:  5.9 s, 272 MB
+# about 2 s + 1.6 s per M build ops + 6.2 s per M further-shape ops, and 154 MB + 50 MB / 187 MB per M: a further
+# shape costs about 4 times a build per op (its simulation, retiming and memory model). At 4 M the search takes
+# at most about 8 s of CPU and 350 MB; the builds-only estimate admitted the 16-GPU search above (15 s, 550 MB).
+# The estimate grows about 4x per doubling of the batch (``--global-batch 2048``: 14 M).
 MAX_SEARCH_OPS = 4_000_000
+RESIMULATE = 4
 # zeropp at a unit size U < m scans its units: a build at m takes about (1 + m / (15 U)) times as long per op
 # as a linear generator (single builds at p=2 and 8, m=1024: U=1 80 us per op, U=4 25, U=256 10)
 UNIT_SCAN = 15

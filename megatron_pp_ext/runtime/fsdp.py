@@ -34,8 +34,9 @@ gradient of a micro-batch may be computed long after its backward ran (after the
 and gathered again); under FSDP2 that gradient would be reduced early, per micro-batch, or lost, and
 the schedule, not a module hook, must decide when the single reduce-scatter of the iteration runs.
 Megatron-FSDP (``megatron_fsdp``) likewise drives gathers and reduces from module hooks and its own
-bucket machinery tied to megatron DDP's config, and megatron-core rejects FSDP with pipeline
-parallelism anyway. A flat buffer per chunk is small, works identically on gloo and NCCL (two
+bucket machinery tied to megatron DDP's config, reduces after every backward under ZeRO-2/3 and runs on
+CUDA only (megatron-core refuses torch FSDP2 with pipeline parallelism, not Megatron-FSDP). A flat
+buffer per chunk is small, works identically on gloo and NCCL (two
 collectives: ``all_gather_single`` and ``reduce_scatter_single``), keeps megatron's ``main_grad``
 contract, and makes every collective an explicit call the lowering can count and the validator can
 order. See ``docs/fsdp.md``.

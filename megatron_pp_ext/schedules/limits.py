@@ -13,9 +13,22 @@ from __future__ import annotations
 
 from .ir import ScheduleError
 
-__all__ = ["MAX_FILE_BYTES", "MAX_OPS", "OPS_PER_PAIR", "ScheduleTooLargeError", "check_ops", "check_simulated_ops"]
+__all__ = [
+    "MAX_DRAWN_OPS",
+    "MAX_FILE_BYTES",
+    "MAX_OPS",
+    "OPS_PER_PAIR",
+    "ScheduleTooLargeError",
+    "check_drawn_ops",
+    "check_ops",
+    "check_simulated_ops",
+]
 
 MAX_OPS = 1 << 20  # ops in one schedule, and op executions in one simulation (iterations x ops)
+# ops in one Gantt chart (``draw``): measured on this project's CPU, 96,000 ops take about 10 s and 220 MB, 960,000
+# take about 110 s and 1.2 GB (benchmarks/RESULTS.md); past about 100 boxes per inch of a 48-inch chart's width no box
+# is visible anyway
+MAX_DRAWN_OPS = 1 << 17
 OPS_PER_PAIR = 3  # a (stage, micro-batch) pair runs F, B and W (at most: an unsplit backward is one op)
 # Bytes per op a schedule file may spend on average (an op is written as e.g. "BW123.4567," in 11 bytes;
 # headers and blank lines fit in the rest): a file of more bytes than this holds more ops than MAX_OPS.
@@ -35,6 +48,16 @@ def check_ops(p: int, m: int, v: int) -> None:
             f"p={p} ranks x m={m} micro-batches x v={v} chunks (-p x -m x -v) is {_count(ops)} ops; the limit is "
             f"{MAX_OPS:,} ops ({OPS_PER_PAIR} per stage and micro-batch, about 1 GB and 5-30 s to simulate; the "
             "largest published plan here has 24,576)"
+        )
+
+
+def check_drawn_ops(num_ops: int) -> None:
+    """Refuse drawing a chart of more than :data:`MAX_DRAWN_OPS` ops (names the count, the limit and its cost)."""
+    if num_ops > MAX_DRAWN_OPS:
+        raise ScheduleTooLargeError(
+            f"the schedule has {num_ops:,} ops; draw charts at most {MAX_DRAWN_OPS:,} (about 15 s and 300 MB; a "
+            f"chart of the 1,048,576-op limit takes about 2 minutes and 1.2 GB and shows no single box): give a "
+            "smaller -p / -m, or use simulate"
         )
 
 

@@ -156,7 +156,7 @@ class Schedule:
         pairs: dict[int, list[int]] = {}
         body = []
         num_ops = 0
-        for lineno, line in enumerate(text.splitlines(), 1):
+        for lineno, line in enumerate(text.removeprefix("\ufeff").splitlines(), 1):  # a byte-order mark
             stripped = line.strip()
             if not stripped:
                 continue
@@ -226,7 +226,7 @@ class Schedule:
         or pipe reports size 0, ``/dev/zero`` never ends), refusing binary data at the first NUL byte."""
         data = _read_capped(path)
         try:
-            text = data.decode("utf-8")
+            text = data.decode("utf-8-sig")  # spreadsheet programs write a byte-order mark first
         except UnicodeDecodeError as exc:
             raise ScheduleSyntaxError(
                 f"schedule file {path} is not a text (UTF-8) schedule: binary data at byte {exc.start}"

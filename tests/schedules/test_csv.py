@@ -96,3 +96,12 @@ def test_bad_csv(text: str, match: str) -> None:
 def test_missing_file_is_a_syntax_error(tmp_path: Path) -> None:
     with pytest.raises(ScheduleSyntaxError, match="cannot read schedule file"):
         Schedule.load(tmp_path / "nope.csv")
+
+
+def test_a_byte_order_mark_is_accepted(tmp_path: Path) -> None:
+    """Spreadsheet programs save CSV as UTF-8 with a byte-order mark before the first cell."""
+    schedule = generate("zb-h1", 2, 4)
+    path = tmp_path / "saved_by_a_spreadsheet.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + schedule.to_csv().encode())
+    assert Schedule.load(path).to_csv() == schedule.to_csv()
+    assert Schedule.from_csv("\ufeff" + schedule.to_csv()).to_csv() == schedule.to_csv()

@@ -53,3 +53,32 @@ def test_bad_suffix(tmp_path: Path) -> None:
     schedule = generate("1f1b", 2, 2)
     with pytest.raises(ValueError, match=r"\.png or \.svg"):
         draw(simulate(schedule), schedule, tmp_path / "x.jpg")
+
+
+def test_a_large_chart_draws_one_collection_per_rank_and_colour_and_caps_its_labels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chart of tens of thousands of ops used to take minutes: one bar artist and one text per op. Bars are
+    now one collection per rank and colour, and past MAX_LABELS the micro-batch labels are left out (said so)."""
+    from matplotlib.axes import Axes
+
+    from megatron_pp_ext.analysis import plot
+
+    calls = {"broken_barh": 0, "barh": 0, "text": 0}
+    for name in calls:
+        real = getattr(Axes, name)
+
+        def counted(self: Axes, *args: object, _name: str = name, _real: object = real, **kwargs: object) -> object:
+            calls[_name] += 1
+            return _real(self, *args, **kwargs)  # type: ignore[operator]
+
+        monkeypatch.setattr(Axes, name, counted)
+    schedule = generate("zb-h1", 2, 8)
+    result = simulate(schedule)
+    text = draw(result, schedule, tmp_path / "small.svg").read_text()
+    assert calls["barh"] == 0 and calls["broken_barh"] == 2 * 3  # 2 ranks x (F, B, W)
+    assert calls["text"] == 3 * 2 * 8 and "box label = micro-batch" in text  # every op labelled
+    monkeypatch.setattr(plot, "MAX_LABELS", 10)
+    calls["text"] = 0
+    text = draw(result, schedule, tmp_path / "large.svg").read_text()
+    assert calls["text"] == 0 and "micro-batch labels left out (over 10 boxes)" in text
