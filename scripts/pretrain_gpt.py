@@ -51,7 +51,7 @@ from megatron_pp_ext.integration.arguments import (  # noqa: E402
     microbatch_counts,
     validate_arguments_or_exit,
 )
-from megatron_pp_ext.integration.fsdp_flags import check_argv as check_fsdp_argv  # noqa: E402
+from megatron_pp_ext.integration.features.chunk_fsdp import check_argv as check_fsdp_argv  # noqa: E402
 from megatron_pp_ext.integration.uneven import megatron_validation_for_placement  # noqa: E402
 
 

@@ -28,7 +28,8 @@ from ..runtime.layer_map import SPLIT_FLAGS
 from ..schedules import registry
 from ..schedules.ir import ScheduleError
 from ..schedules.schedule import Schedule
-from . import fsdp_flags, moe_flags
+from . import moe_flags
+from .features import chunk_fsdp as fsdp_flags
 from .config import (
     AUTO,
     ActivationLimit,

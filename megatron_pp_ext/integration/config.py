@@ -358,7 +358,7 @@ class PipelineConfig:
         default=False,
         metadata=_flag(
             name="--pipeline-fsdp",
-            notes="megatron_pp_ext/integration/fsdp_flags.py lists the megatron flags it refuses (one line each).",
+            notes="megatron_pp_ext/integration/features/chunk_fsdp.py lists the megatron flags it refuses (one line each).",
             needs="schedule",
             agree="fsdp",
             help="Shard each model chunk's parameters, gradients and optimizer state over its data-parallel group "

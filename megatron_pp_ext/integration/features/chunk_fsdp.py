@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .config import PipelineArgumentError
+from ..config import PipelineArgumentError
 
 FLAG = "--pipeline-fsdp"
 

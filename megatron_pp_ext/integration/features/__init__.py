@@ -1,0 +1,1 @@
+"""The megatron features the plugin adapts, one module each (see :mod:`.base`)."""
