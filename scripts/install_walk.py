@@ -20,7 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_pp_ext.integration import cpu  # noqa: E402  (before any megatron import)
+from megatron_pp_ext.integration import cpu
 
 PREFIX = "megatron_pp_ext."
 DEFAULT_ARGV = ["--pipeline-schedule", "v-zb", "--pipeline-costs", "1,1,1,0"]
@@ -53,7 +53,7 @@ def room(module: str) -> str:
 def walk(argv: list[str]) -> list[str]:
     cpu._define_typing_override()  # megatron's import-time shims only, as the integration tests do
     cpu._stub_triton_modules()
-    import megatron.core.pipeline_parallel.schedules  # noqa: F401  (imported before the walk: not counted)
+    import megatron.core.pipeline_parallel.schedules
     import megatron.training.training  # noqa: F401
 
     from megatron_pp_ext.integration import install as inst

@@ -38,11 +38,11 @@ from .arguments import (
     PipelineArgumentError,
     PipelineConfig,
     _cuda_available,
-    _virtual_flag,
     check_schedule_flags,
     parse_costs,
     parse_memory_limit,
 )
+from .features.layer_placement import virtual_flag_of
 
 __all__ = ["Redecision", "planner_for_run", "resolve", "run_layer_split"]
 
@@ -242,7 +242,7 @@ def resolve(args: Any, config: PipelineConfig) -> PipelineConfig:
         raise PipelineArgumentError(  # one line: rank 0 printed the table (what each needs) just above
             "--pipeline-memory-budget", f"no schedule fits in {budget:.3g} GiB per rank (the auto table above)"
         )
-    if "|" in (getattr(args, "hybrid_layer_pattern", None) or "") and _virtual_flag(args) is None:
+    if "|" in (getattr(args, "hybrid_layer_pattern", None) or "") and virtual_flag_of(args) is None:
         # megatron derived its virtual pipeline size from the pattern's segments (segments / p): the chosen
         # schedule's placement sets the chunks, as a virtual flag the user did not give would not
         config = replace(config, num_virtual_stages=None)

@@ -43,6 +43,7 @@ __all__ = [
 ]
 
 AUTO = "auto"  # --pipeline-schedule auto (planner/auto.py)
+FSDP_FLAG = "--pipeline-fsdp"  # named in the FSDP feature's messages (features/chunk_fsdp.py, fsdp_training.py)
 
 
 class PipelineArgumentError(ValueError):
@@ -357,8 +358,9 @@ class PipelineConfig:
     fsdp: bool = field(
         default=False,
         metadata=_flag(
-            name="--pipeline-fsdp",
-            notes="megatron_pp_ext/integration/features/chunk_fsdp.py lists the megatron flags it refuses (one line each).",
+            name=FSDP_FLAG,
+            notes="megatron_pp_ext/integration/features/chunk_fsdp.py lists the megatron flags it refuses "
+            "(one line each).",
             needs="schedule",
             agree="fsdp",
             help="Shard each model chunk's parameters, gradients and optimizer state over its data-parallel group "

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ..runtime.fsdp import FsdpMemory, ShardedChunk, finalize_sharded_grads
 from ._patching import Patcher
-from .features.chunk_fsdp import FLAG
+from .config import FSDP_FLAG as FLAG
 
 
 # ---- model chunks -------------------------------------------------------------------------------------
