@@ -170,27 +170,31 @@ def schedule_from_args(args: argparse.Namespace) -> Schedule:
 
 
 def auto_unit_size(args: argparse.Namespace) -> Schedule:
-    """``zeropp --pipeline-unit-size auto``: pick U with the simulator; the table goes to stderr."""
-    from .analysis.zeropp_auto import choose_unit_size
+    """``zeropp --pipeline-unit-size auto``: built by the registry, whose chooser picks U with the simulator
+    (timed with the data-parallel flags when given); the table goes to stderr."""
+    from .analysis.zeropp_auto import UnitChoice, UnitSizeContext, unit_size_context
 
     costs = parse_costs(args.costs)
-    dp: dict[str, Any] = {}
+    context: dict[str, Any] = {}
     if getattr(args, "dp_bandwidth", None) is not None:  # simulate: collectives timed on the DP stream
         provisional = generate_schedule("zeropp", args.p, args.m, args.v, costs, unit_size=args.m)
         options = dp_options(args, provisional)
         if options:
-            dp = {
+            context = {
                 "dp": options["dp"],
                 "dp_bandwidth": options["dp_bandwidth"],
                 "param_bytes": options["param_bytes"],
                 "fsdp": options["collectives"].fsdp_max_unsharded is not None,
             }
-    choice = choose_unit_size(
-        args.p, args.m, v=args.v, costs=costs, memory_limit=parse_memory_limit(args.memory_limit, args.p), **dp
-    )
-    print(choice.table(), file=sys.stderr)
-    print(f"zeropp: chose --pipeline-unit-size {choice.best.unit_size}", file=sys.stderr)
-    return choice.schedule
+
+    def report(choice: UnitChoice) -> None:
+        print(choice.table(), file=sys.stderr)
+        print(f"zeropp: chose --pipeline-unit-size {choice.best.unit_size}", file=sys.stderr)
+
+    with unit_size_context(UnitSizeContext(**context, report=report)):
+        return generate_schedule(
+            "zeropp", args.p, args.m, args.v, costs, parse_memory_limit(args.memory_limit, args.p), unit_size="auto"
+        )
 
 
 _BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d*)?(?:e\d+)?|\.\d+)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)

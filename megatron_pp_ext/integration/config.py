@@ -503,9 +503,9 @@ class PipelineConfig:
             assert self.schedule is not None
             if self.schedule == AUTO:
                 raise ScheduleError("--pipeline-schedule auto is decided by install(args) (megatron's args needed)")
-            from ..analysis import zeropp_auto  # registry.generate, and zeropp's unit size 'auto'
+            from .. import analysis  # noqa: F401  (registers zeropp's unit size 'auto' with the registry)
 
-            schedule = zeropp_auto.generate(self.schedule, p, m, **self.generator_kwargs(p))
+            schedule = registry.generate(self.schedule, p, m, **self.generator_kwargs(p))
             if self.num_virtual_stages is not None and schedule.chunks_per_rank != self.num_virtual_stages:
                 raise ScheduleError(
                     f"{self.schedule} places {schedule.chunks_per_rank} chunk(s) per rank "

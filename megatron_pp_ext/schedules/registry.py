@@ -4,6 +4,12 @@ A schedule registers a :class:`ScheduleInfo`: its generator, placement, whether 
 backward, and its :class:`~.capabilities.Capabilities` (what parameters it takes, as data).
 :func:`generate` checks a request against those declarations (:func:`~.capabilities.check_request`)
 before the generator runs, so generators do not repeat the common checks.
+
+:func:`generate` is the one way to build a schedule by name. A keyword value that a layer above this
+package decides (zeropp's ``unit_size="auto"``, chosen with the simulator) reaches it through a
+:func:`register_chooser` made by that layer (:mod:`megatron_pp_ext.analysis.zeropp_auto`, registered when
+:mod:`megatron_pp_ext.analysis` is imported): the request is checked here as any other, then the chooser
+builds the schedule instead of the generator.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from .limits import check_ops
 from .schedule import Schedule
 
 Generator = Callable[..., Schedule]
+Chooser = Callable[["ScheduleInfo", int, int, dict[str, object]], Schedule]
+"""``chooser(info, p, m, checked)``: the schedule for a checked request whose keyword says ``"auto"``."""
 
 
 class UnknownScheduleError(ScheduleError):
@@ -69,14 +77,32 @@ class ScheduleInfo:
         check_ops(p, m, max(int(chunks), 1))
 
     def build(self, p: int, m: int, **kwargs: object) -> Schedule:
-        """Check the request, then generate."""
+        """Check the request, then generate (or let a registered chooser decide an ``"auto"`` value)."""
         checked = self.check(p, m, **kwargs)
         self.check_size(p, m, checked.get("v", kwargs.get("v")))
+        chooser = _chooser_for(self.name, checked)
         with cyclic_gc_paused():
+            if chooser is not None:
+                return chooser(self, p, m, checked)
             return self.generate(p, m, **checked)
 
 
 _REGISTRY: dict[str, ScheduleInfo] = {}
+_CHOOSERS: dict[tuple[str, str], Chooser] = {}
+
+
+def register_chooser(name: str, keyword: str, chooser: Chooser) -> None:
+    """Schedule ``name`` built with ``keyword="auto"`` is built by ``chooser`` (from a layer above this
+    package: the schedules package never simulates)."""
+    _CHOOSERS[(name.lower(), keyword)] = chooser
+
+
+def _chooser_for(name: str, checked: dict[str, object]) -> Chooser | None:
+    for (schedule, keyword), chooser in _CHOOSERS.items():
+        value = checked.get(keyword)
+        if schedule == name.lower() and isinstance(value, str) and value.strip().lower() == "auto":
+            return chooser
+    return None
 
 
 def register(info: ScheduleInfo) -> ScheduleInfo:
