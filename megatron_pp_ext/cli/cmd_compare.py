@@ -7,7 +7,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from .. import argtypes
-from ..schedule_args import CliError, generate_schedule, parse_costs
+from ..schedule_args import CliError, generate_schedule, parse_cli_costs
 from ..schedules import registry
 from ..schedules.ir import ScheduleError
 from ..schedules.schedule import Schedule
@@ -76,7 +76,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             f"compare builds all {count} schedules at -p {args.p} -m {args.m} (v={args.v or 2}): about {ops:,} ops; "
             f"the limit is {MAX_OPS:,} (as for one schedule in simulate): give a smaller -p or -m"
         )
-    costs = parse_costs(args.costs)
+    costs = parse_cli_costs(args.costs)
     done, skipped, broken = compare_rows(args.p, args.m, args.v, costs)
     if args.json:
         payload: dict[str, Any] = {

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ..schedule_args import CliError, add_source_args, parse_costs, schedule_from_args
+from ..schedule_args import CliError, add_source_args, parse_cli_costs, schedule_from_args
 from .cmd_simulate import simulated
 from .support import int_list
 
@@ -39,7 +39,7 @@ def cmd_draw(args: argparse.Namespace) -> int:
     if args.html:
         return cmd_draw_html(args)
     schedule = schedule_from_args(args)
-    result = simulated(schedule, parse_costs(args.costs))
+    result = simulated(schedule, parse_cli_costs(args.costs))
     try:
         out = draw(result, schedule, args.output)
     except OSError as exc:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import argtypes
 from ..argtypes import fraction
-from ..schedule_args import CliError, add_source_args, dp_options, parse_costs, schedule_from_args
+from ..schedule_args import CliError, add_source_args, dp_options, parse_cli_costs, schedule_from_args
 from ..schedules.layer_split import add_split_arguments
 from ..schedules.schedule import Schedule
 from .formatting import building_block_of, data_parallel_summary, num, summary
@@ -85,7 +85,7 @@ def uneven_costs(args: argparse.Namespace, schedule: Schedule) -> Costs | None:
     from ..schedules.layer_costs import stage_costs_from_layout
     from ..schedules.layer_split import SPLIT_FLAGS, LayerSplitError, split_from_args
 
-    costs = parse_costs(args.costs)
+    costs = parse_cli_costs(args.costs)
     given = [flag for attr, flag in SPLIT_FLAGS if getattr(args, attr, None) not in (None, False)]
     if not given:
         return costs

@@ -2,10 +2,11 @@
 
 The flags themselves (names, values, help, defaults) are declared once, on
 :class:`~.config.PipelineConfig`; :mod:`.flags` generates the argparse group from them and
-``docs/flags.md`` lists them. ``add_arguments(parser)`` is an ``extra_args_provider`` for megatron's
+``docs/flags.md`` lists them. :func:`.flags.add_arguments` is an ``extra_args_provider`` for megatron's
 ``parse_and_validate_args``; :func:`validate_arguments` runs after it (megatron's own checks have run
-and ``args.data_parallel_size`` is known): it resolves the :class:`PipelineConfig`, refuses flags the
-selected schedule cannot honour (one ``argument --flag: ...`` line), and sets megatron's chunk count
+and ``args.data_parallel_size`` is known): it resolves the :class:`PipelineConfig`, runs each feature's
+checks (:mod:`.features`), refuses flags the selected schedule cannot honour (one ``argument --flag: ...``
+line), and sets megatron's chunk count
 from the schedule's placement (``args.virtual_pipeline_model_parallel_size``), as a megatron user
 expects from the virtual pipeline flags. ``--pipeline-schedule auto`` is checked here from its declared
 values only; the decision runs in :func:`megatron_pp_ext.install` (:mod:`.auto_schedule`), which then
@@ -27,43 +28,20 @@ from typing import Any
 from ..schedules import registry
 from ..schedules.ir import ScheduleError
 from ..schedules.schedule import Schedule
-from .config import (
-    AUTO,
-    ActivationLimit,
-    LayerKindCosts,
-    PipelineArgumentError,
-    PipelineConfig,
-    as_costs,
-    check_schedule,
-    parse_costs,
-    parse_memory_limit,
-    parse_schedule_name,
-)
+from .config import AUTO, LayerKindCosts, PipelineArgumentError, PipelineConfig
 from .features import features
 from .features.layer_placement import given, virtual_flag_of
-from .flags import GROUP_TITLE, add_arguments, flags_needing, values_from_args
+from .flags import flags_needing, values_from_args
 from .uneven import layout_is_ours
 
 __all__ = [
-    "AUTO",
     "CPU_ARGV",
-    "GROUP_TITLE",
-    "ActivationLimit",
-    "LayerKindCosts",
-    "PipelineArgumentError",
-    "PipelineConfig",
-    "add_arguments",
-    "as_costs",
     "check_auto_flags",
-    "check_schedule",
     "check_schedule_flags",
     "config_from_args",
     "cpu_argv",
     "error_line",
     "microbatch_counts",
-    "parse_costs",
-    "parse_memory_limit",
-    "parse_schedule_name",
     "pipeline_config_of",
     "validate_arguments",
     "validate_arguments_or_exit",

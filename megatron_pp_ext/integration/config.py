@@ -37,8 +37,8 @@ __all__ = [
     "PipelineConfig",
     "as_costs",
     "check_schedule",
-    "parse_costs",
-    "parse_memory_limit",
+    "parse_pipeline_costs",
+    "parse_pipeline_memory_limit",
     "parse_schedule_name",
 ]
 
@@ -56,7 +56,8 @@ class PipelineArgumentError(ValueError):
 
 
 # ---- value parsers (argparse types: a bad value is one ``argument --flag: ...`` line) -------------------
-parse_memory_limit = argtypes.memory_limit  # N or Np activations -> ActivationLimit
+# ``--pipeline-memory-limit``: N or Np activations -> ActivationLimit (:func:`..schedules.values.parse_memory_limit`)
+parse_pipeline_memory_limit = argtypes.memory_limit
 
 
 @dataclass(frozen=True)
@@ -80,11 +81,11 @@ class LayerKindCosts:
         return cls(tuple(sorted(entries.items())), micro_batch, tp, profile)
 
 
-def parse_costs(text: str) -> Any:
-    """``F,B,W[,COMM]`` numbers (:func:`~megatron_pp_ext.schedules.values.parse_costs`), per-layer-kind
-    ``KIND=F,B,W;...`` entries (text with ``=``: :class:`LayerKindCosts`), or the path of a JSON profile written
-    by ``--pipeline-profile-out`` (text without a comma), which may carry per-layer-kind entries too (its
-    ``layer_costs`` key, the same text)."""
+def parse_pipeline_costs(text: str) -> Any:
+    """``--pipeline-costs``: ``F,B,W[,COMM]`` numbers (:func:`~megatron_pp_ext.schedules.values.parse_costs`),
+    per-layer-kind ``KIND=F,B,W;...`` entries (text with ``=``: :class:`LayerKindCosts`), or the path of a JSON
+    profile written by ``--pipeline-profile-out`` (text without a comma), which may carry per-layer-kind entries
+    too (its ``layer_costs`` key, the same text)."""
     if "=" in str(text):
         return LayerKindCosts.parse(text)
     if "," not in str(text):
@@ -254,7 +255,7 @@ class PipelineConfig:
         metadata=_flag(
             name="--pipeline-memory-limit",
             metavar="N|Np",
-            parse=parse_memory_limit,
+            parse=parse_pipeline_memory_limit,
             keep_text=True,
             needs="schedule",
             agree="memory_limit",
@@ -276,7 +277,7 @@ class PipelineConfig:
             "reaches auto only with per-layer-kind entries (its `layer_costs` key). Without the flag auto uses "
             "the device's cost model (docs/planner.md).",
             metavar="F,B,W[,COMM]|KIND=F,B,W;...|FILE",
-            parse=parse_costs,
+            parse=parse_pipeline_costs,
             keep_text=True,
             needs="schedule",
             agree="costs",

@@ -25,7 +25,8 @@ from ..schedules.ir import ScheduleError
 from ..schedules.placement import Placement, make_placement
 from ..schedules.schedule import Schedule
 from ._patching import Patcher
-from .arguments import AUTO, PipelineArgumentError, PipelineConfig, pipeline_config_of, validate_arguments
+from .arguments import pipeline_config_of, validate_arguments
+from .config import AUTO, PipelineArgumentError, PipelineConfig
 from .features import Wiring, features
 
 SCHEDULES_MODULE = "megatron.core.pipeline_parallel.schedules"

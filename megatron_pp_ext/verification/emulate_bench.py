@@ -85,7 +85,7 @@ EMULATE_ONLY = ("m", "schedules", "costs", "iterations", "warmup")
 def settings_from(args: argparse.Namespace) -> Settings | None:
     """Check every ``--emulate`` flag before anything is spawned; EmulateError names the flag and range.
     Without ``--emulate``: None, or EmulateError if one of its own flags was given."""
-    from ..schedule_args import parse_costs
+    from ..schedule_args import parse_cli_costs
     from ..schedules import registry
 
     if not args.emulate:
@@ -119,7 +119,7 @@ def settings_from(args: argparse.Namespace) -> Settings | None:
     if BASELINE not in wanted:  # the gains are over 1f1b
         wanted = (BASELINE, *wanted)
     costs_text = args.costs or DEFAULT_COSTS
-    costs = parse_costs(costs_text)
+    costs = parse_cli_costs(costs_text)
     assert costs is not None
     comm_given = len(costs_text.split(",")) == 4
     if max(costs.t_f, costs.t_b, costs.t_w, costs.t_comm) > MAX_PAD_MS:  # type: ignore[type-var]

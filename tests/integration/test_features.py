@@ -11,7 +11,8 @@ import pytest
 from megatron_args_helpers import make_args
 
 from megatron_pp_ext.integration import install as inst
-from megatron_pp_ext.integration.arguments import PipelineArgumentError, PipelineConfig, validate_arguments
+from megatron_pp_ext.integration.arguments import validate_arguments
+from megatron_pp_ext.integration.config import PipelineArgumentError, PipelineConfig
 from megatron_pp_ext.integration.features import ORDER, Feature, Wiring, base, features
 
 
