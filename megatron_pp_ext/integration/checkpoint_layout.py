@@ -20,9 +20,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..runtime.layer_map import LayerSplitError, chunk_layouts
+from ..runtime.layer_map import chunk_layouts
 from ..schedules import registry
 from ..schedules.ir import ScheduleError
+from ..schedules.layer_split import LayerSplitError
 from ..schedules.placement import make_placement
 from .config import AUTO
 from .features.layer_placement import layer_split_from_args

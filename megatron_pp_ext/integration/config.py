@@ -434,7 +434,7 @@ class PipelineConfig:
     pipeline_parallel_size: int | None = field(default=None, metadata=_agreed("p"))
     microbatch_group_size: int | None = field(default=None, metadata=_agreed("mb_group"))
     # Resolved while checking.
-    layer_split: Any = None  # runtime.layer_map.LayerSplit for uneven splits under non-loop placements
+    layer_split: Any = None  # schedules.layer_split.LayerSplit for uneven splits under non-loop placements
     virtual_flag: str = "--num-virtual-stages-per-pipeline-rank"
     auto_table: str | None = None  # --pipeline-schedule auto: the decision table
     # auto with --pipeline-replan: measured Costs -> (the configuration to run, the decision table)

@@ -266,7 +266,7 @@ def test_errors_exit_like_argparse(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_uneven_split_flags_under_v_placement_are_checked() -> None:
     from megatron_pp_ext.integration.features.layer_placement import layer_split_from_args
-    from megatron_pp_ext.runtime.layer_map import LayerSplit, LayerSplitError, stage_layer_counts
+    from megatron_pp_ext.schedules.layer_split import LayerSplit, LayerSplitError, stage_layer_counts
 
     class Args:
         account_for_embedding_in_pipeline_split = True
