@@ -19,8 +19,9 @@ import argparse
 import statistics
 
 from megatron_pp_ext.analysis.plot import draw_plan_vs_measured
-from megatron_pp_ext.analysis.simulate import Costs, simulate
+from megatron_pp_ext.analysis.simulate import simulate
 from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.schedules.costs import Costs
 from megatron_pp_ext.verification import torch_pipelining
 from megatron_pp_ext.verification.rank_pool import check_errors
 from megatron_pp_ext.verification.rank_run import RankPool

@@ -23,8 +23,9 @@ import argparse
 import statistics
 
 from megatron_pp_ext.analysis.schedule_check import validate
-from megatron_pp_ext.analysis.simulate import Costs, simulate
+from megatron_pp_ext.analysis.simulate import simulate
 from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.schedules.costs import Costs
 from megatron_pp_ext.verification.rank_pool import check_errors
 from megatron_pp_ext.verification.rank_run import RankPool
 from megatron_pp_ext.verification.run_spec import OURS, RunSpec

@@ -9,7 +9,6 @@ import argparse
 import pytest
 
 from megatron_pp_ext import argtypes
-from megatron_pp_ext.analysis.simulate import Costs
 from megatron_pp_ext.integration import flags
 from megatron_pp_ext.integration.arguments import config_from_args
 from megatron_pp_ext.integration.config import PipelineArgumentError, PipelineConfig
@@ -17,6 +16,7 @@ from megatron_pp_ext.integration.flags import add_arguments
 from megatron_pp_ext.planner.options import add_plan_arguments
 from megatron_pp_ext.planner.variants import resolve_limit
 from megatron_pp_ext.schedule_args import CliError, add_source_args, parse_cli_memory_limit
+from megatron_pp_ext.schedules.costs import Costs
 
 P = 4
 MEMORY_LIMITS = [

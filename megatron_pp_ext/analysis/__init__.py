@@ -3,7 +3,6 @@
 Importing this package registers what the schedule registry cannot decide itself: zeropp's automatic unit
 size (:mod:`.zeropp_auto`), so that ``registry.generate("zeropp", ..., unit_size="auto")`` builds it."""
 
-from ..schedules.costs import Costs
 from .schedule_check import (
     ChannelError,
     CollectiveError,
@@ -26,7 +25,6 @@ __all__ = [
     "DEFAULT_W_RETAINED_FRACTION",
     "ChannelError",
     "CollectiveError",
-    "Costs",
     "DataParallelResult",
     "DeadlockError",
     "DependencyError",

@@ -63,7 +63,6 @@ from .schedule_check import DeadlockError, validate
 
 __all__ = [
     "DEFAULT_W_RETAINED_FRACTION",
-    "Costs",
     "DataParallelResult",
     "IterationResult",
     "SimResult",

@@ -15,7 +15,8 @@ from .cmd_simulate import simulated
 from .formatting import fmt_table, num
 
 if TYPE_CHECKING:
-    from ..analysis.simulate import Costs, SimResult
+    from ..analysis.simulate import SimResult
+    from ..schedules.costs import Costs
 
 
 def compare_rows(
@@ -52,7 +53,7 @@ def iteration_time_1f1b_units(schedule: Schedule, result: SimResult, costs: Cost
     so schedules with different v compare; ``--costs`` are read as one 1F1B stage's op times."""
     from dataclasses import replace
 
-    from ..analysis.simulate import Costs
+    from ..schedules.costs import Costs
 
     k = schedule.placement.stages_per_rank_per_replica
     if k == 1:

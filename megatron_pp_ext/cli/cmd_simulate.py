@@ -15,7 +15,8 @@ from .formatting import building_block_of, data_parallel_summary, num, summary
 from .support import step_times
 
 if TYPE_CHECKING:
-    from ..analysis.simulate import Costs, SimResult
+    from ..analysis.simulate import SimResult
+    from ..schedules.costs import Costs
     from ..schedules.lowering import LoweredSchedule
 
 

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..analysis.simulate import Costs
 from ..planner.auto import AutoDecision, decide
 from ..planner.memo import SIM_OVERLAP
 from ..planner.memory import GIB
@@ -31,6 +30,7 @@ from ..planner.result import PlanRow
 from ..planner.search import Planner
 from ..planner.space import SearchSpace
 from ..schedules import registry
+from ..schedules.costs import Costs
 from ..schedules.layer_split import LayerSplit, split_from_args
 from ..schedules.placement import loop_placement, make_placement
 from .arguments import _cuda_available, check_schedule_flags

@@ -517,9 +517,9 @@ class PipelineConfig:
 
 
 def as_costs(costs: Any) -> Any:
-    """A :class:`~megatron_pp_ext.analysis.simulate.Costs` from a Costs, an (F, B, W, COMM) tuple or the
+    """A :class:`~megatron_pp_ext.schedules.costs.Costs` from a Costs, an (F, B, W, COMM) tuple or the
     profile a :class:`LayerKindCosts` came with."""
-    from ..analysis.simulate import Costs
+    from ..schedules.costs import Costs
 
     if isinstance(costs, Costs):
         return costs

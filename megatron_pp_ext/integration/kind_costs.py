@@ -55,7 +55,7 @@ def with_stage_costs(args: Any, costs: LayerKindCosts, schedule: str, p: int, v:
     """``costs`` with the per-stage costs of ``schedule`` at pipeline size ``p`` (``v`` chunks per rank where
     given) under this run's layers; :class:`PipelineArgumentError` naming ``--pipeline-costs`` where the run's
     stages are not determined or hold a kind the costs lack."""
-    from ..analysis.simulate import Costs
+    from ..schedules.costs import Costs
 
     kinds = layer_kinds(args)
     if kinds is None:

@@ -9,8 +9,8 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..analysis.simulate import Costs
 from ..schedules import registry
+from ..schedules.costs import Costs
 from ..schedules.schedule import Schedule
 from .cost_model import model_flops_per_iteration
 from .dp_stream import exposed_dp_time, reduction_profile

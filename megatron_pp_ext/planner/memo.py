@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..analysis.simulate import Costs, simulate
+from ..analysis.simulate import simulate
+from ..schedules.costs import Costs
 from ..schedules.lowering import LoweredSchedule
 from ..schedules.schedule import Schedule
 from .dp_stream import ReductionProfile

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..analysis.simulate import Costs
+from ..schedules.costs import Costs
 from ..schedules.ir import OpKind
 from ..schedules.lowering import Compute, LoweredSchedule
 

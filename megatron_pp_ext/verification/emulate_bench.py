@@ -155,7 +155,7 @@ def settings_from(args: argparse.Namespace) -> Settings | None:
 def stage_costs(settings: Settings, schedule: Any, comm_ms: float) -> Any:
     """The schedule's per-stage costs (ms): a rank holding ``k`` stages per replica gets 1/k of a
     1F1B stage's time per op, as it holds 1/k of the layers."""
-    from ..analysis.simulate import Costs
+    from ..schedules.costs import Costs
 
     k = schedule.placement.stages_per_rank_per_replica
     return Costs(settings.t_f / k, settings.t_b / k, settings.t_w / k, None, comm_ms)
@@ -286,8 +286,8 @@ def _real_ms(ops: Any) -> dict[str, tuple[float, float]]:
 def build_schedules(settings: Settings, comm_ms: float) -> tuple[list[tuple[Any, Any]], dict[str, str]]:
     """The requested schedules that build at ``(p, m)``, validated, each with its per-stage costs."""
     from ..analysis.schedule_check import validate
-    from ..analysis.simulate import Costs
     from ..schedule_args import generate_schedule
+    from ..schedules.costs import Costs
     from ..schedules.ir import ScheduleError
 
     base = Costs(settings.t_f, settings.t_b, settings.t_w, None, comm_ms)

@@ -346,9 +346,9 @@ def _is_sharded(chunk: Any) -> bool:
 
 def _replanning_source(spec: RunSpec, p: int, pp_rank: int = 0) -> Any:
     from ..analysis.schedule_check import validate
-    from ..analysis.simulate import Costs
     from ..runtime.replan import ReplanningSource
     from ..schedules import registry
+    from ..schedules.costs import Costs
 
     assert spec.replan_schedule is not None, "profile_iterations needs replan_schedule"
     name = spec.replan_schedule

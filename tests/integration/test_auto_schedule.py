@@ -115,8 +115,8 @@ def test_redecision_switches_to_what_the_measured_costs_favour() -> None:
     """At 10 micro-batches the start-up choice is dualpipev; a backward-heavy measured profile (F 5, B 20, W 4.5 ms
     per 1F1B stage) makes the planner rank v-zb@2p first: the re-decision switches, logs it, and the configuration
     it returns builds v-zb with the measured costs; a second call returns the same decision."""
-    from megatron_pp_ext.analysis.simulate import Costs
     from megatron_pp_ext.integration.auto_schedule import Redecision
+    from megatron_pp_ext.schedules.costs import Costs
 
     argv = ["--pipeline-schedule", "auto", "--cpu", "--pipeline-memory-budget", "4", "--pipeline-replan"]
     args = make_args(argv, **{**TINY, "global_batch_size": 20})
@@ -140,9 +140,9 @@ def test_redecision_keeps_the_running_schedule_when_it_is_still_first() -> None:
     """Running v-zb@2p under the same measured costs: kept (rebuilt with the measured costs, it is cost-aware)."""
     from dataclasses import replace
 
-    from megatron_pp_ext.analysis.simulate import Costs
     from megatron_pp_ext.integration.auto_schedule import Redecision
     from megatron_pp_ext.integration.config import parse_pipeline_memory_limit
+    from megatron_pp_ext.schedules.costs import Costs
 
     argv = ["--pipeline-schedule", "auto", "--cpu", "--pipeline-memory-budget", "4", "--pipeline-replan"]
     args = make_args(argv, **{**TINY, "global_batch_size": 20})

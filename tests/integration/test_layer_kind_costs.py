@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from megatron_args_helpers import TINY_SHAPE, make_args, make_parser
 
-from megatron_pp_ext.analysis.simulate import Costs
 from megatron_pp_ext.integration.arguments import validate_arguments
 from megatron_pp_ext.integration.auto_schedule import planner_for_run, resolve
 from megatron_pp_ext.integration.config import LayerKindCosts, PipelineArgumentError
+from megatron_pp_ext.schedules.costs import Costs
 from megatron_pp_ext.schedules.placement import loop_placement
 from megatron_pp_ext.schedules.values import parse_layer_costs
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_pp_ext.analysis.schedule_check import validate
-from megatron_pp_ext.analysis.simulate import Costs, simulate
+from megatron_pp_ext.analysis.simulate import simulate
 from megatron_pp_ext.analysis.zeropp_auto import choose_unit_size
 from megatron_pp_ext.schedules import OpKind, generate, names
 from megatron_pp_ext.schedules.collectives import (
@@ -21,6 +21,7 @@ from megatron_pp_ext.schedules.collectives import (
     derive_collectives,
     policy_for,
 )
+from megatron_pp_ext.schedules.costs import Costs
 from megatron_pp_ext.schedules.generators.common import ScheduleParameterError
 from megatron_pp_ext.schedules.generators.zeropp import unit_ranges, zeropp
 from megatron_pp_ext.schedules.schedule import Schedule
