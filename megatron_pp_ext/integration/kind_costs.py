@@ -65,7 +65,7 @@ def with_stage_costs(args: Any, costs: LayerKindCosts, schedule: str, p: int, v:
             "F,B,W[,COMM] of one stage instead",
         )
     info = registry.get(schedule)
-    default_v = info.capabilities.chunks.default if info.capabilities is not None else 1
+    default_v = info.capabilities.chunks.default
     placement = make_placement(info.placement, p, v or default_v)
     try:
         counts = stage_kind_counts(kinds, placement, _split(args, placement, schedule))

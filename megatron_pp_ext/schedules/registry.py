@@ -15,7 +15,7 @@ builds the schedule instead of the generator.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .capabilities import Capabilities, check_request
 from .gc_pause import cyclic_gc_paused
@@ -35,8 +35,7 @@ class UnknownScheduleError(ScheduleError):
 @dataclass(frozen=True)
 class ScheduleInfo:
     """A registered schedule. ``constraints``: rules beyond the declared parameters, in words.
-    ``capabilities``: the declared parameters (``None``: undeclared, the generator gets every
-    keyword and checks them itself, as before declarations existed)."""
+    ``capabilities``: the declared parameters (default: one chunk per rank, no further keywords)."""
 
     name: str
     generate: Generator
@@ -45,20 +44,16 @@ class ScheduleInfo:
     constraints: str
     description: str
     family: str = "baseline"
-    capabilities: Capabilities | None = None
+    capabilities: Capabilities = field(default_factory=Capabilities)
 
     def takes(self, keyword: str) -> bool:
         """Whether the generator reads ``keyword`` (``costs``, ``memory_limit``, ``block_file``, ``v``
         when it chooses the chunks, or one of its further keywords)."""
-        if self.capabilities is None:
-            return keyword in ("v", "memory_limit", "block_file")
         return self.capabilities.takes(keyword)
 
     @property
     def requirements(self) -> str:
         """Declared parameters and the further rules, in one line."""
-        if self.capabilities is None:
-            return self.constraints
         declared = self.capabilities.describe()
         said = {item.strip() for item in declared.split(", ")}
         # the generator's own text without what the declaration already says (p >= 1, m >= 1, v ...)
@@ -67,13 +62,11 @@ class ScheduleInfo:
 
     def check(self, p: object, m: object, **kwargs: object) -> dict[str, object]:
         """Check a request against the declarations; the keyword arguments the generator takes."""
-        if self.capabilities is None:
-            return dict(kwargs)
         return check_request(self.name, self.capabilities, p, m, kwargs)
 
     def check_size(self, p: int, m: int, v: object) -> None:
         """Refuse a request over :data:`.limits.MAX_OPS` before the generator sizes anything by it."""
-        chunks = v if isinstance(v, int) else self.capabilities.chunks.default if self.capabilities else 1
+        chunks = v if isinstance(v, int) else self.capabilities.chunks.default
         check_ops(p, m, max(int(chunks), 1))
 
     def build(self, p: int, m: int, **kwargs: object) -> Schedule:
