@@ -81,10 +81,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def uneven_costs(args: argparse.Namespace, schedule: Schedule) -> Costs | None:
     """``--costs`` (one stage of an even split), per stage in proportion to its layers when megatron's uneven-split
-    flags are given (:func:`~megatron_pp_ext.schedules.layer_costs.stage_costs_from_layout`)."""
+    flags are given (:func:`~megatron_pp_ext.schedules.split_costs.stage_costs_from_layout`)."""
     from ..schedules.costs import Costs
-    from ..schedules.layer_costs import stage_costs_from_layout
     from ..schedules.layer_split import SPLIT_FLAGS, LayerSplitError, split_from_args
+    from ..schedules.split_costs import stage_costs_from_layout
 
     costs = parse_cli_costs(args.costs)
     given = [flag for attr, flag in SPLIT_FLAGS if getattr(args, attr, None) not in (None, False)]
