@@ -13,7 +13,7 @@ from ..schedules.placement import Placement
 from ..schedules.schedule import Schedule
 from ..schedules.values import parse_layer_layout, parse_memory_limit
 from .extrapolate import anchor_counts
-from .layout import fallback_split
+from .layer_layouts import fallback_split
 from .memo import Built, build_key
 from .memory import split_layers
 from .space import divisors
