@@ -25,7 +25,7 @@ from .rank_pool import report_progress
 from .rank_setup import rank_process_group
 from .run_spec import AB, OURS, RunSpec
 
-__all__ = ["RankPool", "run_on_rank"]
+__all__ = ["TrainingRankPool", "run_on_rank"]
 
 
 def run_on_rank(spec: RunSpec, rank: int, init_method: str) -> dict[str, Any]:
@@ -367,7 +367,7 @@ def _replanning_source(spec: RunSpec, p: int, pp_rank: int = 0) -> Any:
     return ReplanningSource(build, spec.profile_iterations, log=lambda text: None)
 
 
-class RankPool(rank_pool.RankPool):
+class TrainingRankPool(rank_pool.RankPool):
     """A :class:`~.rank_pool.RankPool` that also runs training specs.
 
     ``references`` keeps the results of the reference runs made on this pool, by spec
@@ -382,5 +382,5 @@ class RankPool(rank_pool.RankPool):
         """Run one training run (:func:`run_on_rank`) on ``spec.world_size`` ranks."""
         return self.run_fn(run_on_rank, spec, spec.world_size, wall_timeout_s or (spec.timeout_s * 4 + 120))
 
-    def __enter__(self) -> RankPool:
+    def __enter__(self) -> TrainingRankPool:
         return self
