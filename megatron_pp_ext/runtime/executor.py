@@ -260,6 +260,8 @@ class _Run:
         replica_sync: Any,
         grad_watch: GradWatch | None = None,
     ) -> None:
+        """One keyword per argument of megatron's ``forward_backward_func`` call and per executor option, typed
+        (the list is what makes this over 80 lines)."""
         from megatron.core.utils import get_model_config
 
         self.plan = plan
