@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_pp_ext.analysis import Costs, SimResult, simulate
+from megatron_pp_ext.analysis import SimResult, simulate
 from megatron_pp_ext.schedules import Schedule, generate, lower
 from megatron_pp_ext.schedules.collectives import CollectiveKind, CollectivePolicy, derive_collectives, mirror_rank
+from megatron_pp_ext.schedules.costs import Costs
 
 SCHEDULES = ("1f1b", "interleaved-1f1b", "v-half", "v-zb", "bitpipe", "bitpipe-zb")
 

@@ -19,7 +19,7 @@ from bench_real_runs import measure
 
 from megatron_pp_ext.analysis.schedule_check import validate
 from megatron_pp_ext.analysis.simulate import simulate
-from megatron_pp_ext.verification.rank_run import RankPool
+from megatron_pp_ext.verification.rank_run import TrainingRankPool
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args()
     names = args.schedules.split(",")
-    with RankPool(args.p) as pool:
+    with TrainingRankPool(args.p) as pool:
         rows = {name: measure(pool, name, args.p, args.m, args.iterations, args.warmup) for name in names}
     print(f"p={args.p}, m={args.m}; KiB = 1024 bytes\n")
     print("| schedule | rank | measured peak (KiB) | simulator peak (KiB) | measured / simulated | / 1F1B's measured |")

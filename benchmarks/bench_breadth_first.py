@@ -21,9 +21,10 @@ from __future__ import annotations
 import argparse
 
 from megatron_pp_ext.analysis.schedule_check import validate
-from megatron_pp_ext.analysis.simulate import Costs, SimResult, simulate
+from megatron_pp_ext.analysis.simulate import SimResult, simulate
 from megatron_pp_ext.schedules import generate
 from megatron_pp_ext.schedules.collectives import policy_for
+from megatron_pp_ext.schedules.costs import Costs
 from megatron_pp_ext.schedules.ir import ScheduleError
 from megatron_pp_ext.schedules.schedule import Schedule
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_pp_ext.schedules import generate
-from megatron_pp_ext.verification.rank_run import RankPool
+from megatron_pp_ext.verification.rank_run import TrainingRankPool
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
 from megatron_pp_ext.verification.verify import verify_schedule
 
@@ -39,7 +39,7 @@ def main() -> None:
         "| FSDP gathers / iteration (measured = derived) | FSDP peak full params (bytes) |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    with RankPool(8 if args.p4 else 4) as pool:
+    with TrainingRankPool(8 if args.p4 else 4) as pool:
         for name, p, m, v, mode in configs:
             schedule = generate(name, p, m, **({"v": v} if v else {}))
             fsdp = mode == "fsdp"

@@ -23,9 +23,10 @@ from __future__ import annotations
 import argparse
 from types import SimpleNamespace
 
-from megatron_pp_ext.analysis import Costs, simulate
+from megatron_pp_ext.analysis import simulate
 from megatron_pp_ext.analysis.torch_orders import import_order
 from megatron_pp_ext.schedules import Schedule, generate
+from megatron_pp_ext.schedules.costs import Costs
 
 COSTS_1_5B = Costs(18.522, 18.086, 9.337, None, 0.601)
 COSTS_1_5B_V = Costs(18.522 / 2, 18.086 / 2, 9.337 / 2, None, 0.601)  # per V stage (half the layers)

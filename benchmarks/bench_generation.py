@@ -12,8 +12,8 @@ import argparse
 import gc
 import time
 
-from megatron_pp_ext.analysis.simulate import Costs
 from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.schedules.costs import Costs
 
 UNEQUAL = Costs(1.0, 1.5, 0.7, None, 0.1)
 CASES: list[tuple[str, int, int, dict[str, object]]] = [

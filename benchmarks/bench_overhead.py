@@ -16,7 +16,7 @@ import statistics
 
 from megatron_pp_ext.schedules import generate
 from megatron_pp_ext.verification.rank_pool import check_errors
-from megatron_pp_ext.verification.rank_run import RankPool
+from megatron_pp_ext.verification.rank_run import TrainingRankPool
 from megatron_pp_ext.verification.run_spec import AB, NATIVE, OURS, RunSpec
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
 
@@ -40,7 +40,7 @@ def main() -> None:
         mode=AB,
         timeout_s=300.0,
     )
-    with RankPool(p) as pool:
+    with TrainingRankPool(p) as pool:
         results = pool.run(spec, wall_timeout_s=3600)
     check_errors(results)
     assert all(r["losses"][NATIVE] == r["losses"][OURS] for r in results), "same math expected"

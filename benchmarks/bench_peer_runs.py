@@ -19,11 +19,12 @@ import argparse
 import statistics
 
 from megatron_pp_ext.analysis.plot import draw_plan_vs_measured
-from megatron_pp_ext.analysis.simulate import Costs, simulate
+from megatron_pp_ext.analysis.simulate import simulate
 from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.schedules.costs import Costs
 from megatron_pp_ext.verification import torch_pipelining
 from megatron_pp_ext.verification.rank_pool import check_errors
-from megatron_pp_ext.verification.rank_run import RankPool
+from megatron_pp_ext.verification.rank_run import TrainingRankPool
 from megatron_pp_ext.verification.run_spec import AB, NATIVE, OURS, RunSpec
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
 
@@ -44,7 +45,7 @@ def kib(x: float) -> str:
     return f"{x / 1024:.0f}"
 
 
-def gantt(pool: RankPool, path: str) -> str:
+def gantt(pool: TrainingRankPool, path: str) -> str:
     """Trace ours once and draw the plan (with the measured mean op times) above the measured iteration."""
     p, m = 2, 8
     schedule = generate("interleaved-1f1b", p, m, v=2)
@@ -74,7 +75,7 @@ def gantt(pool: RankPool, path: str) -> str:
     )
 
 
-def torch_runtime_rows(pool: RankPool, iterations: int, warmup: int) -> list[str]:
+def torch_runtime_rows(pool: TrainingRankPool, iterations: int, warmup: int) -> list[str]:
     """torch.distributed.pipelining's Schedule1F1B / ScheduleInterleaved1F1B vs ours on the same megatron chunks."""
     rows = [
         "| ours | torch.distributed.pipelining | p | m | v | ours / torch wall time (median) | max rel. loss diff "
@@ -115,7 +116,7 @@ def main() -> None:
         "| peak saved KiB per rank, megatron | ours |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    with RankPool(max(c[2] for c in CASES)) as pool:
+    with TrainingRankPool(max(c[2] for c in CASES)) as pool:
         if args.gantt:
             print(gantt(pool, args.gantt) + "\n")
         for name, theirs, p, m, v in CASES:

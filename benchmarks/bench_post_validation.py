@@ -16,7 +16,7 @@ import statistics
 
 from megatron_pp_ext.schedules import registry
 from megatron_pp_ext.verification.post_validation_check import compare_weights, run_pair
-from megatron_pp_ext.verification.rank_run import RankPool
+from megatron_pp_ext.verification.rank_run import TrainingRankPool
 
 
 def _param_bytes(result: dict) -> int:
@@ -33,7 +33,7 @@ def main() -> None:
         "step ms sync | step ms post-validated | validate ms | weights |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    with RankPool(max(args.p)) as pool:
+    with TrainingRankPool(max(args.p)) as pool:
         for p in args.p:
             schedule = registry.generate("1f1b", p, 2 * p)
             for clip in args.clip:

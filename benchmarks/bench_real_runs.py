@@ -23,15 +23,16 @@ import argparse
 import statistics
 
 from megatron_pp_ext.analysis.schedule_check import validate
-from megatron_pp_ext.analysis.simulate import Costs, simulate
+from megatron_pp_ext.analysis.simulate import simulate
 from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.schedules.costs import Costs
 from megatron_pp_ext.verification.rank_pool import check_errors
-from megatron_pp_ext.verification.rank_run import RankPool
+from megatron_pp_ext.verification.rank_run import TrainingRankPool
 from megatron_pp_ext.verification.run_spec import OURS, RunSpec
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
 
 
-def measure(pool: RankPool, name: str, p: int, m: int, iterations: int, warmup: int) -> dict:
+def measure(pool: TrainingRankPool, name: str, p: int, m: int, iterations: int, warmup: int) -> dict:
     schedule = generate(name, p, m)
     layers_per_stage = 2 if schedule.placement.style == "loop" else 1
     model = TinyGPTSpec(
@@ -93,7 +94,7 @@ def main() -> None:
     parser.add_argument("--retained", type=float, default=0.8, help="store/activation ratio for the simulator")
     args = parser.parse_args()
     names = args.schedules.split(",")
-    with RankPool(args.p) as pool:
+    with TrainingRankPool(args.p) as pool:
         rows = {name: measure(pool, name, args.p, args.m, args.iterations, args.warmup) for name in ["1f1b", *names]}
     base = rows["1f1b"]
     base_sim = simulate(base["schedule"], lowered=validate(base["schedule"]))

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_pp_ext.analysis import Costs, SimResult, simulate
+from megatron_pp_ext.analysis import SimResult, simulate
 from megatron_pp_ext.schedules import generate, lower
+from megatron_pp_ext.schedules.costs import Costs
 from megatron_pp_ext.schedules.generators.building_block import block_info
 
 COST_MODELS = {

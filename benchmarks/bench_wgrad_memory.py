@@ -16,7 +16,7 @@ from __future__ import annotations
 from megatron_pp_ext.planner.memory import TrainingSetup, layer_activation_bytes, wgrad_held_bytes
 from megatron_pp_ext.planner.models import ModelSpec
 from megatron_pp_ext.verification.rank_pool import check_errors
-from megatron_pp_ext.verification.rank_run import RankPool
+from megatron_pp_ext.verification.rank_run import TrainingRankPool
 from megatron_pp_ext.verification.selfcheck import LayerMemoryCase, layer_memory_probe
 
 
@@ -40,7 +40,7 @@ def main() -> None:
         "| model: M_W | model: M_B | model: M_W / M_B |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    with RankPool(2) as pool:
+    with TrainingRankPool(2) as pool:
         for case in cases:
             results = pool.run_fn(layer_memory_probe, case, case.tp, 300)
             check_errors(results)

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_pp_ext.analysis import Costs, simulate
+from megatron_pp_ext.analysis import simulate
 from megatron_pp_ext.analysis.results_file import write_block
 from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.schedules.costs import Costs
 
 COST_MODELS: dict[str, Costs] = {
     "zb-1.5b/2": Costs(18.522 / 2, 18.086 / 2, 9.337 / 2, None, 0.601),

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_pp_ext.analysis import Costs, simulate
+from megatron_pp_ext.analysis import simulate
 from megatron_pp_ext.planner.memory import TrainingSetup, w_memory_fraction
 from megatron_pp_ext.planner.models import get_model
 from megatron_pp_ext.schedules import Schedule, generate
-from megatron_pp_ext.schedules.costs import stage_costs
+from megatron_pp_ext.schedules.costs import Costs, stage_costs
 from megatron_pp_ext.schedules.generators.zb_rounds import ROUND_VARIANTS, rounds_order
 
 PAPER_1_5B = Costs(18.522, 18.086, 9.337, None, 0.601)

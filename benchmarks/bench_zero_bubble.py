@@ -20,8 +20,9 @@ import os
 import statistics
 import time
 
-from megatron_pp_ext.analysis import Costs, simulate
+from megatron_pp_ext.analysis import simulate
 from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.schedules.costs import Costs
 
 COST_MODELS = {
     "unit costs (T_F = T_B = T_W = 1, T_comm = 0)": Costs.unit(),

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_pp_ext.analysis.simulate import Costs
 from megatron_pp_ext.analysis.zeropp_auto import choose_unit_size, measure_schedule
 from megatron_pp_ext.planner import Planner, PlanRow, SearchSpace
 from megatron_pp_ext.planner.auto import decide
@@ -40,6 +39,7 @@ from megatron_pp_ext.planner.memory import GIB, TrainingSetup, layer_activation_
 from megatron_pp_ext.planner.models import get_model
 from megatron_pp_ext.planner.plan_report import row_label
 from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.schedules.costs import Costs
 from megatron_pp_ext.schedules.schedule import Schedule
 
 MODEL, DEVICE, MICRO_BATCH = "zb-6.2b", "A100-80GB", 1

@@ -26,7 +26,7 @@ from megatron_pp_ext.analysis.fsdp_memory import FsdpBufferPeaks, fsdp_buffer_pe
 from megatron_pp_ext.analysis.simulate import simulate
 from megatron_pp_ext.schedules import Schedule, generate
 from megatron_pp_ext.schedules.collectives import CollectiveKind, derive_collectives, policy_for
-from megatron_pp_ext.verification.rank_run import RankPool
+from megatron_pp_ext.verification.rank_run import TrainingRankPool
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
 from megatron_pp_ext.verification.verify import verify_schedule
 from megatron_pp_ext.verification.verify_report import VerifyReport
@@ -42,7 +42,7 @@ CASES: list[tuple[str, dict[str, int]]] = [
 KB = 1e3
 
 
-def run(pool: RankPool, schedule: Schedule, unit: int | None = None) -> VerifyReport:
+def run(pool: TrainingRankPool, schedule: Schedule, unit: int | None = None) -> VerifyReport:
     return verify_schedule(
         schedule, pool, model=MODEL, dp=2, fsdp=True, fsdp_max_unsharded=1, fsdp_grad_reduce_unit=unit, iterations=2
     )
@@ -74,7 +74,7 @@ def main() -> None:
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     grads: list[str] = []
-    with RankPool(4) as pool:
+    with TrainingRankPool(4) as pool:
         for name, kwargs in CASES:
             for m in (4, 8):
                 schedule = generate(name, 2, m, **kwargs)  # type: ignore[arg-type]

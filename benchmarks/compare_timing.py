@@ -19,10 +19,10 @@ from typing import Any
 from snapshot_check import write_or_check
 
 from megatron_pp_ext.analysis.schedule_check import ScheduleValidationError
-from megatron_pp_ext.analysis.simulate import Costs, simulate
+from megatron_pp_ext.analysis.simulate import simulate
 from megatron_pp_ext.schedules import generate
 from megatron_pp_ext.schedules.collectives import CollectivePolicy
-from megatron_pp_ext.schedules.costs import stage_costs
+from megatron_pp_ext.schedules.costs import Costs, stage_costs
 from megatron_pp_ext.schedules.ir import OpKind, ScheduleError
 from megatron_pp_ext.schedules.order_timing import replay
 from tests.schedules import golden

@@ -15,8 +15,7 @@ from typing import Any
 
 from snapshot_check import write_or_check
 
-from megatron_pp_ext.analysis.simulate import Costs
-from megatron_pp_ext.schedules.costs import stage_costs
+from megatron_pp_ext.schedules.costs import Costs, stage_costs
 from megatron_pp_ext.schedules.generators import zbv
 
 COSTS = {

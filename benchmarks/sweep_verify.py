@@ -27,7 +27,7 @@ from megatron_pp_ext.schedules import registry
 from megatron_pp_ext.schedules.ir import ScheduleError
 from megatron_pp_ext.verification import criterion
 from megatron_pp_ext.verification.rank_pool import VerifyRunError
-from megatron_pp_ext.verification.rank_run import RankPool
+from megatron_pp_ext.verification.rank_run import TrainingRankPool
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
 from megatron_pp_ext.verification.verify import verify_schedule
 
@@ -62,7 +62,7 @@ def main() -> None:
     todo = [c for c in cases(args.p) if key(c) not in done]
     env = {k: os.environ.get(k, "") for k in ("ATEN_CPU_CAPABILITY", "MEGATRON_PP_CPU_THREADS")}
     print(f"{len(todo)} case(s) to run ({len(done)} already in {args.out}); environment {env}", flush=True)
-    pools: dict[int, RankPool] = {}
+    pools: dict[int, TrainingRankPool] = {}
     try:
         for case in todo:
             name, p, m, dp, mode = case
@@ -75,7 +75,7 @@ def main() -> None:
             else:
                 size = p * dp
                 if size not in pools:
-                    pools[size] = RankPool(size)
+                    pools[size] = TrainingRankPool(size)
                 model = TinyGPTSpec(num_layers=schedule.placement.stages_per_replica, tied_embeddings=mode != "fsdp")
                 try:
                     report = verify_schedule(

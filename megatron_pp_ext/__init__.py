@@ -22,10 +22,10 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "add_arguments": "megatron_pp_ext.integration.arguments",
+    "add_arguments": "megatron_pp_ext.integration.flags",
     "validate_arguments": "megatron_pp_ext.integration.arguments",
     "validate_arguments_or_exit": "megatron_pp_ext.integration.arguments",
-    "PipelineConfig": "megatron_pp_ext.integration.arguments",
+    "PipelineConfig": "megatron_pp_ext.integration.config",
     "pipeline_config_of": "megatron_pp_ext.integration.arguments",
     "install": "megatron_pp_ext.integration.install",
     "uninstall": "megatron_pp_ext.integration.install",

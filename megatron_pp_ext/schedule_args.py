@@ -16,7 +16,7 @@ from .schedules import registry, values
 from .schedules.schedule import Schedule
 
 if TYPE_CHECKING:
-    from .analysis.simulate import Costs
+    from .schedules.costs import Costs
 
 __all__ = [
     "PROG",
@@ -25,8 +25,8 @@ __all__ = [
     "dp_options",
     "generate_schedule",
     "parse_bytes",
-    "parse_costs",
-    "parse_memory_limit",
+    "parse_cli_costs",
+    "parse_cli_memory_limit",
     "schedule_from_args",
 ]
 
@@ -38,8 +38,9 @@ class CliError(ValueError):
 
 
 # ---- argument parsing helpers --------------------------------------------------------------
-def parse_memory_limit(text: str | None, p: int) -> int | float | None:
-    """``"12"`` -> 12, ``"2p"`` -> 2*p, ``"p"`` -> p, ``"1.5p"`` -> 1.5*p (activations; integral values as int)."""
+def parse_cli_memory_limit(text: str | None, p: int) -> int | float | None:
+    """``megatron-pp``'s ``--memory-limit`` (:func:`.schedules.values.parse_memory_limit`, resolved for ``p``):
+    ``"12"`` -> 12, ``"2p"`` -> 2*p, ``"p"`` -> p, ``"1.5p"`` -> 1.5*p (activations; integral values as int)."""
     if text is None:
         return None
     try:
@@ -48,10 +49,12 @@ def parse_memory_limit(text: str | None, p: int) -> int | float | None:
         raise CliError(f"argument --memory-limit: {exc}") from None
 
 
-def parse_costs(text: str | None) -> Costs | None:
+def parse_cli_costs(text: str | None) -> Costs | None:
+    """``megatron-pp``'s ``--costs`` (:func:`.schedules.values.parse_costs`) as :class:`Costs`; a bad value
+    is a :class:`CliError` naming the flag."""
     if text is None:
         return None
-    from .analysis.simulate import Costs
+    from .schedules.costs import Costs
 
     try:
         return Costs.parse(text)
@@ -159,8 +162,8 @@ def schedule_from_args(args: argparse.Namespace) -> Schedule:
         args.p,
         args.m,
         args.v,
-        parse_costs(args.costs),
-        parse_memory_limit(args.memory_limit, args.p),
+        parse_cli_costs(args.costs),
+        parse_cli_memory_limit(args.memory_limit, args.p),
         getattr(args, "block_file", None),
         getattr(args, "microbatch_group_size", None),
         getattr(args, "unit_size", None),
@@ -170,27 +173,31 @@ def schedule_from_args(args: argparse.Namespace) -> Schedule:
 
 
 def auto_unit_size(args: argparse.Namespace) -> Schedule:
-    """``zeropp --pipeline-unit-size auto``: pick U with the simulator; the table goes to stderr."""
-    from .analysis.zeropp_auto import choose_unit_size
+    """``zeropp --pipeline-unit-size auto``: built by the registry, whose chooser picks U with the simulator
+    (timed with the data-parallel flags when given); the table goes to stderr."""
+    from .analysis.zeropp_auto import UnitChoice, UnitSizeContext, unit_size_context
 
-    costs = parse_costs(args.costs)
-    dp: dict[str, Any] = {}
+    costs = parse_cli_costs(args.costs)
+    context: dict[str, Any] = {}
     if getattr(args, "dp_bandwidth", None) is not None:  # simulate: collectives timed on the DP stream
         provisional = generate_schedule("zeropp", args.p, args.m, args.v, costs, unit_size=args.m)
         options = dp_options(args, provisional)
         if options:
-            dp = {
+            context = {
                 "dp": options["dp"],
                 "dp_bandwidth": options["dp_bandwidth"],
                 "param_bytes": options["param_bytes"],
                 "fsdp": options["collectives"].fsdp_max_unsharded is not None,
             }
-    choice = choose_unit_size(
-        args.p, args.m, v=args.v, costs=costs, memory_limit=parse_memory_limit(args.memory_limit, args.p), **dp
-    )
-    print(choice.table(), file=sys.stderr)
-    print(f"zeropp: chose --pipeline-unit-size {choice.best.unit_size}", file=sys.stderr)
-    return choice.schedule
+
+    def report(choice: UnitChoice) -> None:
+        print(choice.table(), file=sys.stderr)
+        print(f"zeropp: chose --pipeline-unit-size {choice.best.unit_size}", file=sys.stderr)
+
+    with unit_size_context(UnitSizeContext(**context, report=report)):
+        return generate_schedule(
+            "zeropp", args.p, args.m, args.v, costs, parse_cli_memory_limit(args.memory_limit, args.p), unit_size="auto"
+        )
 
 
 _BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d*)?(?:e\d+)?|\.\d+)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)

@@ -51,7 +51,7 @@ from megatron_pp_ext.integration.arguments import (  # noqa: E402
     microbatch_counts,
     validate_arguments_or_exit,
 )
-from megatron_pp_ext.integration.fsdp_flags import check_argv as check_fsdp_argv  # noqa: E402
+from megatron_pp_ext.integration.features.chunk_fsdp import check_argv as check_fsdp_argv  # noqa: E402
 from megatron_pp_ext.integration.uneven import megatron_validation_for_placement  # noqa: E402
 
 
@@ -98,8 +98,7 @@ from megatron.training.utils import get_blend_and_blend_per_split  # noqa: E402
 import megatron_pp_ext  # noqa: E402
 from megatron_pp_ext.integration import layout  # noqa: E402
 from megatron_pp_ext.integration.argv_check import check_argv_or_exit  # noqa: E402
-from megatron_pp_ext.integration.checkpoint import check_torch_checkpoint_layouts  # noqa: E402
-from megatron_pp_ext.integration.save_lock import hold_save_dir_lock  # noqa: E402
+from megatron_pp_ext.integration.features import prepare_training  # noqa: E402
 from megatron_pp_ext.runtime.agreement import ScheduleMismatchError  # noqa: E402
 from megatron_pp_ext.runtime.executor import ExecutorError  # noqa: E402
 from megatron_pp_ext.runtime.p2p import PipelineCommError  # noqa: E402
@@ -330,8 +329,7 @@ def main(model_config_from_args: Any = gpt_config_from_args) -> None:
     _check_environment_or_exit()
     # a checkpoint megatron cannot read (status 0 there), or a torch-format one of another placement (loads
     # nothing or the wrong layers there), stops the run; one run at a time saves into a --save directory
-    check_torch_checkpoint_layouts()
-    hold_save_dir_lock(args)
+    prepare_training(args)  # integration/features/checkpoint_safety.py
     try:  # --pipeline-schedule auto is decided here (the planner's search), then checked like a named one
         installed = megatron_pp_ext.install(args)
     except PipelineArgumentError as exc:
@@ -341,7 +339,7 @@ def main(model_config_from_args: Any = gpt_config_from_args) -> None:
     if installed is not None:
         print_rank_0(f"> megatron_pp_ext: {describe(args)}")
     else:  # megatron untouched without --pipeline-schedule, but a peer started with one learns it at once
-        from megatron_pp_ext.integration.install import agree_without_schedule
+        from megatron_pp_ext.integration.features.config_agreement import agree_without_schedule
 
         agree_without_schedule(args)
     if _LOSS_FILE and getattr(args, "pipeline_post_validation", False):

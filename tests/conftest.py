@@ -7,7 +7,7 @@ it waited for) is measured, and the tests outside ``gloo`` and ``slow`` that tak
 minutes).
 
 ``pool``: one pool of gloo rank processes for the whole session, used by the real-rank tests of tests/runtime and
-tests/verification alike; warm (``RankPool(warm_cpu=True)``): its workers are forked from a process that has
+tests/verification alike; warm (``TrainingRankPool(warm_cpu=True)``): its workers are forked from a process that has
 imported torch and megatron once, instead of importing them for ~6 s of CPU each."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from megatron_pp_ext.verification.rank_run import RankPool
+from megatron_pp_ext.verification.rank_run import TrainingRankPool
 from tests.tier_guard import rank_guard
 from tests.tiers import SLOW_CPU_S, calls_rank_launcher, fixture_launches_ranks, launches_ranks
 
@@ -72,5 +72,5 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 @pytest.fixture(scope="session")
 @launches_ranks
 def pool():
-    with RankPool(4, warm_cpu=True) as ranks:
+    with TrainingRankPool(4, warm_cpu=True) as ranks:
         yield ranks

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_pp_ext.cli import main
-from megatron_pp_ext.schedule_args import parse_memory_limit
+from megatron_pp_ext.schedule_args import parse_cli_memory_limit
 from megatron_pp_ext.schedules import generate, names
 
 JSON_KEYS = {
@@ -124,8 +124,8 @@ def test_argparse_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.parametrize(("text", "p", "value"), [("12", 4, 12), ("2p", 4, 8), ("1.5p", 4, 6), ("2.5", 4, 2.5)])
 def test_parse_memory_limit(text: str, p: int, value: float) -> None:
-    assert parse_memory_limit(text, p) == value
-    assert parse_memory_limit(None, p) is None
+    assert parse_cli_memory_limit(text, p) == value
+    assert parse_cli_memory_limit(None, p) is None
 
 
 def test_compare(capsys: pytest.CaptureFixture[str]) -> None:

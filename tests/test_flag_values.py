@@ -9,13 +9,14 @@ import argparse
 import pytest
 
 from megatron_pp_ext import argtypes
-from megatron_pp_ext.analysis.simulate import Costs
 from megatron_pp_ext.integration import flags
-from megatron_pp_ext.integration.arguments import add_arguments, config_from_args
+from megatron_pp_ext.integration.arguments import config_from_args
 from megatron_pp_ext.integration.config import PipelineArgumentError, PipelineConfig
+from megatron_pp_ext.integration.flags import add_arguments
 from megatron_pp_ext.planner.options import add_plan_arguments
 from megatron_pp_ext.planner.variants import resolve_limit
-from megatron_pp_ext.schedule_args import CliError, add_source_args, parse_memory_limit
+from megatron_pp_ext.schedule_args import CliError, add_source_args, parse_cli_memory_limit
+from megatron_pp_ext.schedules.costs import Costs
 
 P = 4
 MEMORY_LIMITS = [
@@ -66,14 +67,14 @@ def _one(items: tuple[str, ...]) -> str:
 
 @pytest.mark.parametrize("text", MEMORY_LIMITS)
 def test_memory_limit_means_the_same_everywhere(text: str) -> None:
-    cli = _verdict(parse_memory_limit, text, P)  # megatron-pp simulate/draw/verify --memory-limit
+    cli = _verdict(parse_cli_memory_limit, text, P)  # megatron-pp simulate/draw/verify --memory-limit
     planner = _verdict(lambda t: resolve_limit(_one(argtypes.memory_limit_list(t)), P), text)  # plan --schedule-...
     megatron = _megatron("--pipeline-memory-limit", text)
     assert cli == planner == megatron, (text, cli, planner, megatron)
 
 
 def test_memory_limit_p_is_one_p() -> None:
-    assert parse_memory_limit("p", P) == parse_memory_limit("1p", P) == P
+    assert parse_cli_memory_limit("p", P) == parse_cli_memory_limit("1p", P) == P
     assert _megatron("--pipeline-memory-limit", "p") == P
 
 

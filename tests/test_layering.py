@@ -5,7 +5,7 @@ direction and the cycles: test_import_cycles.py).
   subprocess; torch and megatron stay loaded between modules, our own modules do not), so an import cycle
   between two of our modules, which only bites when one of them is imported first, fails here.
 * The flag modules (``integration/arguments.py``, ``config.py``, ``flags.py``,
-  ``fsdp_flags.py``) do not import the planner: the auto decision runs from the install path
+  ``features/chunk_fsdp.py``) do not import the planner: the auto decision runs from the install path
   (``integration/auto_schedule.py``).
 """
 
@@ -58,7 +58,7 @@ def test_every_module_imports_alone() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("module", ["arguments", "config", "flags", "fsdp_flags"])
+@pytest.mark.parametrize("module", ["arguments", "config", "flags", "features.chunk_fsdp"])
 def test_flag_validation_does_not_import_the_planner(module: str) -> None:
     deps = import_graph(top_level=False)[f"megatron_pp_ext.integration.{module}"]
     bad = sorted(m for m in deps if m.startswith("megatron_pp_ext.planner"))

@@ -106,7 +106,7 @@ def test_readme_commands_run_from_the_checkout_root() -> None:
 
 def test_readme_auto_flags_exist_and_the_example_parses() -> None:
     """The auto flags of the schedules page are the megatron flags and plan's (the example's pretrain flags parse)."""
-    from megatron_pp_ext.integration.arguments import add_arguments
+    from megatron_pp_ext.integration.flags import add_arguments
     from megatron_pp_ext.planner.options import add_plan_arguments
 
     text = (DOCS / "schedules.md").read_text()
@@ -125,7 +125,7 @@ def test_readme_auto_flags_exist_and_the_example_parses() -> None:
 def test_readme_torchrun_commands_are_complete() -> None:
     """A torchrun command in the README or the docs can be pasted as is: written out in full (the ZeroPP example
     once elided its middle with '...'), and every flag of ours in it is one of our flags."""
-    from megatron_pp_ext.integration.arguments import add_arguments
+    from megatron_pp_ext.integration.flags import add_arguments
 
     text = "\n".join(page.read_text() for page in PAGES).replace("\\\n", " ")
     commands = [line.strip() for line in text.splitlines() if line.strip().startswith("torchrun ")]

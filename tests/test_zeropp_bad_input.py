@@ -36,10 +36,13 @@ def test_unit_larger_than_the_memory_limit(capsys: pytest.CaptureFixture[str]) -
     assert "--pipeline-unit-size <= 3" in line and "--memory-limit" in line and "memory_limit >= unit_size" in line
 
 
-def test_no_unit_fits_the_budget(capsys: pytest.CaptureFixture[str]) -> None:
-    line = error_of(capsys, "simulate", "zeropp", "-p", "2", "-m", "4", "--pipeline-unit-size", "auto",
-                    "--memory-limit", "0.5")  # fmt: skip
-    assert "--memory-limit" in line and "None" not in line
+def test_auto_unit_size_below_the_declared_memory_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    """'auto' is built through the registry: its declaration refuses a limit under one unit's activations
+    before any candidate is simulated, with the same line as a numbered unit size."""
+    argv = ["simulate", "zeropp", "-p", "2", "-m", "4", "--memory-limit", "0.5"]
+    line = error_of(capsys, *argv, "--pipeline-unit-size", "auto")
+    assert "memory_limit >= 1 M_a" in line and "None" not in line
+    assert line == error_of(capsys, *argv, "--pipeline-unit-size", "2")
 
 
 def test_fsdp_setting_without_fsdp(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,6 +1,8 @@
-"""Pure-Python analysis of schedules: validation (dependencies, deadlock freedom) and simulation."""
+"""Pure-Python analysis of schedules: validation (dependencies, deadlock freedom) and simulation.
 
-from ..schedules.costs import Costs
+Importing this package registers what the schedule registry cannot decide itself: zeropp's automatic unit
+size (:mod:`.zeropp_auto`), so that ``registry.generate("zeropp", ..., unit_size="auto")`` builds it."""
+
 from .schedule_check import (
     ChannelError,
     CollectiveError,
@@ -17,12 +19,12 @@ from .schedule_check import (
     validate,
 )
 from .simulate import DEFAULT_W_RETAINED_FRACTION, DataParallelResult, SimResult, simulate
+from .zeropp_auto import unit_size_context  # registers zeropp's unit_size="auto" with the schedule registry
 
 __all__ = [
     "DEFAULT_W_RETAINED_FRACTION",
     "ChannelError",
     "CollectiveError",
-    "Costs",
     "DataParallelResult",
     "DeadlockError",
     "DependencyError",
@@ -36,5 +38,6 @@ __all__ = [
     "check_lowered",
     "check_ops",
     "simulate",
+    "unit_size_context",
     "validate",
 ]

@@ -27,7 +27,7 @@ KINDS = ("F", "B", "W", "BW")
 
 
 @dataclass(frozen=True)
-class Variant:
+class ExplorerVariant:
     schedule: str
     p: int
     m: int
@@ -117,7 +117,7 @@ def build_variants(
     for name in schedules:
         for p, m in shapes:
             for model in cost_models:
-                key = Variant(name, p, m, model).key
+                key = ExplorerVariant(name, p, m, model).key
                 try:
                     if name.startswith("torch:"):  # torch.distributed.pipelining's order (imports torch)
                         from .torch_orders import import_torch_schedule

@@ -21,10 +21,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..schedules import registry
+from ..schedules.costs import Costs
 from ..schedules.ir import ScheduleError
 from ..schedules.schedule import Schedule
 from .schedule_check import validate
-from .simulate import Costs, SimResult, simulate
+from .simulate import SimResult, simulate
 from .torch_orders import TORCH_SCHEDULES, import_torch_schedule
 
 #: Cost models: name -> (T_F, T_B, T_W, T_comm) for one 1F1B stage (L/p layers).

@@ -63,8 +63,9 @@ from .moe_comm import MoeComm, op_times
 from .schedule_check import DeadlockError, validate
 
 __all__ = [
+    "DEFAULT_COMM",
+    "DEFAULT_OVERLAP",
     "DEFAULT_W_RETAINED_FRACTION",
-    "Costs",
     "DataParallelResult",
     "IterationResult",
     "MoeComm",
@@ -79,6 +80,11 @@ __all__ = [
 #: Realistically ``W`` keeps only the linear layers' inputs and output gradients; a user
 #: modelling that sets e.g. 0.9 (so ``B`` frees 10% of the activation).
 DEFAULT_W_RETAINED_FRACTION = 1.0
+#: :func:`simulate`'s defaults that callers record with their results (the planner's memo): the
+#: communication model (``async``: a message arrives ``t_comm`` after its producer ends, the sender does
+#: not wait) and the overlap factor of a schedule's forward-and-backward pairs (dualpipev).
+DEFAULT_COMM = "async"
+DEFAULT_OVERLAP = 0.0
 
 
 @dataclass
@@ -250,12 +256,12 @@ def simulate(
     w_retained_fraction: float = DEFAULT_W_RETAINED_FRACTION,
     message_bytes: PerStage | None = None,
     lowered: LoweredSchedule | None = None,
-    comm: str = "async",
+    comm: str = DEFAULT_COMM,
     collectives: CollectivePolicy | None = None,
     dp: int = 1,
     dp_bandwidth: float | None = None,
     param_bytes: PerStage | None = None,
-    overlap: float = 0.0,
+    overlap: float = DEFAULT_OVERLAP,
     iterations: int = 1,
     post_validation: bool = False,
     step_time: float | list[float] = 0.0,

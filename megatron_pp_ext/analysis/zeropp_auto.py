@@ -11,18 +11,21 @@ forward waits for memory) and are dropped if they still exceed it (a unit of ``U
 larger units are skipped); the fastest remaining one wins,
 ties to the smaller memory. :meth:`UnitChoice.table` prints the choice and the alternatives.
 
-:func:`generate` is :func:`megatron_pp_ext.schedules.registry.generate` with ``unit_size="auto"``
-resolved here: the generator takes a number, as the schedules package never simulates.
+``registry.generate("zeropp", p, m, unit_size="auto", ...)`` reaches :func:`choose_unit_size` through the
+chooser this module registers (:func:`megatron_pp_ext.schedules.registry.register_chooser`): the generator
+takes a number, as the schedules package never simulates. :func:`unit_size_context` gives the choice what
+a registry request does not carry (the data-parallel stream, a report of the table).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from ..schedules import registry
 from ..schedules.collectives import CollectiveKind, declared_fsdp_limit, policy_for
-from ..schedules.gc_pause import cyclic_gc_paused
 from ..schedules.generators.common import ScheduleParameterError, check_int
 from ..schedules.generators.zeropp import FSDP_MAX_UNSHARDED, zeropp
 from ..schedules.schedule import Schedule
@@ -33,10 +36,11 @@ __all__ = [
     "Measurement",
     "UnitCandidate",
     "UnitChoice",
+    "UnitSizeContext",
     "choose_unit_size",
     "evaluate_unit_size",
-    "generate",
     "measure_schedule",
+    "unit_size_context",
 ]
 
 
@@ -242,27 +246,52 @@ def choose_unit_size(
     return UnitChoice(schedule, best, tuple(c for _, c in built), tuple(skipped), cap)
 
 
-def generate(name: str, p: int, m: int, **kwargs: object) -> Schedule:
-    """Schedule ``name`` as :func:`~megatron_pp_ext.schedules.registry.generate` builds it, except that
-    zeropp's ``unit_size="auto"`` is chosen here with :func:`choose_unit_size` (after the registry's
-    checks of the request, as the generator would have been called)."""
-    info = registry.get(name)
-    unit = kwargs.get("unit_size")
-    if info.name != "zeropp" or not (isinstance(unit, str) and unit.strip().lower() == "auto"):
-        return info.build(p, m, **kwargs)
-    checked = info.check(p, m, **kwargs)
-    info.check_size(p, m, checked.get("v", kwargs.get("v")))
+@dataclass(frozen=True)
+class UnitSizeContext:
+    """What the registry's request cannot carry: the data-parallel stream to time the candidates with
+    (``dp`` > 1: ``dp_bandwidth``, ``param_bytes``, ``fsdp``) and who is told the choice (``report``)."""
+
+    dp: int = 1
+    dp_bandwidth: float | None = None
+    param_bytes: float | None = None
+    fsdp: bool = False
+    report: Callable[[UnitChoice], None] | None = None
+
+
+_CONTEXT: ContextVar[UnitSizeContext | None] = ContextVar("zeropp_unit_size_context", default=None)
+
+
+@contextmanager
+def unit_size_context(context: UnitSizeContext) -> Iterator[None]:
+    """Within the block, ``unit_size="auto"`` requests are timed and reported as ``context`` says."""
+    token = _CONTEXT.set(context)
+    try:
+        yield
+    finally:
+        _CONTEXT.reset(token)
+
+
+def _choose(info: registry.ScheduleInfo, p: int, m: int, checked: dict[str, object]) -> Schedule:
+    """The registry's chooser for zeropp's ``unit_size="auto"`` (the request already checked there)."""
     generator_keywords = ("v", "unit_size", "costs", "memory_limit")
     if any(value is not None for key, value in checked.items() if key not in generator_keywords):
-        # the generator refuses an unknown keyword before it looks at the unit size
-        return info.build(p, m, **kwargs)
+        return info.generate(p, m, **checked)  # the generator refuses an unknown keyword first
     check_int("m", m, 1)
-    with cyclic_gc_paused():
-        choice = choose_unit_size(
-            p,
-            m,
-            v=checked.get("v"),  # type: ignore[arg-type]
-            costs=checked.get("costs"),
-            memory_limit=checked.get("memory_limit"),  # type: ignore[arg-type]
-        )
+    context = _CONTEXT.get() or UnitSizeContext()
+    choice = choose_unit_size(
+        p,
+        m,
+        v=checked.get("v"),  # type: ignore[arg-type]
+        costs=checked.get("costs"),
+        memory_limit=checked.get("memory_limit"),  # type: ignore[arg-type]
+        dp=context.dp,
+        dp_bandwidth=context.dp_bandwidth,
+        param_bytes=context.param_bytes,
+        fsdp=context.fsdp,
+    )
+    if context.report is not None:
+        context.report(choice)
     return choice.schedule
+
+
+registry.register_chooser("zeropp", "unit_size", _choose)

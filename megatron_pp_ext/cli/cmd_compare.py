@@ -7,7 +7,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from .. import argtypes
-from ..schedule_args import CliError, generate_schedule, parse_costs
+from ..schedule_args import CliError, generate_schedule, parse_cli_costs
 from ..schedules import registry
 from ..schedules.ir import ScheduleError
 from ..schedules.schedule import Schedule
@@ -15,7 +15,8 @@ from .cmd_simulate import simulated
 from .formatting import fmt_table, num
 
 if TYPE_CHECKING:
-    from ..analysis.simulate import Costs, SimResult
+    from ..analysis.simulate import SimResult
+    from ..schedules.costs import Costs
 
 
 def compare_rows(
@@ -52,7 +53,7 @@ def iteration_time_1f1b_units(schedule: Schedule, result: SimResult, costs: Cost
     so schedules with different v compare; ``--costs`` are read as one 1F1B stage's op times."""
     from dataclasses import replace
 
-    from ..analysis.simulate import Costs
+    from ..schedules.costs import Costs
 
     k = schedule.placement.stages_per_rank_per_replica
     if k == 1:
@@ -76,7 +77,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             f"compare builds all {count} schedules at -p {args.p} -m {args.m} (v={args.v or 2}): about {ops:,} ops; "
             f"the limit is {MAX_OPS:,} (as for one schedule in simulate): give a smaller -p or -m"
         )
-    costs = parse_costs(args.costs)
+    costs = parse_cli_costs(args.costs)
     done, skipped, broken = compare_rows(args.p, args.m, args.v, costs)
     if args.json:
         payload: dict[str, Any] = {

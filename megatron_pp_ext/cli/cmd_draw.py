@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ..schedule_args import CliError, add_source_args, parse_costs, schedule_from_args
+from ..schedule_args import CliError, add_source_args, parse_cli_costs, schedule_from_args
 from ..schedules.limits import check_drawn_ops
 from .cmd_simulate import simulated
 from .support import int_list
@@ -41,7 +41,7 @@ def cmd_draw(args: argparse.Namespace) -> int:
         return cmd_draw_html(args)
     schedule = schedule_from_args(args)
     check_drawn_ops(sum(len(row) for row in schedule.ops))
-    result = simulated(schedule, parse_costs(args.costs))
+    result = simulated(schedule, parse_cli_costs(args.costs))
     try:
         out = draw(result, schedule, args.output)
     except OSError as exc:

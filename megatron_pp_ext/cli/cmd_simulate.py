@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import argtypes
 from ..argtypes import fraction
-from ..schedule_args import CliError, add_source_args, dp_options, parse_costs, schedule_from_args
+from ..schedule_args import CliError, add_source_args, dp_options, parse_cli_costs, schedule_from_args
 from ..schedules.layer_split import add_split_arguments
 from ..schedules.schedule import Schedule
 from .formatting import building_block_of, data_parallel_summary, num, summary
@@ -16,7 +16,8 @@ from .support import step_times
 
 if TYPE_CHECKING:
     from ..analysis.moe_comm import MoeComm
-    from ..analysis.simulate import Costs, SimResult
+    from ..analysis.simulate import SimResult
+    from ..schedules.costs import Costs
     from ..schedules.lowering import LoweredSchedule
 
 
@@ -125,12 +126,12 @@ def moe_summary(schedule: Schedule, moe: MoeComm) -> str:
 
 def uneven_costs(args: argparse.Namespace, schedule: Schedule) -> Costs | None:
     """``--costs`` (one stage of an even split), per stage in proportion to its layers when megatron's uneven-split
-    flags are given (:func:`~megatron_pp_ext.schedules.layer_costs.stage_costs_from_layout`)."""
+    flags are given (:func:`~megatron_pp_ext.schedules.split_costs.stage_costs_from_layout`)."""
     from ..schedules.costs import Costs
-    from ..schedules.layer_costs import stage_costs_from_layout
     from ..schedules.layer_split import SPLIT_FLAGS, LayerSplitError, split_from_args
+    from ..schedules.split_costs import stage_costs_from_layout
 
-    costs = parse_costs(args.costs)
+    costs = parse_cli_costs(args.costs)
     given = [flag for attr, flag in SPLIT_FLAGS if getattr(args, attr, None) not in (None, False)]
     if not given:
         return costs

@@ -2,10 +2,11 @@
 
 The flags themselves (names, values, help, defaults) are declared once, on
 :class:`~.config.PipelineConfig`; :mod:`.flags` generates the argparse group from them and
-``docs/flags.md`` lists them. ``add_arguments(parser)`` is an ``extra_args_provider`` for megatron's
+``docs/flags.md`` lists them. :func:`.flags.add_arguments` is an ``extra_args_provider`` for megatron's
 ``parse_and_validate_args``; :func:`validate_arguments` runs after it (megatron's own checks have run
-and ``args.data_parallel_size`` is known): it resolves the :class:`PipelineConfig`, refuses flags the
-selected schedule cannot honour (one ``argument --flag: ...`` line), and sets megatron's chunk count
+and ``args.data_parallel_size`` is known): it resolves the :class:`PipelineConfig`, runs each feature's
+checks (:mod:`.features`), refuses flags the selected schedule cannot honour (one ``argument --flag: ...``
+line), and sets megatron's chunk count
 from the schedule's placement (``args.virtual_pipeline_model_parallel_size``), as a megatron user
 expects from the virtual pipeline flags. ``--pipeline-schedule auto`` is checked here from its declared
 values only; the decision runs in :func:`megatron_pp_ext.install` (:mod:`.auto_schedule`), which then
@@ -24,47 +25,23 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..runtime.layer_map import SPLIT_FLAGS
 from ..schedules import registry
 from ..schedules.ir import ScheduleError
 from ..schedules.schedule import Schedule
-from . import fsdp_flags, moe_flags
-from .config import (
-    AUTO,
-    ActivationLimit,
-    LayerKindCosts,
-    PipelineArgumentError,
-    PipelineConfig,
-    as_costs,
-    check_schedule,
-    parse_costs,
-    parse_memory_limit,
-    parse_schedule_name,
-)
-from .flags import GROUP_TITLE, add_arguments, flags_needing, values_from_args
+from .config import AUTO, LayerKindCosts, PipelineArgumentError, PipelineConfig
+from .features import features
+from .features.layer_placement import given, virtual_flag_of
+from .flags import flags_needing, values_from_args
 from .uneven import layout_is_ours
 
 __all__ = [
-    "AUTO",
     "CPU_ARGV",
-    "GROUP_TITLE",
-    "ActivationLimit",
-    "LayerKindCosts",
-    "PipelineArgumentError",
-    "PipelineConfig",
-    "add_arguments",
-    "as_costs",
     "check_auto_flags",
-    "check_schedule",
     "check_schedule_flags",
     "config_from_args",
     "cpu_argv",
     "error_line",
-    "layer_split_from_args",
     "microbatch_counts",
-    "parse_costs",
-    "parse_memory_limit",
-    "parse_schedule_name",
     "pipeline_config_of",
     "validate_arguments",
     "validate_arguments_or_exit",
@@ -86,13 +63,6 @@ CPU_ARGV = (
     "--no-rope-fusion",
 )
 
-VIRTUAL_FLAGS = (
-    ("num_virtual_stages_per_pipeline_rank", "--num-virtual-stages-per-pipeline-rank"),
-    ("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage"),
-    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout"),
-)
-UNEVEN_FLAGS = SPLIT_FLAGS  # megatron's uneven-split flags (runtime/layer_map.py)
-
 
 # Resolved configurations by args object: kept out of ``args`` itself (which megatron pickles).
 _CONFIGS: dict[int, tuple[Any, PipelineConfig]] = {}
@@ -113,21 +83,6 @@ def _remember(args: Any, config: PipelineConfig) -> None:
 
 
 # ---- validation -------------------------------------------------------------------------------------
-def _given(args: Any, name: str) -> bool:
-    value = getattr(args, name, None)
-    return value is not None and value is not False
-
-
-def _virtual_flag(args: Any) -> str | None:
-    """The virtual pipeline flag the user gave (a layout string mapped onto a V / bidirectional placement's
-    stages is not one: :mod:`.uneven`)."""
-    ours = layout_is_ours(args)
-    for name, flag in VIRTUAL_FLAGS:
-        if _given(args, name) and not (ours and name == "pipeline_model_parallel_layout"):
-            return flag
-    return None
-
-
 def microbatch_counts(args: Any) -> tuple[list[int], list[int]]:
     """Micro-batch counts per iteration of training (with batch-size ramp-up) and of evaluation."""
     dp = int(getattr(args, "data_parallel_size", 1) or 1)
@@ -177,7 +132,7 @@ def _flag_for(message: str, config: PipelineConfig, kwargs: dict[str, object], v
 def config_from_args(args: Any) -> PipelineConfig:
     """The plugin configuration megatron's ``args`` ask for (no checks beyond parsing)."""
     vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
-    if layout_is_ours(args) and _virtual_flag(args) is None:
+    if layout_is_ours(args) and virtual_flag_of(args) is None:
         vp = None  # megatron derived it from the layout string for its loop placement
     return PipelineConfig(
         **values_from_args(args),
@@ -185,7 +140,7 @@ def config_from_args(args: Any) -> PipelineConfig:
         microbatch_group_size=getattr(args, "microbatch_group_size_per_vp_stage", None),
         num_layers=getattr(args, "num_layers", None),
         pipeline_parallel_size=int(getattr(args, "pipeline_model_parallel_size", 1) or 1),
-        virtual_flag=_virtual_flag(args) or "--num-virtual-stages-per-pipeline-rank",
+        virtual_flag=virtual_flag_of(args) or "--num-virtual-stages-per-pipeline-rank",
     )
 
 
@@ -206,28 +161,20 @@ def validate_arguments(args: Any) -> PipelineConfig:
             "--pipeline-schedule-file",
             f"not allowed with argument --pipeline-schedule ({config.schedule}): give one or the other",
         )
-    if config.trace_dir is not None and not config.selected:
-        raise PipelineArgumentError("--pipeline-trace", "needs --pipeline-schedule or --pipeline-schedule-file")
-    if config.profile_iterations is not None and config.profile_iterations < 0:
-        raise PipelineArgumentError(
-            "--pipeline-profile-iters", f"must be >= 0 (0 = no re-plan), got {config.profile_iterations}"
-        )
+    for feature in features():  # each feature's own flags (integration/features/)
+        feature.check(args, config)
     if not config.selected:
         for attr, flag in flags_needing("schedule"):
-            if _given(args, attr):
+            if given(args, attr):
                 raise PipelineArgumentError(flag, "needs --pipeline-schedule (megatron's own schedule does not use it)")
         _remember(args, config)
         return config
-    moe_flags.check_schedule(args)
-    if config.post_validation_early and not config.post_validation:
-        raise PipelineArgumentError("--pipeline-post-validation-early", "goes with --pipeline-post-validation")
     if config.schedule == AUTO:
         check_auto_flags(args, config)
-        fsdp_flags.check_arguments(args)
         _remember(args, config)
         return config  # decided by install(args) (integration/auto_schedule.py), then check_schedule_flags
     for attr, flag in flags_needing("auto"):
-        if _given(args, attr):
+        if given(args, attr):
             raise PipelineArgumentError(flag, "needs --pipeline-schedule auto")
     if isinstance(config.costs, LayerKindCosts) and config.costs.profile is None:
         if not config.schedule:
@@ -240,11 +187,6 @@ def validate_arguments(args: Any) -> PipelineConfig:
 
         p = config.pipeline_parallel_size or 1
         config.costs = with_stage_costs(args, config.costs, config.schedule, p, config.num_virtual_stages)
-    fsdp_flags.check_arguments(args)
-    if config.post_validation and config.fsdp:
-        raise PipelineArgumentError(
-            "--pipeline-post-validation", "wraps megatron's optimizer: not with --pipeline-fsdp (its own optimizer)"
-        )
     return check_schedule_flags(args, config)
 
 
@@ -253,7 +195,7 @@ def check_schedule_flags(args: Any, config: PipelineConfig) -> PipelineConfig:
     every micro-batch count of the run, the layers split over its stages, Transformer Engine can defer its
     weight gradients if it splits the backward; sets megatron's chunk count from its placement."""
     p = config.pipeline_parallel_size or 1
-    virtual_flag = _virtual_flag(args)
+    virtual_flag = virtual_flag_of(args)
     train_ms, eval_ms = microbatch_counts(args)
     dp = int(getattr(args, "data_parallel_size", 1) or 1)
 
@@ -280,12 +222,9 @@ def check_schedule_flags(args: Any, config: PipelineConfig) -> PipelineConfig:
         except ScheduleError as exc:
             raise _schedule_error(exc, config, args, p, m, dp, virtual_flag) from None
     assert schedule is not None
-    _check_layers(args, schedule, virtual_flag)
-    _check_transformer_engine(args, config, schedule)
-    config.layer_split = getattr(args, "pipeline_layer_split", None)
+    for feature in features():  # the layers over its stages, Transformer Engine for a split backward, ...
+        feature.check_schedule(args, config, schedule)
     _apply_chunks(args, config, schedule, virtual_flag)
-    if config.trace_dir is not None:
-        _check_trace_dir(config.trace_dir)
     _remember(args, config)
     return config
 
@@ -313,7 +252,7 @@ def _check_auto_layout(args: Any) -> None:
 
 def check_auto_flags(args: Any, config: PipelineConfig) -> None:
     """``--pipeline-schedule auto``'s flags, from their values alone (the decision runs in ``install``)."""
-    if _given(args, "pipeline_model_parallel_layout"):
+    if given(args, "pipeline_model_parallel_layout"):
         _check_auto_layout(args)
     budget = config.memory_budget
     if budget is not None and not (math.isfinite(budget) and budget > 0):
@@ -384,95 +323,6 @@ def _schedule_error(
     )
 
 
-def layer_split_from_args(args: Any) -> Any:
-    """Megatron's uneven-split flags as a :class:`~megatron_pp_ext.runtime.layer_map.LayerSplit`
-    (raises ValueError on a layout string that does not parse)."""
-    from ..runtime.layer_map import split_from_args
-
-    return split_from_args(args)
-
-
-def _check_uneven_split(args: Any, schedule: Schedule, given: list[str]) -> None:
-    """Uneven splits under V / bidirectional placements: the flags split the placement's model stages."""
-    from ..runtime.layer_map import LayerSplitError, stage_layer_counts
-
-    flag = given[0]
-    try:
-        split = layer_split_from_args(args)
-    except ValueError as exc:
-        raise PipelineArgumentError("--pipeline-model-parallel-layout", str(exc)) from None
-    num_layers = getattr(args, "num_layers", None)
-    if num_layers is None:
-        return
-    placement = schedule.placement
-    try:
-        stage_layer_counts(num_layers, placement.stages_per_replica, split)
-    except LayerSplitError as exc:
-        where = (
-            f"--pipeline-schedule {schedule.name}: {placement.style} placement, "
-            f"{placement.stages_per_replica} model stages over {placement.num_ranks} ranks"
-        )
-        raise PipelineArgumentError(flag, f"{exc} ({where})") from None
-    args.pipeline_layer_split = split
-
-
-def _check_hybrid_pattern(args: Any, schedule: Schedule) -> None:
-    """A hybrid layer pattern's segments against the schedule's placement (stage s builds segment s), and
-    its layer types against what this run can build (``runtime/hybrid_pattern.py``)."""
-    from ..runtime.hybrid_pattern import HybridPatternError, check_runnable, hybrid_layer_split
-
-    flag, pattern = "--hybrid-layer-pattern", args.hybrid_layer_pattern
-    try:
-        split = hybrid_layer_split(pattern, schedule.placement, schedule.name, flag)
-        if bool(getattr(args, "cpu", False)):
-            from .hybrid import LOCAL_SYMBOLS
-
-            check_runnable(pattern, LOCAL_SYMBOLS, "on CPU (megatron-core's local layers)", flag)
-            if "E" in pattern and getattr(args, "add_bias_linear", False):
-                raise HybridPatternError(
-                    f"{flag} MoE layers ('E') on CPU need --disable-bias-linear (megatron-core's expert bias "
-                    "fails on CPU)"
-                )
-    except HybridPatternError as exc:
-        raise PipelineArgumentError(flag, str(exc).removeprefix(f"{flag} ")) from None
-    args.pipeline_layer_split = split
-
-
-def _check_layers(args: Any, schedule: Schedule, virtual_flag: str | None) -> None:
-    placement = schedule.placement
-    if getattr(args, "hybrid_layer_pattern", None):
-        _check_hybrid_pattern(args, schedule)
-        return
-    uneven = [flag for attr, flag in UNEVEN_FLAGS if _given(args, attr)]
-    layout_flag = "--pipeline-model-parallel-layout"
-    if layout_flag in uneven and len(uneven) > 1:  # megatron's TransformerConfig refuses it with a traceback
-        others = " / ".join(f for f in uneven if f != layout_flag)
-        message = f"gives every stage's layers: not with {others} (give one or the other)"
-        raise PipelineArgumentError(layout_flag, message)
-    if uneven:
-        if placement.style == "loop":
-            return  # megatron splits the layers itself (and checks them)
-        if layout_flag in uneven and virtual_flag is not None:
-            raise PipelineArgumentError(
-                layout_flag,
-                f"not with {virtual_flag}: under {schedule.name}'s {placement.style} placement the layout's stages "
-                "are the placement's model stages, which fix the chunks per rank (leave the virtual flag out)",
-            )
-        _check_uneven_split(args, schedule, uneven)
-        return
-    num_layers = getattr(args, "num_layers", None)
-    if num_layers is None:
-        return
-    stages = placement.stages_per_replica
-    if num_layers % stages:
-        raise PipelineArgumentError(
-            "--num-layers",
-            f"{num_layers} layers do not split evenly into the {stages} pipeline stages of {schedule.name} "
-            f"({placement.style} placement: {placement.num_ranks} ranks x {placement.chunks_per_rank} chunk(s)); "
-            f"use a multiple of {stages}",
-        )
-
-
 def _apply_chunks(args: Any, config: PipelineConfig, schedule: Schedule, virtual_flag: str | None) -> None:
     chunks = schedule.chunks_per_rank
     current = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
@@ -489,17 +339,6 @@ def _apply_chunks(args: Any, config: PipelineConfig, schedule: Schedule, virtual
     config.num_virtual_stages = chunks if chunks > 1 else None
 
 
-def _check_transformer_engine(args: Any, config: PipelineConfig, schedule: Schedule) -> None:
-    """A split schedule with the TE layer spec needs a TE whose layers defer their weight gradients."""
-    if not schedule.splits_backward or getattr(args, "transformer_impl", "local") != "transformer_engine":
-        return
-    from ..runtime.te_wgrad import refusal, te_support_problem
-
-    problem = te_support_problem()
-    if problem is not None:
-        raise PipelineArgumentError("--transformer-impl", refusal(problem, config.label))
-
-
 def _check_cpu_flags(args: Any) -> None:
     needs = (
         ("distributed_backend", "gloo", "--distributed-backend gloo"),
@@ -509,14 +348,6 @@ def _check_cpu_flags(args: Any) -> None:
     for attr, value, flags in needs:
         if hasattr(args, attr) and getattr(args, attr) != value:
             raise PipelineArgumentError("--cpu", f"CPU mode needs {flags} (got {attr}={getattr(args, attr)!r})")
-    moe_flags.check_cpu(args)
-
-
-def _check_trace_dir(path: str) -> None:
-    import os
-
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise PipelineArgumentError("--pipeline-trace", f"{path} exists and is not a directory")
 
 
 def validate_arguments_or_exit(args: Any, prog: str | None = None) -> PipelineConfig:

@@ -33,7 +33,7 @@ class _CollectingParser(argparse.ArgumentParser):
 def _megatron_parser() -> argparse.ArgumentParser:
     from megatron.training.arguments import add_megatron_arguments
 
-    from .arguments import add_arguments
+    from .flags import add_arguments
 
     return add_arguments(add_megatron_arguments(_CollectingParser(allow_abbrev=False, add_help=False)))
 

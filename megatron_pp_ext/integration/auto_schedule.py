@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..analysis.simulate import Costs
 from ..planner.auto import AutoDecision, decide
 from ..planner.memo import SIM_OVERLAP
 from ..planner.memory import GIB
@@ -31,18 +30,18 @@ from ..planner.result import PlanRow
 from ..planner.search import Planner
 from ..planner.space import SearchSpace
 from ..schedules import registry
+from ..schedules.costs import Costs
 from ..schedules.layer_split import LayerSplit, split_from_args
 from ..schedules.placement import loop_placement, make_placement
-from .arguments import (
+from .arguments import _cuda_available, check_schedule_flags
+from .config import (
     LayerKindCosts,
     PipelineArgumentError,
     PipelineConfig,
-    _cuda_available,
-    _virtual_flag,
-    check_schedule_flags,
-    parse_costs,
-    parse_memory_limit,
+    parse_pipeline_costs,
+    parse_pipeline_memory_limit,
 )
+from .features.layer_placement import virtual_flag_of
 
 __all__ = ["Redecision", "planner_for_run", "resolve", "run_layer_split"]
 
@@ -207,7 +206,7 @@ def _apply(config: PipelineConfig, chosen: PlanRow, table: str, costs: Any = Non
     if costs is None and isinstance(config.costs, tuple):
         costs = config.costs
     if costs is None and c.costs_flag is not None:  # per-layer-kind costs: the stage costs the planner used
-        costs = parse_costs(c.costs_flag)
+        costs = parse_pipeline_costs(c.costs_flag)
     unit_size = config.unit_size
     if c.unit_size is not None and not isinstance(config.unit_size, int):
         unit_size = c.unit_size  # zeropp's U the planner chose (with unit size auto or unset)
@@ -215,7 +214,7 @@ def _apply(config: PipelineConfig, chosen: PlanRow, table: str, costs: Any = Non
         config,
         schedule=c.schedule,
         unit_size=unit_size,
-        memory_limit=parse_memory_limit(c.memory_limit) if c.memory_limit else None,
+        memory_limit=parse_pipeline_memory_limit(c.memory_limit) if c.memory_limit else None,
         num_virtual_stages=c.v_flag if c.v_flag is not None else config.num_virtual_stages,
         costs=costs,
         auto_table=table,
@@ -242,7 +241,7 @@ def resolve(args: Any, config: PipelineConfig) -> PipelineConfig:
         raise PipelineArgumentError(  # one line: rank 0 printed the table (what each needs) just above
             "--pipeline-memory-budget", f"no schedule fits in {budget:.3g} GiB per rank (the auto table above)"
         )
-    if "|" in (getattr(args, "hybrid_layer_pattern", None) or "") and _virtual_flag(args) is None:
+    if "|" in (getattr(args, "hybrid_layer_pattern", None) or "") and virtual_flag_of(args) is None:
         # megatron derived its virtual pipeline size from the pattern's segments (segments / p): the chosen
         # schedule's placement sets the chunks, as a virtual flag the user did not give would not
         config = replace(config, num_virtual_stages=None)

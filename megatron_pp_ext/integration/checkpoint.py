@@ -162,11 +162,18 @@ def _check_loaded(load_dir: Any, result: Any, model_chunks: Any) -> None:
         )
 
 
-def _label(args: Any) -> str:
-    from .install import installed
+# The installed plugin schedule's label, set by the checkpoint feature while install() is in effect
+# (features/checkpoint_safety.py), so that this module need not import install.
+_INSTALLED_LABEL: list[str] = []
 
-    config = installed()
-    return config.label if config is not None else schedule_label(args)
+
+def set_installed_label(label: str | None) -> None:
+    """The label of the schedule install() put in place (None: megatron's own)."""
+    _INSTALLED_LABEL[:] = [] if label is None else [label]
+
+
+def _label(args: Any) -> str:
+    return _INSTALLED_LABEL[0] if _INSTALLED_LABEL else schedule_label(args)
 
 
 def _global_rank() -> int:

@@ -20,11 +20,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..runtime.layer_map import LayerSplitError, chunk_layouts
+from ..runtime.layer_map import chunk_layouts
 from ..schedules import registry
 from ..schedules.ir import ScheduleError
+from ..schedules.layer_split import LayerSplitError
 from ..schedules.placement import make_placement
-from .arguments import AUTO, layer_split_from_args
+from .config import AUTO
+from .features.layer_placement import layer_split_from_args
 from .uneven import layout_is_ours
 
 Chunk = tuple[int, int, bool, bool]  # (first layer, layer count, embedding, loss)

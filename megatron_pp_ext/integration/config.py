@@ -37,12 +37,13 @@ __all__ = [
     "PipelineConfig",
     "as_costs",
     "check_schedule",
-    "parse_costs",
-    "parse_memory_limit",
+    "parse_pipeline_costs",
+    "parse_pipeline_memory_limit",
     "parse_schedule_name",
 ]
 
 AUTO = "auto"  # --pipeline-schedule auto (planner/auto.py)
+FSDP_FLAG = "--pipeline-fsdp"  # named in the FSDP feature's messages (features/chunk_fsdp.py, fsdp_training.py)
 
 
 class PipelineArgumentError(ValueError):
@@ -55,7 +56,8 @@ class PipelineArgumentError(ValueError):
 
 
 # ---- value parsers (argparse types: a bad value is one ``argument --flag: ...`` line) -------------------
-parse_memory_limit = argtypes.memory_limit  # N or Np activations -> ActivationLimit
+# ``--pipeline-memory-limit``: N or Np activations -> ActivationLimit (:func:`..schedules.values.parse_memory_limit`)
+parse_pipeline_memory_limit = argtypes.memory_limit
 
 
 @dataclass(frozen=True)
@@ -79,11 +81,11 @@ class LayerKindCosts:
         return cls(tuple(sorted(entries.items())), micro_batch, tp, profile)
 
 
-def parse_costs(text: str) -> Any:
-    """``F,B,W[,COMM]`` numbers (:func:`~megatron_pp_ext.schedules.values.parse_costs`), per-layer-kind
-    ``KIND=F,B,W;...`` entries (text with ``=``: :class:`LayerKindCosts`), or the path of a JSON profile written
-    by ``--pipeline-profile-out`` (text without a comma), which may carry per-layer-kind entries too (its
-    ``layer_costs`` key, the same text)."""
+def parse_pipeline_costs(text: str) -> Any:
+    """``--pipeline-costs``: ``F,B,W[,COMM]`` numbers (:func:`~megatron_pp_ext.schedules.values.parse_costs`),
+    per-layer-kind ``KIND=F,B,W;...`` entries (text with ``=``: :class:`LayerKindCosts`), or the path of a JSON
+    profile written by ``--pipeline-profile-out`` (text without a comma), which may carry per-layer-kind entries
+    too (its ``layer_costs`` key, the same text)."""
     if "=" in str(text):
         return LayerKindCosts.parse(text)
     if "," not in str(text):
@@ -253,7 +255,7 @@ class PipelineConfig:
         metadata=_flag(
             name="--pipeline-memory-limit",
             metavar="N|Np",
-            parse=parse_memory_limit,
+            parse=parse_pipeline_memory_limit,
             keep_text=True,
             needs="schedule",
             agree="memory_limit",
@@ -275,7 +277,7 @@ class PipelineConfig:
             "reaches auto only with per-layer-kind entries (its `layer_costs` key). Without the flag auto uses "
             "the device's cost model (docs/planner.md).",
             metavar="F,B,W[,COMM]|KIND=F,B,W;...|FILE",
-            parse=parse_costs,
+            parse=parse_pipeline_costs,
             keep_text=True,
             needs="schedule",
             agree="costs",
@@ -357,8 +359,9 @@ class PipelineConfig:
     fsdp: bool = field(
         default=False,
         metadata=_flag(
-            name="--pipeline-fsdp",
-            notes="megatron_pp_ext/integration/fsdp_flags.py lists the megatron flags it refuses (one line each).",
+            name=FSDP_FLAG,
+            notes="megatron_pp_ext/integration/features/chunk_fsdp.py lists the megatron flags it refuses "
+            "(one line each).",
             needs="schedule",
             agree="fsdp",
             help="Shard each model chunk's parameters, gradients and optimizer state over its data-parallel group "
@@ -434,7 +437,7 @@ class PipelineConfig:
     # args; install(config) then checks the configuration as it checks the flags, and decides auto.
     run: Any = field(default=None, compare=False, repr=False)
     # Resolved while checking.
-    layer_split: Any = None  # runtime.layer_map.LayerSplit for uneven splits under non-loop placements
+    layer_split: Any = None  # schedules.layer_split.LayerSplit for uneven splits under non-loop placements
     virtual_flag: str = "--num-virtual-stages-per-pipeline-rank"
     auto_table: str | None = None  # --pipeline-schedule auto: the decision table
     # auto with --pipeline-replan: measured Costs -> (the configuration to run, the decision table)
@@ -504,9 +507,9 @@ class PipelineConfig:
             assert self.schedule is not None
             if self.schedule == AUTO:
                 raise ScheduleError("--pipeline-schedule auto is decided by install(args) (megatron's args needed)")
-            from ..analysis import zeropp_auto  # registry.generate, and zeropp's unit size 'auto'
+            from .. import analysis  # noqa: F401  (registers zeropp's unit size 'auto' with the registry)
 
-            schedule = zeropp_auto.generate(self.schedule, p, m, **self.generator_kwargs(p))
+            schedule = registry.generate(self.schedule, p, m, **self.generator_kwargs(p))
             if self.num_virtual_stages is not None and schedule.chunks_per_rank != self.num_virtual_stages:
                 raise ScheduleError(
                     f"{self.schedule} places {schedule.chunks_per_rank} chunk(s) per rank "
@@ -517,9 +520,9 @@ class PipelineConfig:
 
 
 def as_costs(costs: Any) -> Any:
-    """A :class:`~megatron_pp_ext.analysis.simulate.Costs` from a Costs, an (F, B, W, COMM) tuple or the
+    """A :class:`~megatron_pp_ext.schedules.costs.Costs` from a Costs, an (F, B, W, COMM) tuple or the
     profile a :class:`LayerKindCosts` came with."""
-    from ..analysis.simulate import Costs
+    from ..schedules.costs import Costs
 
     if isinstance(costs, Costs):
         return costs

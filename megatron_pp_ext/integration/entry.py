@@ -12,7 +12,7 @@ same name (``--num-layers`` for ``num_layers``) or the plugin flag of the config
 
 Without a :class:`RunShape`, a named schedule is installed as given (built per micro-batch count at the first
 step, from megatron's parallel state); what cannot be decided or honoured without the run's shape or
-megatron's training loop is refused in one line (:data:`NEEDS_RUN`, :data:`NEEDS_MEGATRON_TRAINING`).
+megatron's training loop is refused in one line (``auto`` without a run; :data:`NEEDS_MEGATRON_TRAINING`).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ model chunk over its data-parallel group instead of wrapping it in megatron DDP,
   summed over the data-parallel and pipeline groups (:meth:`ShardedChunk.local_grad_sq_norm`).
 
 ``train_step`` calls ``zero_grad_buffer()`` on every chunk before each iteration: for a sharded chunk that
-is :meth:`ShardedChunk.start_iteration`. :func:`.fsdp_flags.check_arguments` refuses what this does not cover,
+is :meth:`ShardedChunk.start_iteration`. :func:`.features.chunk_fsdp.check_arguments` refuses what this does not cover,
 from the flags, one line each. Checkpoints of shards are not implemented (``--save`` / ``--load`` refused).
 """
 
@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ..runtime.fsdp import FsdpMemory, ShardedChunk, finalize_sharded_grads
 from ._patching import Patcher
-from .fsdp_flags import FLAG
+from .config import FSDP_FLAG as FLAG
 
 
 # ---- model chunks -------------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ def with_stage_costs(args: Any, costs: LayerKindCosts, schedule: str, p: int, v:
     """``costs`` with the per-stage costs of ``schedule`` at pipeline size ``p`` (``v`` chunks per rank where
     given) under this run's layers; :class:`PipelineArgumentError` naming ``--pipeline-costs`` where the run's
     stages are not determined or hold a kind the costs lack."""
-    from ..analysis.simulate import Costs
+    from ..schedules.costs import Costs
 
     kinds = layer_kinds(args)
     if kinds is None:
@@ -65,7 +65,7 @@ def with_stage_costs(args: Any, costs: LayerKindCosts, schedule: str, p: int, v:
             "F,B,W[,COMM] of one stage instead",
         )
     info = registry.get(schedule)
-    default_v = info.capabilities.chunks.default if info.capabilities is not None else 1
+    default_v = info.capabilities.chunks.default
     placement = make_placement(info.placement, p, v or default_v)
     try:
         counts = stage_kind_counts(kinds, placement, _split(args, placement, schedule))

@@ -47,7 +47,8 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
-from ..runtime.layer_map import ChunkLayout, LayerSplit, chunk_layouts, stage_layer_counts
+from ..runtime.layer_map import ChunkLayout, chunk_layouts
+from ..schedules.layer_split import LayerSplit, stage_layer_counts
 from ..schedules.placement import Placement
 from ._patching import Patcher
 

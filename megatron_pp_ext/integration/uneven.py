@@ -5,7 +5,7 @@
 ``--pipeline-model-parallel-layout`` describe megatron's loop placement: "first stage" is pipeline rank 0
 (all its virtual chunks), a layout's stage ``i`` is rank ``i % p``, chunk ``i // p``. Under a V or
 bidirectional placement the plugin reads them per *model stage* instead (the placement's stages in model
-order; :func:`~megatron_pp_ext.runtime.layer_map.stage_layer_counts`) and :mod:`.layout` makes megatron
+order; :func:`~megatron_pp_ext.schedules.layer_split.stage_layer_counts`) and :mod:`.layout` makes megatron
 build exactly those layers. Megatron's own checks of the flags assume its placement and would refuse
 splits that are fine here (a first stage of one layer with two chunks per rank) or accept ones that are
 not, so for these placements megatron never sees them where it checks them:

@@ -8,7 +8,7 @@ each using the others' public names only:
   shapes that divide, the ranking), :mod:`.variants` (a schedule's variants at a shape, or why it does
   not apply), :mod:`.evaluate` (one candidate's memory and time; ``estimate_memory``), :mod:`.extrapolate`
   (short anchor runs extrapolated), :mod:`.memo` (``PlannerMemo``: built schedules and simulations kept
-  across planners), :mod:`.schedule_cache` (slow generators' output on disk), :mod:`.layout` (the layer
+  across planners), :mod:`.schedule_cache` (slow generators' output on disk), :mod:`.layer_layouts` (the layer
   layouts a candidate tries, megatron's layout flags, a given layout's checks) and :mod:`.layout_search`
   (a candidate under those layouts);
 * the models: :mod:`.models`, :mod:`.memory`, :mod:`.cost_model`, :mod:`.retiming`, :mod:`.dp_stream`,

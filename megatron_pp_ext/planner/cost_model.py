@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from ..analysis.simulate import Costs
+from ..schedules.costs import Costs
 from .memory import StageInfo, TrainingSetup, bytes_per_parameter
 from .models import ModelSpec
 

@@ -9,13 +9,13 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..analysis.simulate import Costs
 from ..schedules import registry
+from ..schedules.costs import Costs
 from ..schedules.schedule import Schedule
 from .cost_model import model_flops_per_iteration
 from .dp_stream import exposed_dp_time, reduction_profile
 from .extrapolate import EXACT_FALLBACK, TOLERANCE, affine_at, affine_memory
-from .layout import hybrid_pattern_text, is_uniform, layout_text
+from .layer_layouts import hybrid_pattern_text, is_uniform, layout_text
 from .memo import Built, build_key
 from .memory import (
     RankMemory,

@@ -23,9 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..analysis.simulate import Costs, simulate
+from ..analysis.simulate import simulate
 from ..schedules import registry
 from ..schedules.collectives import CollectiveKind, CollectivePlan, derive_collectives, policy_for
+from ..schedules.costs import Costs
 from ..schedules.lowering import LoweredSchedule
 from ..schedules.schedule import Schedule
 from .memo import normalise, round_sig

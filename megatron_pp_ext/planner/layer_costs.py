@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..analysis.simulate import Costs
+from ..schedules.costs import Costs
 from ..schedules.placement import Placement
 from ..schedules.values import layer_costs_scale
 from .cost_model import CostModel, LayerTimes, flop_times, kind_flops, recomputed_backward

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..schedules.placement import Placement
 from .layer_costs import LayerCostTable, slice_costs
-from .layout import rank_loads
+from .layer_layouts import rank_loads
 
 __all__ = [
     "TracedRun",

@@ -1,5 +1,5 @@
 """The layout axis of the search: one candidate configuration evaluated under the uniform split and the
-planned layouts (:func:`.layout.candidate_splits`); the best row of each kind is kept, so the table shows
+planned layouts (:func:`.layer_layouts.candidate_splits`); the best row of each kind is kept, so the table shows
 what planning the layout gains over the uniform split of the same configuration."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from .evaluate import evaluate
-from .layout import candidate_splits, split_from_layout
+from .layer_layouts import candidate_splits, split_from_layout
 from .memory import split_layers
 from .result import PlanRow
 from .variants import Variant

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .layout import layout_args
+from .layer_layouts import layout_args
 from .memory import TrainingSetup
 from .models import ModelSpec
 from .space import Config

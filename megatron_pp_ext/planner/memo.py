@@ -6,12 +6,12 @@ is timed often)."""
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..analysis.simulate import Costs, simulate
+from ..analysis.simulate import DEFAULT_COMM, DEFAULT_OVERLAP, simulate
+from ..schedules.costs import Costs
 from ..schedules.lowering import LoweredSchedule
 from ..schedules.schedule import Schedule
 from .dp_stream import ReductionProfile
@@ -21,19 +21,12 @@ from .retiming import TimingProgram
 COMPILE_AFTER = 2  # a schedule simulated this often gets a compiled TimingProgram (faster re-timing)
 
 
-def _simulator_comm_model() -> str:
-    """The simulator's default communication model (``async`` / ``blocking``; older simulators
-    had only the blocking one)."""
-    param = inspect.signature(simulate).parameters.get("comm")
-    return str(param.default) if param is not None else "blocking"
-
-
-SIM_COMM = _simulator_comm_model()
-SIM_KWARGS: dict[str, Any] = {"comm": SIM_COMM} if "comm" in inspect.signature(simulate).parameters else {}
+SIM_COMM = DEFAULT_COMM  # the simulator's communication model, recorded with each memoized result
+SIM_KWARGS: dict[str, Any] = {"comm": SIM_COMM}
 #: Back-to-back iterations timed per configuration with ``--post-validation`` (steady state).
 POST_VALIDATION_ITERATIONS = 3
 # overlap factor of a schedule's forward-and-backward pairs (dualpipev) when none is given: the simulator's
-SIM_OVERLAP = float(inspect.signature(simulate).parameters["overlap"].default)
+SIM_OVERLAP = DEFAULT_OVERLAP
 
 
 def round_sig(x: float, digits: int = 3) -> float:

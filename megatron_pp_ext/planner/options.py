@@ -20,7 +20,7 @@ from ..argtypes import (
 )
 from .cost_model import CostModel
 from .layer_costs import MeasuredLayers
-from .layout import check_layout
+from .layer_layouts import check_layout
 from .memo import SIM_OVERLAP, PlannerMemo
 from .memory import TrainingSetup, w_memory_fraction
 from .schedule_cache import default_cache_dir

@@ -19,17 +19,17 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..analysis.simulate import Costs
+from ..schedules.costs import Costs
 from ..schedules.ir import OpKind
 from ..schedules.lowering import Compute, LoweredSchedule
 
-__all__ = ["Timing", "TimingProgram"]
+__all__ = ["ProgramTiming", "TimingProgram"]
 
 _CODE = {OpKind.F: 0, OpKind.B: 1, OpKind.W: 2, OpKind.BW: 3}
 
 
 @dataclass(frozen=True)
-class Timing:
+class ProgramTiming:
     makespan: float
     busy: list[float]
     span: list[float]
@@ -142,11 +142,11 @@ class TimingProgram:
                 return None
         return order
 
-    def run(self, costs: Costs) -> Timing:
+    def run(self, costs: Costs) -> ProgramTiming:
         f, b, w, bw = costs.per_stage(self.num_stages)
         return self.run_tables((f, b, w, bw), float(costs.t_comm))
 
-    def run_tables(self, tables: Sequence[Sequence[float]], comm: float) -> Timing:
+    def run_tables(self, tables: Sequence[Sequence[float]], comm: float) -> ProgramTiming:
         """``tables`` = per-stage ``(t_f, t_b, t_w, t_bw)``; ``comm`` = one hop."""
         flat = [x for table in tables for x in table]
         end = [0.0] * (self.num_nodes + 1)
@@ -172,7 +172,7 @@ class TimingProgram:
             start = max([end[fp], *(end[s] + comm for s in fs)])
             span.append(end[last] - start)
         makespan = max((end[last] for last in self.last_compute if last >= 0), default=0.0)
-        return Timing(makespan, busy, span)
+        return ProgramTiming(makespan, busy, span)
 
 
 def _kahn(resolved: Sequence[tuple[int, int, tuple[int, ...]]], none: int) -> list[int]:

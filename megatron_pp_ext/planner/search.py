@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..analysis.schedule_check import validate
-from ..analysis.simulate import Costs, simulate
+from ..analysis.simulate import simulate
 from ..schedules import registry
+from ..schedules.costs import Costs
 from ..schedules.ir import ScheduleError
 from ..schedules.limits import OPS_PER_PAIR
 from ..schedules.placement import Placement

@@ -40,7 +40,7 @@ class SearchSpace:
     recompute: tuple[str, ...] = ("none", "selective", "full")
     schedules: tuple[str, ...] | None = None  # default: every registered schedule
     memory_limits: tuple[str, ...] = ()  # extra memory limits ("p", "2p", "12") for memory-aware schedules
-    layer_split: str = "auto"  # auto | even | embedding-loss | search (the layout axis, planner/layout.py)
+    layer_split: str = "auto"  # auto | even | embedding-loss | search (the layout axis, planner/layer_layouts.py)
     max_tp: int | None = None  # default: GPUs per node
     fsdp: tuple[bool, ...] | None = None  # FSDP off / on per candidate (planner/fsdp_axis.py); default: off only
     unit_sizes: tuple[int, ...] | None = None  # zeropp's unit sizes U; default: every divisor of m

@@ -13,7 +13,7 @@ from ..schedules.placement import Placement
 from ..schedules.schedule import Schedule
 from ..schedules.values import parse_layer_layout, parse_memory_limit
 from .extrapolate import anchor_counts
-from .layout import fallback_split
+from .layer_layouts import fallback_split
 from .memo import Built, build_key
 from .memory import split_layers
 from .space import divisors
@@ -133,7 +133,7 @@ def schedule_variants(
 def variant_split(planner: Planner, placement: Placement) -> tuple[int, ...] | str | None:
     """A variant's layer split: a run's own (``SearchSpace.given_split``, megatron's flags as ``placement``
     maps them, or why it cannot); else the policy's (``--layer-split``); with the layout search the uniform
-    split when there is one, else a placeholder (:func:`.layout.fallback_split`) that the search replaces."""
+    split when there is one, else a placeholder (:func:`.layer_layouts.fallback_split`) that the search replaces."""
     layers, slices = planner.model.num_layers, placement.stages_per_replica
     if planner.space.given_split is not None:
         try:

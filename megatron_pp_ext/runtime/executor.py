@@ -196,7 +196,7 @@ def make_forward_backward_func(
             first_val_step=first_val_step,
             force_all_reduce=bool(force_all_reduce),
             tracer=tracers[rank],
-            timeout_s=p2p.DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s,
+            timeout_s=p2p.timeout_from_env() if timeout_s is None else timeout_s,
             use_tags=use_tags,
             replica_sync=replica_sync,
             grad_watch=grad_checks.watcher(models, forward_only),
@@ -236,7 +236,32 @@ def _groups(p2p_communicator: Any, pg_collection: Any) -> tuple[dist.ProcessGrou
 class _Run:
     """State of one call of the forward-backward function on one rank."""
 
-    def __init__(self, *, plan: _Plan, rank: int, pp_group: dist.ProcessGroup, pg_collection: Any, **kw: Any):
+    def __init__(
+        self,
+        *,
+        plan: _Plan,
+        rank: int,
+        pp_group: dist.ProcessGroup,
+        pg_collection: Any,
+        forward_step_func: Callable[..., Any],
+        data_iterator: Any,
+        models: list[torch.nn.Module],
+        num_microbatches: int,
+        seq_length: int,
+        micro_batch_size: int,
+        decoder_seq_length: int | None,
+        forward_only: bool,
+        collect_non_loss_data: bool,
+        first_val_step: Any,
+        force_all_reduce: bool,
+        tracer: Tracer,
+        timeout_s: float,
+        use_tags: bool,
+        replica_sync: Any,
+        grad_watch: GradWatch | None = None,
+    ) -> None:
+        """One keyword per argument of megatron's ``forward_backward_func`` call and per executor option, typed
+        (the list is what makes this over 80 lines)."""
         from megatron.core.utils import get_model_config
 
         self.plan = plan
@@ -245,18 +270,18 @@ class _Run:
         self.rank = rank
         self.pp_group = pp_group
         self.pg_collection = pg_collection
-        self.models: list[torch.nn.Module] = kw["models"]
-        self.forward_step_func = kw["forward_step_func"]
-        self.num_microbatches: int = kw["num_microbatches"]
-        self.forward_only: bool = kw["forward_only"]
-        self.collect_non_loss_data: bool = kw["collect_non_loss_data"]
-        self.first_val_step = kw["first_val_step"]
-        self.force_all_reduce: bool = kw["force_all_reduce"]
-        self.tracer: Tracer = kw["tracer"]
-        self.timeout_s: float = kw["timeout_s"]
-        self.use_tags: bool = kw["use_tags"]
-        self.replica_sync: Any = kw["replica_sync"]
-        self.grad_watch: GradWatch | None = kw.get("grad_watch")
+        self.models: list[torch.nn.Module] = models
+        self.forward_step_func = forward_step_func
+        self.num_microbatches: int = num_microbatches
+        self.forward_only: bool = forward_only
+        self.collect_non_loss_data: bool = collect_non_loss_data
+        self.first_val_step = first_val_step
+        self.force_all_reduce: bool = force_all_reduce
+        self.tracer: Tracer = tracer
+        self.timeout_s: float = timeout_s
+        self.use_tags: bool = use_tags
+        self.replica_sync: Any = replica_sync
+        self.grad_watch: GradWatch | None = grad_watch
         self.config = get_model_config(self.models[0])
         self.param_sync_func = per_chunk(self.config.param_sync_func, len(self.models))
 
@@ -275,8 +300,8 @@ class _Run:
             raise ExecutorError("variable_seq_lengths is not supported by megatron_pp_ext schedules yet")
         if self.config.pipeline_dtype is None:
             raise ExecutorError("TransformerConfig.pipeline_dtype must be set for pipeline communication")
-        self.iterators = self._wrap_iterators(kw["data_iterator"])
-        self.tensor_shape = self._tensor_shape(kw["seq_length"], kw["micro_batch_size"], kw["decoder_seq_length"])
+        self.iterators = self._wrap_iterators(data_iterator)
+        self.tensor_shape = self._tensor_shape(seq_length, micro_batch_size, decoder_seq_length)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.global_ranks = [dist.get_global_rank(pp_group, r) for r in range(pp_group.size())]
         self.cp_size = pg_collection.cp.size() if getattr(pg_collection, "cp", None) is not None else 1

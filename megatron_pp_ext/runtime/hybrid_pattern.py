@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import importlib.util
 
+from ..schedules.layer_split import LayerSplit, LayerSplitError
 from ..schedules.placement import Placement
-from .layer_map import ChunkLayout, LayerSplit, LayerSplitError
+from .layer_map import ChunkLayout
 
 PIPE = "|"
 MTP_SEPARATOR = "/"

@@ -3,8 +3,7 @@
 Pure Python (no torch, no megatron): the megatron integration and the verify
 harness both build model chunks from this table, so layers keep their global
 numbers whatever the placement (a checkpoint written under one placement loads
-under another). The layer count of each model stage: :mod:`megatron_pp_ext.schedules.layer_split`
-(re-exported here).
+under another). The layer count of each model stage: :mod:`megatron_pp_ext.schedules.layer_split`.
 """
 
 from __future__ import annotations
@@ -12,28 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..schedules.ir import ScheduleError
-from ..schedules.layer_split import (
-    LAYOUT_FLAG,
-    SPLIT_FLAGS,
-    LayerSplit,
-    LayerSplitError,
-    add_split_arguments,
-    split_from_args,
-    stage_layer_counts,
-)
+from ..schedules.layer_split import LayerSplit, stage_layer_counts
 from ..schedules.placement import Placement
 
-__all__ = [
-    "LAYOUT_FLAG",
-    "SPLIT_FLAGS",
-    "ChunkLayout",
-    "LayerSplit",
-    "LayerSplitError",
-    "add_split_arguments",
-    "chunk_layouts",
-    "split_from_args",
-    "stage_layer_counts",
-]
+__all__ = ["ChunkLayout", "chunk_layouts"]
 
 
 @dataclass(frozen=True)

@@ -54,12 +54,6 @@ def timeout_from_env() -> float:
     return _DEFAULT_S if text is None else parse_timeout(text, TIMEOUT_ENV)
 
 
-def __getattr__(name: str) -> float:
-    if name == "DEFAULT_TIMEOUT_S":  # read when used, so a bad value fails with its name, not at import
-        return timeout_from_env()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def set_check_messages(enabled: bool) -> None:
     """``--pipeline-check-messages``: send a header with every message and check it on arrival."""
     global _check_messages

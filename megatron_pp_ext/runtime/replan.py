@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..analysis.simulate import Costs
+from ..schedules.costs import Costs
 from ..schedules.ir import Op, OpKind
 from ..schedules.kind_profile import kind_times, layer_costs_text, stage_kind_counts
 from ..schedules.layer_split import LayerSplit, LayerSplitError

@@ -5,7 +5,7 @@
 :func:`stage_layer_counts` turns it into the transformer layers of each model stage (the placement's
 stages in model order), or refuses with a :class:`LayerSplitError` naming the flag and what would work.
 The chunks megatron builds (:mod:`megatron_pp_ext.runtime.layer_map`), ``megatron-pp verify`` and the
-simulator's per-stage costs (:mod:`.layer_costs`) all read these counts. Pure Python.
+simulator's per-stage costs (:mod:`.split_costs`) all read these counts. Pure Python.
 """
 
 from __future__ import annotations

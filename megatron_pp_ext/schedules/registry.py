@@ -4,12 +4,18 @@ A schedule registers a :class:`ScheduleInfo`: its generator, placement, whether 
 backward, and its :class:`~.capabilities.Capabilities` (what parameters it takes, as data).
 :func:`generate` checks a request against those declarations (:func:`~.capabilities.check_request`)
 before the generator runs, so generators do not repeat the common checks.
+
+:func:`generate` is the one way to build a schedule by name. A keyword value that a layer above this
+package decides (zeropp's ``unit_size="auto"``, chosen with the simulator) reaches it through a
+:func:`register_chooser` made by that layer (:mod:`megatron_pp_ext.analysis.zeropp_auto`, registered when
+:mod:`megatron_pp_ext.analysis` is imported): the request is checked here as any other, then the chooser
+builds the schedule instead of the generator.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .capabilities import Capabilities, check_request
 from .gc_pause import cyclic_gc_paused
@@ -18,6 +24,8 @@ from .limits import check_ops
 from .schedule import Schedule
 
 Generator = Callable[..., Schedule]
+Chooser = Callable[["ScheduleInfo", int, int, dict[str, object]], Schedule]
+"""``chooser(info, p, m, checked)``: the schedule for a checked request whose keyword says ``"auto"``."""
 
 
 class UnknownScheduleError(ScheduleError):
@@ -27,8 +35,7 @@ class UnknownScheduleError(ScheduleError):
 @dataclass(frozen=True)
 class ScheduleInfo:
     """A registered schedule. ``constraints``: rules beyond the declared parameters, in words.
-    ``capabilities``: the declared parameters (``None``: undeclared, the generator gets every
-    keyword and checks them itself, as before declarations existed)."""
+    ``capabilities``: the declared parameters (default: one chunk per rank, no further keywords)."""
 
     name: str
     generate: Generator
@@ -37,20 +44,16 @@ class ScheduleInfo:
     constraints: str
     description: str
     family: str = "baseline"
-    capabilities: Capabilities | None = None
+    capabilities: Capabilities = field(default_factory=Capabilities)
 
     def takes(self, keyword: str) -> bool:
         """Whether the generator reads ``keyword`` (``costs``, ``memory_limit``, ``block_file``, ``v``
         when it chooses the chunks, or one of its further keywords)."""
-        if self.capabilities is None:
-            return keyword in ("v", "memory_limit", "block_file")
         return self.capabilities.takes(keyword)
 
     @property
     def requirements(self) -> str:
         """Declared parameters and the further rules, in one line."""
-        if self.capabilities is None:
-            return self.constraints
         declared = self.capabilities.describe()
         said = {item.strip() for item in declared.split(", ")}
         # the generator's own text without what the declaration already says (p >= 1, m >= 1, v ...)
@@ -59,24 +62,40 @@ class ScheduleInfo:
 
     def check(self, p: object, m: object, **kwargs: object) -> dict[str, object]:
         """Check a request against the declarations; the keyword arguments the generator takes."""
-        if self.capabilities is None:
-            return dict(kwargs)
         return check_request(self.name, self.capabilities, p, m, kwargs)
 
     def check_size(self, p: int, m: int, v: object) -> None:
         """Refuse a request over :data:`.limits.MAX_OPS` before the generator sizes anything by it."""
-        chunks = v if isinstance(v, int) else self.capabilities.chunks.default if self.capabilities else 1
+        chunks = v if isinstance(v, int) else self.capabilities.chunks.default
         check_ops(p, m, max(int(chunks), 1))
 
     def build(self, p: int, m: int, **kwargs: object) -> Schedule:
-        """Check the request, then generate."""
+        """Check the request, then generate (or let a registered chooser decide an ``"auto"`` value)."""
         checked = self.check(p, m, **kwargs)
         self.check_size(p, m, checked.get("v", kwargs.get("v")))
+        chooser = _chooser_for(self.name, checked)
         with cyclic_gc_paused():
+            if chooser is not None:
+                return chooser(self, p, m, checked)
             return self.generate(p, m, **checked)
 
 
 _REGISTRY: dict[str, ScheduleInfo] = {}
+_CHOOSERS: dict[tuple[str, str], Chooser] = {}
+
+
+def register_chooser(name: str, keyword: str, chooser: Chooser) -> None:
+    """Schedule ``name`` built with ``keyword="auto"`` is built by ``chooser`` (from a layer above this
+    package: the schedules package never simulates)."""
+    _CHOOSERS[(name.lower(), keyword)] = chooser
+
+
+def _chooser_for(name: str, checked: dict[str, object]) -> Chooser | None:
+    for (schedule, keyword), chooser in _CHOOSERS.items():
+        value = checked.get(keyword)
+        if schedule == name.lower() and isinstance(value, str) and value.strip().lower() == "auto":
+            return chooser
+    return None
 
 
 def register(info: ScheduleInfo) -> ScheduleInfo:

@@ -101,7 +101,7 @@ EMULATE_ONLY = ("m", "schedules", "costs", "iterations", "warmup", "a2a_ms", "mo
 def settings_from(args: argparse.Namespace) -> Settings | None:
     """Check every ``--emulate`` flag before anything is spawned; EmulateError names the flag and range.
     Without ``--emulate``: None, or EmulateError if one of its own flags was given."""
-    from ..schedule_args import parse_costs
+    from ..schedule_args import parse_cli_costs
     from ..schedules import registry
 
     if not args.emulate:
@@ -139,7 +139,7 @@ def settings_from(args: argparse.Namespace) -> Settings | None:
     if BASELINE not in wanted:  # the gains are over 1f1b
         wanted = (BASELINE, *wanted)
     costs_text = args.costs or DEFAULT_COSTS
-    costs = parse_costs(costs_text)
+    costs = parse_cli_costs(costs_text)
     assert costs is not None
     comm_given = len(costs_text.split(",")) == 4
     if max(costs.t_f, costs.t_b, costs.t_w, costs.t_comm) > MAX_PAD_MS:  # type: ignore[type-var]
@@ -186,7 +186,7 @@ def settings_from(args: argparse.Namespace) -> Settings | None:
 def stage_costs(settings: Settings, schedule: Any, comm_ms: float) -> Any:
     """The schedule's per-stage costs (ms): a rank holding ``k`` stages per replica gets 1/k of a
     1F1B stage's time per op, as it holds 1/k of the layers."""
-    from ..analysis.simulate import Costs
+    from ..schedules.costs import Costs
 
     k = schedule.placement.stages_per_rank_per_replica
     return Costs(settings.t_f / k, settings.t_b / k, settings.t_w / k, None, comm_ms)
@@ -336,8 +336,8 @@ def _real_ms(ops: Any) -> dict[str, tuple[float, float]]:
 def build_schedules(settings: Settings, comm_ms: float) -> tuple[list[tuple[Any, Any]], dict[str, str]]:
     """The requested schedules that build at ``(p, m)``, validated, each with its per-stage costs."""
     from ..analysis.schedule_check import validate
-    from ..analysis.simulate import Costs
     from ..schedule_args import generate_schedule
+    from ..schedules.costs import Costs
     from ..schedules.ir import ScheduleError
 
     base = Costs(settings.t_f, settings.t_b, settings.t_w, None, comm_ms)

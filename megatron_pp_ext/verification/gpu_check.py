@@ -56,9 +56,9 @@ def pipeline(device: str, dry_run: bool, pool: Any = None) -> dict[str, Any]:
     """zb-h1 and v-zb on 2 ranks sharing the device, verified as ``megatron-pp verify`` does (against
     megatron's own schedule in float64 and fp32, docs/verification.md).
 
-    ``pool``: a :class:`RankPool` of at least 2 ranks to run on (tests share theirs); default: a new one."""
+    ``pool``: a :class:`TrainingRankPool` of at least 2 ranks to run on (tests share theirs); default: a new one."""
     from ..schedules import registry
-    from .rank_run import RankPool
+    from .rank_run import TrainingRankPool
     from .run_spec import RunHooks
     from .tiny_gpt import TinyGPTSpec
     from .verify import verify_schedule
@@ -67,7 +67,7 @@ def pipeline(device: str, dry_run: bool, pool: Any = None) -> dict[str, Any]:
     names = ("zb-h1",) if dry_run else ("zb-h1", "v-zb")
     details: dict[str, Any] = {"p": p, "m": m, "transport": "gloo, CUDA tensors staged through host memory"}
     problems = []
-    with contextlib.nullcontext(pool) if pool is not None else RankPool(p) as pool:
+    with contextlib.nullcontext(pool) if pool is not None else TrainingRankPool(p) as pool:
         for name in names:
             schedule = registry.generate(name, p, m)
             # verify's derived verdict: as close to a float64 run of megatron's schedule as megatron's fp32 run

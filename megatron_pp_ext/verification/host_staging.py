@@ -102,7 +102,7 @@ def staged_batch_isend_irecv(p2p_op_list: list[Any]) -> list[Any]:
     return out
 
 
-class _Done:
+class _NothingToWaitFor:
     """The work of a collective that had nothing to do."""
 
     def wait(self, *args: Any, **kwargs: Any) -> bool:
@@ -115,7 +115,7 @@ class _Done:
 def all_reduce_skipping_single_rank(tensor: torch.Tensor, op: Any = None, group: Any = None, async_op: bool = False):
     """``all_reduce``, returning at once over a group of one rank (see the module doc)."""
     if group is not None and dist.get_world_size(group) == 1:
-        return _Done() if async_op else None
+        return _NothingToWaitFor() if async_op else None
     if op is None:
         return _ORIGINAL_ALL_REDUCE(tensor, group=group, async_op=async_op)
     return _ORIGINAL_ALL_REDUCE(tensor, op=op, group=group, async_op=async_op)

@@ -10,7 +10,7 @@ from typing import Any
 
 from . import criterion
 from .rank_pool import check_errors
-from .rank_run import RankPool
+from .rank_run import TrainingRankPool
 from .run_spec import OURS, RunHooks, RunSpec
 
 
@@ -45,7 +45,7 @@ class PostValidationReport:
 
 def run_pair(
     schedule: Any,
-    pool: RankPool,
+    pool: TrainingRankPool,
     *,
     clip_grad: float = 0.0,
     loss_scale: float | None = 1.0,
@@ -139,11 +139,11 @@ def compare_weights(name: str, sync: list[dict[str, Any]], post: list[dict[str, 
     )
 
 
-def verify_post_validation(schedule: Any, pool: RankPool | None = None, **kwargs: Any) -> PostValidationReport:
+def verify_post_validation(schedule: Any, pool: TrainingRankPool | None = None, **kwargs: Any) -> PostValidationReport:
     """Run :func:`run_pair` (own pool unless given) and compare."""
     world = schedule.num_ranks * kwargs.get("tp", 1) * kwargs.get("dp", 1)
     own = pool is None
-    pool = pool or RankPool(world)
+    pool = pool or TrainingRankPool(world)
     try:
         sync, post = run_pair(schedule, pool, **kwargs)
     finally:

@@ -25,7 +25,7 @@ from .rank_pool import report_progress
 from .rank_setup import rank_process_group
 from .run_spec import AB, OURS, RunSpec
 
-__all__ = ["RankPool", "run_on_rank"]
+__all__ = ["TrainingRankPool", "run_on_rank"]
 
 # Mode AB's timing loop is a benchmark's, not verify's: imported by name when a spec asks for it, so verify's
 # modules do not import the benchmarks built on them.
@@ -351,9 +351,9 @@ def _is_sharded(chunk: Any) -> bool:
 
 def _replanning_source(spec: RunSpec, p: int, pp_rank: int = 0) -> Any:
     from ..analysis.schedule_check import validate
-    from ..analysis.simulate import Costs
     from ..runtime.replan import ReplanningSource
     from ..schedules import registry
+    from ..schedules.costs import Costs
 
     assert spec.replan_schedule is not None, "profile_iterations needs replan_schedule"
     name = spec.replan_schedule
@@ -372,7 +372,7 @@ def _replanning_source(spec: RunSpec, p: int, pp_rank: int = 0) -> Any:
     return ReplanningSource(build, spec.profile_iterations, log=lambda text: None)
 
 
-class RankPool(rank_pool.RankPool):
+class TrainingRankPool(rank_pool.RankPool):
     """A :class:`~.rank_pool.RankPool` that also runs training specs.
 
     ``references`` keeps the results of the reference runs made on this pool, by spec
@@ -387,5 +387,5 @@ class RankPool(rank_pool.RankPool):
         """Run one training run (:func:`run_on_rank`) on ``spec.world_size`` ranks."""
         return self.run_fn(run_on_rank, spec, spec.world_size, wall_timeout_s or (spec.timeout_s * 4 + 120))
 
-    def __enter__(self) -> RankPool:
+    def __enter__(self) -> TrainingRankPool:
         return self

@@ -12,7 +12,7 @@ import copy
 from typing import Any
 
 from .rank_pool import check_errors
-from .rank_run import RankPool
+from .rank_run import TrainingRankPool
 from .run_spec import NATIVE, RunHooks, RunSpec
 
 
@@ -68,7 +68,7 @@ _KEEP = 32  # tiny models: a reference's losses and gradients are a few hundred 
 
 
 def reference_runs(
-    pool: RankPool, spec: RunSpec, phase: Any = None
+    pool: TrainingRankPool, spec: RunSpec, phase: Any = None
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Run :func:`reference_specs` of ``spec`` on ``pool``: ``(exact, reference)`` results, checked.
     ``phase`` (callable(text)) is told which reference is running. A reference already run in this

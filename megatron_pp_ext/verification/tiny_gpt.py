@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from ..runtime.layer_map import ChunkLayout, LayerSplit, chunk_layouts
+from ..runtime.layer_map import ChunkLayout, chunk_layouts
+from ..schedules.layer_split import LayerSplit
 from ..schedules.placement import Placement
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")

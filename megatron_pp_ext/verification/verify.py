@@ -2,7 +2,7 @@
 
 :func:`verify_schedule` runs the references (:mod:`.reference`) and the schedule (one
 :class:`~.run_spec.RunSpec`, executed on every rank by :mod:`.rank_run`) on a
-:class:`~.rank_run.RankPool`, then compares them (:mod:`.compare`, judged by :mod:`.criterion`) into a
+:class:`~.rank_run.TrainingRankPool`, then compares them (:mod:`.compare`, judged by :mod:`.criterion`) into a
 :class:`~.verify_report.VerifyReport`.
 """
 
@@ -15,7 +15,7 @@ from . import criterion
 from .compare import check_bitwise, check_fsdp_collectives, compare
 from .moe_check import moe_problem
 from .rank_pool import check_errors
-from .rank_run import RankPool
+from .rank_run import TrainingRankPool
 from .reference import is_megatron_1f1b, reference_runs
 from .run_spec import NATIVE, OURS, RunHooks, RunSpec
 from .tiny_gpt import TinyGPTSpec
@@ -33,7 +33,7 @@ def check_moe(model: TinyGPTSpec, ep: int, dp: int, tp: int = 1, fsdp: bool = Fa
 
 def verify_schedule(
     schedule: Any,
-    pool: RankPool | None = None,
+    pool: TrainingRankPool | None = None,
     *,
     model: TinyGPTSpec | None = None,
     tp: int = 1,
@@ -110,7 +110,7 @@ def verify_schedule(
     say = progress or (lambda text: None)
     if own_pool:
         say(f"starting {p * tp * dp} rank process(es) (imports take ~10 s per process)")
-    pool = pool or RankPool(p * tp * dp)
+    pool = pool or TrainingRankPool(p * tp * dp)
     saved = pool.on_progress
     phase = [""]
     pool.on_progress = lambda text: say(f"{phase[0]}: {text}") if progress else None

@@ -12,8 +12,8 @@ from .moe_check import moe_problem
 
 
 def add_verify_parser(subparsers: Any) -> None:
-    from ..runtime.layer_map import add_split_arguments
     from ..schedule_args import add_source_args as _add_source_args
+    from ..schedules.layer_split import add_split_arguments
     from .tiny_gpt import RECOMPUTE
 
     parser = subparsers.add_parser(

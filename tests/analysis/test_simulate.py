@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_pp_ext.analysis import DEFAULT_W_RETAINED_FRACTION, Costs, DeadlockError, SimResult, simulate
+from megatron_pp_ext.analysis import DEFAULT_W_RETAINED_FRACTION, DeadlockError, SimResult, simulate
 from megatron_pp_ext.schedules import (
     B,
     F,
@@ -23,6 +23,7 @@ from megatron_pp_ext.schedules import (
     lower,
     v_placement,
 )
+from megatron_pp_ext.schedules.costs import Costs
 
 from .helpers import naive_lowering, random_serial_schedule, reference_times
 

@@ -7,9 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_pp_ext.analysis import Costs, simulate
+from megatron_pp_ext.analysis import simulate
 from megatron_pp_ext.schedules import generate
 from megatron_pp_ext.schedules.collectives import CollectiveKind, CollectivePolicy, policy_for
+from megatron_pp_ext.schedules.costs import Costs
 
 FSDP1 = CollectivePolicy(fsdp_max_unsharded=1)
 DIST = CollectivePolicy(param_sync=True)

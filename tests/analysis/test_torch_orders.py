@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_pp_ext.analysis import Costs, simulate
+from megatron_pp_ext.analysis import simulate
 from megatron_pp_ext.analysis.peers import PeerRow, stage_costs, torch_better
 from megatron_pp_ext.analysis.schedule_check import validate
 from megatron_pp_ext.analysis.torch_orders import TORCH_SCHEDULES, import_order, parse_action
 from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.schedules.costs import Costs
 from megatron_pp_ext.schedules.ir import BW, B, F, ScheduleError, W
 
 

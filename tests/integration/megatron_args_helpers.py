@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from megatron_pp_ext.integration.arguments import add_arguments
+from megatron_pp_ext.integration.flags import add_arguments
 
 #: scripts/run_tiny_cpu.sh's model and batch shapes (no dropout), for auto's argument tests
 TINY_SHAPE: dict[str, Any] = {

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 from megatron_args_helpers import TINY_SHAPE, make_args
 
-from megatron_pp_ext.integration.arguments import PipelineArgumentError, validate_arguments
+from megatron_pp_ext.integration.arguments import validate_arguments
 from megatron_pp_ext.integration.auto_schedule import planner_for_run, resolve, run_layer_split
+from megatron_pp_ext.integration.config import PipelineArgumentError
 from megatron_pp_ext.planner.auto import decide
 from megatron_pp_ext.schedules.layer_split import LayerSplit
 

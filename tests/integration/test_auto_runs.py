@@ -118,8 +118,8 @@ M10 = ["--global-batch-size", "20", "--hidden-dropout", "0", "--attention-dropou
 def test_replan_switches_and_the_run_trains_with_the_new_schedule(tmp_path: Path) -> None:
     from dataclasses import replace
 
-    from megatron_pp_ext.integration.arguments import PipelineConfig, parse_memory_limit
     from megatron_pp_ext.integration.auto_schedule import planner_for_run
+    from megatron_pp_ext.integration.config import PipelineConfig, parse_pipeline_memory_limit
     from megatron_pp_ext.planner.auto import decide
     from megatron_pp_ext.runtime.replan import TEST_SCALE_ENV, load_costs
     from megatron_pp_ext.schedules import registry
@@ -154,7 +154,7 @@ def test_replan_switches_and_the_run_trains_with_the_new_schedule(tmp_path: Path
     # costs) op for op on every rank afterwards
     running = PipelineConfig(schedule="dualpipev").build(4, 10)
     switched = replace(
-        PipelineConfig(schedule=name, costs=costs), memory_limit=parse_memory_limit(limit) if limit else None
+        PipelineConfig(schedule=name, costs=costs), memory_limit=parse_pipeline_memory_limit(limit) if limit else None
     ).build(4, 10)
     assert switched.name == name and switched.ops != running.ops
     for rank in range(4):

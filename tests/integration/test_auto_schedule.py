@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 from megatron_args_helpers import TINY_SHAPE, make_args
 
-from megatron_pp_ext.integration.arguments import PipelineArgumentError, PipelineConfig, validate_arguments
+from megatron_pp_ext.integration.arguments import validate_arguments
 from megatron_pp_ext.integration.auto_schedule import planner_for_run, resolve
+from megatron_pp_ext.integration.config import PipelineArgumentError, PipelineConfig
 
 TINY = TINY_SHAPE  # at 4 ranks (megatron's default pipeline size in make_args)
 
@@ -114,8 +115,8 @@ def test_redecision_switches_to_what_the_measured_costs_favour() -> None:
     """At 10 micro-batches the start-up choice is dualpipev; a backward-heavy measured profile (F 5, B 20, W 4.5 ms
     per 1F1B stage) makes the planner rank v-zb@2p first: the re-decision switches, logs it, and the configuration
     it returns builds v-zb with the measured costs; a second call returns the same decision."""
-    from megatron_pp_ext.analysis.simulate import Costs
     from megatron_pp_ext.integration.auto_schedule import Redecision
+    from megatron_pp_ext.schedules.costs import Costs
 
     argv = ["--pipeline-schedule", "auto", "--cpu", "--pipeline-memory-budget", "4", "--pipeline-replan"]
     args = make_args(argv, **{**TINY, "global_batch_size": 20})
@@ -139,13 +140,13 @@ def test_redecision_keeps_the_running_schedule_when_it_is_still_first() -> None:
     """Running v-zb@2p under the same measured costs: kept (rebuilt with the measured costs, it is cost-aware)."""
     from dataclasses import replace
 
-    from megatron_pp_ext.analysis.simulate import Costs
-    from megatron_pp_ext.integration.arguments import parse_memory_limit
     from megatron_pp_ext.integration.auto_schedule import Redecision
+    from megatron_pp_ext.integration.config import parse_pipeline_memory_limit
+    from megatron_pp_ext.schedules.costs import Costs
 
     argv = ["--pipeline-schedule", "auto", "--cpu", "--pipeline-memory-budget", "4", "--pipeline-replan"]
     args = make_args(argv, **{**TINY, "global_batch_size": 20})
-    running = replace(_decided(args), schedule="v-zb", memory_limit=parse_memory_limit("2p"))
+    running = replace(_decided(args), schedule="v-zb", memory_limit=parse_pipeline_memory_limit("2p"))
     logged: list[str] = []
     again = Redecision(args, running, cpu=True, overlap=0.0, log=logged.append)
     measured = Costs(t_f=2.5e-3, t_b=10e-3, t_w=2.25e-3)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from megatron_args_helpers import make_args
 
-from megatron_pp_ext.integration.arguments import PipelineArgumentError, validate_arguments
+from megatron_pp_ext.integration.arguments import validate_arguments
+from megatron_pp_ext.integration.config import PipelineArgumentError
 
 
 @pytest.mark.parametrize("name", ["bitpipe", "bitpipe-zb"])

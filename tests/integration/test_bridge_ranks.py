@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 
 from megatron_pp_ext.verification.rank_pool import check_errors
-from megatron_pp_ext.verification.rank_run import RankPool
+from megatron_pp_ext.verification.rank_run import TrainingRankPool
 from tests.integration.bridge_standin.ranks import MICROBATCHES, bridge_kwargs_run
 
 
 @pytest.mark.gloo
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_bridge_calls_run_the_installed_schedule(pool: RankPool, schedule: str) -> None:
+def test_bridge_calls_run_the_installed_schedule(pool: TrainingRankPool, schedule: str) -> None:
     results = pool.run_fn(bridge_kwargs_run, schedule, 2, 240)
     check_errors(results)
     last = next(r for r in results if r["rank"] == 1)  # the loss lives on the last pipeline rank

@@ -166,7 +166,7 @@ def test_mapping_refuses_what_it_cannot_fill_exactly() -> None:
 
 
 def test_a_v_schedules_layout_string_is_derivable() -> None:
-    from megatron_pp_ext.runtime.layer_map import LayerSplit
+    from megatron_pp_ext.schedules.layer_split import LayerSplit
 
     layout = "E" + "t" * (NUM_LAYERS - 3) + "|t|t|tL"
     saved = _args("v-half", 2, pipeline_model_parallel_layout=layout)

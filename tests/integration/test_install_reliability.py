@@ -11,6 +11,7 @@ from megatron_args_helpers import make_args
 
 from megatron_pp_ext.integration import install as inst
 from megatron_pp_ext.integration.arguments import validate_arguments
+from megatron_pp_ext.integration.features.config_agreement import config_text
 from megatron_pp_ext.runtime import p2p
 from megatron_pp_ext.schedules import generate
 
@@ -44,7 +45,7 @@ def test_agreement_wraps_megatrons_group_setup_and_is_undone(clean: Any) -> None
 
 def test_config_text_tells_schedules_and_file_contents_apart(tmp_path: Path) -> None:
     def text(argv: list[str]) -> str:
-        return inst.config_text(validate_arguments(make_args(argv, pipeline_model_parallel_size=2)))
+        return config_text(validate_arguments(make_args(argv, pipeline_model_parallel_size=2)))
 
     a, b = tmp_path / "a.csv", tmp_path / "b.csv"
     a.write_text(generate("1f1b", 2, 8).to_csv())

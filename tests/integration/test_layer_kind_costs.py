@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 from megatron_args_helpers import TINY_SHAPE, make_args, make_parser
 
-from megatron_pp_ext.analysis.simulate import Costs
-from megatron_pp_ext.integration.arguments import LayerKindCosts, PipelineArgumentError, validate_arguments
+from megatron_pp_ext.integration.arguments import validate_arguments
 from megatron_pp_ext.integration.auto_schedule import planner_for_run, resolve
+from megatron_pp_ext.integration.config import LayerKindCosts, PipelineArgumentError
+from megatron_pp_ext.schedules.costs import Costs
 from megatron_pp_ext.schedules.placement import loop_placement
 from megatron_pp_ext.schedules.values import parse_layer_costs
 
@@ -131,7 +132,7 @@ def test_auto_costs_each_stage_of_a_hybrid_pattern_from_its_kinds() -> None:
 def test_the_profile_writer_adds_the_kinds_its_stages_determine(tmp_path: Path) -> None:
     """A 4-stage profile of the even dense split gives dense, embedding and head (written into the profile and
     read back by auto); a run whose kinds the profile cannot name writes none."""
-    from megatron_pp_ext.integration.install import _profile_layers
+    from megatron_pp_ext.integration.features.tracing import profile_layers as _profile_layers
     from megatron_pp_ext.runtime.replan import LAYER_COSTS_KEY, costs_to_json
 
     args = make_args(["--pipeline-schedule", "zb-auto"], **TINY)

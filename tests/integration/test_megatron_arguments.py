@@ -9,13 +9,12 @@ from pathlib import Path
 import pytest
 from megatron_args_helpers import make_args, make_parser
 
-from megatron_pp_ext.integration.arguments import (
+from megatron_pp_ext.integration.arguments import validate_arguments, validate_arguments_or_exit
+from megatron_pp_ext.integration.config import (
     ActivationLimit,
     PipelineArgumentError,
-    parse_costs,
-    parse_memory_limit,
-    validate_arguments,
-    validate_arguments_or_exit,
+    parse_pipeline_costs,
+    parse_pipeline_memory_limit,
 )
 from megatron_pp_ext.schedules import registry
 from megatron_pp_ext.schedules.generators.baselines import one_f_one_b
@@ -211,18 +210,18 @@ def test_cpu_flag_checks_cpu_settings() -> None:
 
 
 def test_memory_limit_and_costs_parsing() -> None:
-    assert parse_memory_limit("2p") == ActivationLimit(2.0, True)
-    assert parse_memory_limit("2P").resolve(4) == 8
-    assert parse_memory_limit("p").resolve(3) == 3
-    assert parse_memory_limit("12").resolve(4) == 12
-    assert parse_costs("1,2,1") == (1.0, 2.0, 1.0, 0.0)
-    assert parse_costs("1, 2, 1, 0.5") == (1.0, 2.0, 1.0, 0.5)
+    assert parse_pipeline_memory_limit("2p") == ActivationLimit(2.0, True)
+    assert parse_pipeline_memory_limit("2P").resolve(4) == 8
+    assert parse_pipeline_memory_limit("p").resolve(3) == 3
+    assert parse_pipeline_memory_limit("12").resolve(4) == 12
+    assert parse_pipeline_costs("1,2,1") == (1.0, 2.0, 1.0, 0.0)
+    assert parse_pipeline_costs("1, 2, 1, 0.5") == (1.0, 2.0, 1.0, 0.5)
     for bad in ("", "x", "-1", "0", "2q"):
         with pytest.raises(argparse.ArgumentTypeError, match=r"memory limit|expected"):
-            parse_memory_limit(bad)
+            parse_pipeline_memory_limit(bad)
     for bad in ("1,2", "1,2,3,4,5", "1,x,1", "1,0,1"):
         with pytest.raises(argparse.ArgumentTypeError, match=r"expected|must"):
-            parse_costs(bad)
+            parse_pipeline_costs(bad)
 
 
 def test_schedule_file(tmp_path: object) -> None:
@@ -266,8 +265,8 @@ def test_errors_exit_like_argparse(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_uneven_split_flags_under_v_placement_are_checked() -> None:
-    from megatron_pp_ext.integration.arguments import layer_split_from_args
-    from megatron_pp_ext.runtime.layer_map import LayerSplit, LayerSplitError, stage_layer_counts
+    from megatron_pp_ext.integration.features.layer_placement import layer_split_from_args
+    from megatron_pp_ext.schedules.layer_split import LayerSplit, LayerSplitError, stage_layer_counts
 
     class Args:
         account_for_embedding_in_pipeline_split = True

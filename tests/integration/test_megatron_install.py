@@ -14,7 +14,8 @@ from megatron_args_helpers import make_args
 
 from megatron_pp_ext.integration import install as inst
 from megatron_pp_ext.integration import layout
-from megatron_pp_ext.integration.arguments import PipelineConfig, pipeline_config_of
+from megatron_pp_ext.integration.arguments import pipeline_config_of
+from megatron_pp_ext.integration.config import PipelineConfig
 
 HOLDERS = ("megatron.core.pipeline_parallel.schedules", "megatron.core.pipeline_parallel", "megatron.training.training")
 

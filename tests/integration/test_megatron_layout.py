@@ -9,7 +9,8 @@ from unittest import mock
 import pytest
 
 from megatron_pp_ext.integration import layout
-from megatron_pp_ext.runtime.layer_map import LayerSplit, chunk_layouts
+from megatron_pp_ext.runtime.layer_map import chunk_layouts
+from megatron_pp_ext.schedules.layer_split import LayerSplit
 from megatron_pp_ext.schedules.placement import bidirectional_placement, loop_placement, v_placement
 
 NUM_LAYERS = 8

@@ -20,7 +20,7 @@ from megatron_args_helpers import make_args
 from warm_launch import launch, run_env
 
 from megatron_pp_ext.integration.arguments import validate_arguments, validate_arguments_or_exit
-from megatron_pp_ext.integration.fsdp_flags import check_argv
+from megatron_pp_ext.integration.features.chunk_fsdp import check_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "pretrain_gpt.py"

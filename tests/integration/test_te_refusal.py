@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 from megatron_args_helpers import make_args
 
-from megatron_pp_ext.integration.arguments import PipelineArgumentError, validate_arguments, validate_arguments_or_exit
+from megatron_pp_ext.integration.arguments import validate_arguments, validate_arguments_or_exit
+from megatron_pp_ext.integration.config import PipelineArgumentError
 
 
 @pytest.fixture

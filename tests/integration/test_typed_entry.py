@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 from megatron_args_helpers import TINY_SHAPE, make_args
 
-from megatron_pp_ext.integration.arguments import PipelineArgumentError, PipelineConfig, validate_arguments
+from megatron_pp_ext.integration.arguments import validate_arguments
 from megatron_pp_ext.integration.auto_schedule import resolve as resolve_args
+from megatron_pp_ext.integration.config import PipelineArgumentError, PipelineConfig
 from megatron_pp_ext.integration.entry import RunShape, resolve
 
 P4 = {"pipeline_model_parallel_size": 4}

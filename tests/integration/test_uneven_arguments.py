@@ -8,8 +8,10 @@ import sys
 import pytest
 from megatron_args_helpers import make_args
 
-from megatron_pp_ext.integration.arguments import PipelineArgumentError, validate_arguments, validate_arguments_or_exit
-from megatron_pp_ext.runtime.layer_map import LayerSplit, LayerSplitError, chunk_layouts, stage_layer_counts
+from megatron_pp_ext.integration.arguments import validate_arguments, validate_arguments_or_exit
+from megatron_pp_ext.integration.config import PipelineArgumentError
+from megatron_pp_ext.runtime.layer_map import chunk_layouts
+from megatron_pp_ext.schedules.layer_split import LayerSplit, LayerSplitError, stage_layer_counts
 from megatron_pp_ext.schedules.placement import bidirectional_placement, v_placement
 from megatron_pp_ext.schedules.values import parse_layer_layout
 

@@ -73,9 +73,10 @@ def test_planner_times_overlap_pairs_as_the_simulator_does() -> None:
     also once the schedule is simulated often enough to get a compiled timing program (which runs pairs
     serially, so it must not be used when F > 0)."""
     from megatron_pp_ext.analysis.schedule_check import validate
-    from megatron_pp_ext.analysis.simulate import Costs, simulate
+    from megatron_pp_ext.analysis.simulate import simulate
     from megatron_pp_ext.planner.memo import COMPILE_AFTER
     from megatron_pp_ext.schedules import registry
+    from megatron_pp_ext.schedules.costs import Costs
 
     schedule = registry.generate("dualpipev", 4, 16)
     assert schedule.overlap_pairs and any(schedule.overlap_pairs)

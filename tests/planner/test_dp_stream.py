@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_pp_ext.analysis import Costs, simulate
+from megatron_pp_ext.analysis import simulate
 from megatron_pp_ext.planner.dp_stream import exposed_dp_time, reduction_profile
 from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.schedules.costs import Costs
 
 
 def _both(name: str, p: int, m: int, v: int | None, reduce: float) -> tuple[float, float]:

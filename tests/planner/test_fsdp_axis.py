@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from megatron_pp_ext.analysis import Costs, simulate
+from megatron_pp_ext.analysis import simulate
 from megatron_pp_ext.planner import Planner, PlanRow, SearchSpace
 from megatron_pp_ext.planner.auto import AUTO_MEMORY_LIMITS, decide
 from megatron_pp_ext.planner.cost_model import CostModel, get_device
@@ -16,6 +16,7 @@ from megatron_pp_ext.planner.memory import TrainingSetup, bytes_per_parameter, s
 from megatron_pp_ext.planner.models import ModelSpec
 from megatron_pp_ext.schedules import generate, names
 from megatron_pp_ext.schedules.collectives import declared_fsdp_limit, derive_collectives, policy_for
+from megatron_pp_ext.schedules.costs import Costs
 
 # 8 layers of h=2048 at a short sequence: parameters weigh more than activations (where FSDP pays off),
 # 16 GPUs = pp 4 x dp 4, global batch 32 = 8 micro-batches per replica; plans in about a second

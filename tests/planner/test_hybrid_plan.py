@@ -1,5 +1,6 @@
 """``plan`` for a hybrid model writes the chosen layout as megatron's ``--hybrid-layer-pattern`` with ``|``
-between the stages (planner/layout.py, planner/megatron_args.py), into the table, the JSON and the Slurm files."""
+between the stages (planner/layer_layouts.py, planner/megatron_args.py), into the table, the JSON and the Slurm
+files."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_pp_ext.planner.cost_model import CostModel, get_device
-from megatron_pp_ext.planner.layout import hybrid_pattern_text
+from megatron_pp_ext.planner.layer_layouts import hybrid_pattern_text
 from megatron_pp_ext.planner.megatron_args import config_args
 from megatron_pp_ext.planner.memory import TrainingSetup
 from megatron_pp_ext.planner.models import get_model

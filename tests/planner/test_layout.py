@@ -1,4 +1,4 @@
-"""The layout axis (planner/layout.py, planner/layout_search.py): the exact min-max partition, the first/last
+"""The layout axis (planner/layer_layouts.py, planner/layout_search.py): the exact min-max partition, the first/last
 family, the candidates, megatron's flags and the refusals of a given layout."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from megatron_pp_ext.planner.cost_model import CostModel, get_device
-from megatron_pp_ext.planner.layout import (
+from megatron_pp_ext.planner.layer_layouts import (
     MAX_CANDIDATES,
     candidate_splits,
     check_layout,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_pp_ext.analysis import Costs, simulate
+from megatron_pp_ext.analysis import simulate
 from megatron_pp_ext.planner import Planner, SearchSpace
 from megatron_pp_ext.planner.cost_model import CostModel, get_device
 from megatron_pp_ext.planner.dp_stream import exposed_dp_time, reduction_profile
@@ -13,6 +13,7 @@ from megatron_pp_ext.planner.memory import TrainingSetup, rank_memory, rank_para
 from megatron_pp_ext.planner.models import get_model
 from megatron_pp_ext.schedules import generate
 from megatron_pp_ext.schedules.collectives import CollectivePolicy
+from megatron_pp_ext.schedules.costs import Costs
 from megatron_pp_ext.schedules.placement import make_placement
 
 SPEC = get_model("zb-1.5b")  # 22 layers: with embedding and loss counted, 24 = 3 per stage of 2p = 8

@@ -8,9 +8,10 @@ import random
 import pytest
 
 from megatron_pp_ext.analysis.schedule_check import validate
-from megatron_pp_ext.analysis.simulate import Costs, simulate
+from megatron_pp_ext.analysis.simulate import simulate
 from megatron_pp_ext.planner.retiming import TimingProgram
 from megatron_pp_ext.schedules import registry
+from megatron_pp_ext.schedules.costs import Costs
 from megatron_pp_ext.schedules.ir import ScheduleError
 
 MODES = ("async", "blocking") if "comm" in inspect.signature(simulate).parameters else ("blocking",)

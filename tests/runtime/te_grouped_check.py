@@ -244,14 +244,14 @@ def main() -> None:
     """By hand, other sizes: ``python -m tests.runtime.te_grouped_check --ep 2`` (EP = 2 x PP = 2, 4 ranks)."""
     import argparse
 
-    from megatron_pp_ext.verification.rank_run import RankPool
+    from megatron_pp_ext.verification.rank_run import TrainingRankPool
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--schedules", default=",".join(GroupedCase.schedules))
     args = ap.parse_args()
     case = GroupedCase(schedules=tuple(args.schedules.split(",")), ep=args.ep)
-    with RankPool(case.world) as pool:
+    with TrainingRankPool(case.world) as pool:
         check_results(case, pool.run_fn(te_grouped_check, case, case.world, 600))
     names = ", ".join(case.schedules)
     print(f"grouped experts, EP = {case.ep} x PP = {case.pp}: {names} agree with megatron's 1F1B (experts bitwise)")

@@ -43,8 +43,8 @@ def test_zb_auto_replans_mid_training_with_identical_math(pool):
 def test_the_test_only_scale_hook_multiplies_the_named_times_and_refuses_bad_values() -> None:
     import pytest
 
-    from megatron_pp_ext.analysis.simulate import Costs
     from megatron_pp_ext.runtime.replan import TEST_SCALE_ENV, parse_test_scale, scaled_for_test
+    from megatron_pp_ext.schedules.costs import Costs
 
     measured = Costs(t_f=(1.0, 2.0), t_b=(3.0, 4.0), t_w=0.5, t_comm=0.1)
     scaled = scaled_for_test(measured, parse_test_scale("b=4, W=2"))

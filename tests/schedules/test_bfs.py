@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 
 from megatron_pp_ext.analysis.schedule_check import validate
-from megatron_pp_ext.analysis.simulate import Costs, simulate
+from megatron_pp_ext.analysis.simulate import simulate
 from megatron_pp_ext.schedules import OpKind, ScheduleError, generate, names
+from megatron_pp_ext.schedules.costs import Costs
 from megatron_pp_ext.schedules.generators.baselines import interleaved_warmup
 from megatron_pp_ext.schedules.generators.bfs import FSDP_MAX_UNSHARDED
 from megatron_pp_ext.schedules.generators.common import ScheduleParameterError

@@ -13,7 +13,7 @@ import functools
 import pytest
 
 from megatron_pp_ext.analysis.schedule_check import validate
-from megatron_pp_ext.analysis.simulate import Costs, SimResult, simulate
+from megatron_pp_ext.analysis.simulate import SimResult, simulate
 from megatron_pp_ext.schedules import ScheduleError, generate, get, names
 from megatron_pp_ext.schedules.collectives import (
     CollectiveKind,
@@ -21,6 +21,7 @@ from megatron_pp_ext.schedules.collectives import (
     check_collectives,
     derive_collectives,
 )
+from megatron_pp_ext.schedules.costs import Costs
 from megatron_pp_ext.schedules.generators.bitpipe import bitpipe_rounds, warmup_forwards
 from megatron_pp_ext.schedules.generators.common import ScheduleParameterError
 from megatron_pp_ext.schedules.ir import OpKind

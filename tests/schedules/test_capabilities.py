@@ -49,18 +49,13 @@ def test_data_parallel_requirements() -> None:
     assert "data-parallel >= 2, FSDP required" in caps.describe()
 
 
-def test_an_undeclared_registration_still_works() -> None:
-    """A ScheduleInfo made with the fields of before (no capabilities): its generator gets every keyword."""
-    seen: dict[str, object] = {}
-
-    def legacy(p: int, m: int, **kwargs: object) -> object:
-        seen.update(kwargs)
-        return one_f_one_b(p, m)
-
-    info = ScheduleInfo("legacy-test", legacy, "loop", False, "p >= 1", "old style")  # type: ignore[arg-type]
-    assert info.requirements == "p >= 1" and info.takes("memory_limit") and not info.takes("costs")
-    info.build(2, 3, v=None, memory_limit=None)
-    assert seen == {"v": None, "memory_limit": None}
+def test_a_registration_without_a_declaration_runs_one_chunk() -> None:
+    """A ScheduleInfo made without capabilities declares the default: one chunk per rank, no keyword."""
+    info = ScheduleInfo("plain-test", one_f_one_b, "loop", False, "", "plain")
+    assert info.capabilities == Capabilities() and not info.takes("memory_limit") and not info.takes("costs")
+    assert info.build(2, 3, v=None).num_microbatches == 3
+    with pytest.raises(ScheduleParameterError, match="one chunk per rank"):
+        info.build(2, 3, v=2)
 
 
 def test_requirements_do_not_repeat_the_declaration() -> None:
@@ -70,8 +65,6 @@ def test_requirements_do_not_repeat_the_declaration() -> None:
 
     for name in registry.names():
         info = registry.get(name)
-        if info.capabilities is None:
-            continue
         declared, _, further = info.requirements.partition("; ")
         items = [x.strip() for x in declared.split(", ")]
         assert not any(x in items for x in further.split(", ")), (name, info.requirements)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_pp_ext.analysis.simulate import Costs, SimResult, simulate
+from megatron_pp_ext.analysis.simulate import SimResult, simulate
 from megatron_pp_ext.schedules import ScheduleError, generate, lower
+from megatron_pp_ext.schedules.costs import Costs
 
 P_GRID = range(2, 17)
 V_GRID = range(1, 5)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from megatron_pp_ext.analysis.schedule_check import DependencyError, validate
-from megatron_pp_ext.analysis.simulate import Costs, simulate
+from megatron_pp_ext.analysis.simulate import simulate
 from megatron_pp_ext.schedules import BW, Compute, Exchange, F, OpKind, Schedule, ScheduleError, generate, lower
+from megatron_pp_ext.schedules.costs import Costs
 from megatron_pp_ext.schedules.generators.dualpipev import dualpipev_rank
 from megatron_pp_ext.schedules.schedule import ScheduleSyntaxError
 

@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from megatron_pp_ext.analysis import Costs, simulate
+from megatron_pp_ext.analysis import simulate
 from megatron_pp_ext.analysis.torch_orders import import_torch_schedule
 from megatron_pp_ext.schedules import ScheduleError, generate
-from megatron_pp_ext.schedules.costs import stage_costs
+from megatron_pp_ext.schedules.costs import Costs, stage_costs
 from megatron_pp_ext.schedules.generators.interleaved_zb import POLICIES, interleaved_zb_order
 
 #: Per 1F1B stage: T_F, T_B, T_W, T_comm (unit; bench_zero_bubble's ratios; the zero-bubble paper's 1.5B at p=8).

@@ -1,4 +1,4 @@
-"""Per-stage costs from an uneven layer split (schedules/layer_costs.py) and ``megatron-pp simulate``'s flags."""
+"""Per-stage costs from an uneven layer split (schedules/split_costs.py) and ``megatron-pp simulate``'s flags."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 
 from megatron_pp_ext.cli.main import main
 from megatron_pp_ext.schedules.costs import Costs
-from megatron_pp_ext.schedules.layer_costs import stage_costs_from_layout, stage_weights
 from megatron_pp_ext.schedules.layer_split import LayerSplit, LayerSplitError
 from megatron_pp_ext.schedules.placement import bidirectional_placement, loop_placement, v_placement
+from megatron_pp_ext.schedules.split_costs import stage_costs_from_layout, stage_weights
 
 GIVEN = Costs(2.0, 3.0, 1.0, None, 0.5)
 

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from megatron_pp_ext.analysis.plot import KIND_COLORS, draw, shade, title_for
-from megatron_pp_ext.analysis.simulate import Costs, simulate
+from megatron_pp_ext.analysis.simulate import simulate
 from megatron_pp_ext.schedules import B, F, OpKind, Schedule, W, build_schedule, generate, loop_placement
+from megatron_pp_ext.schedules.costs import Costs
 
 
 def split_backward_schedule() -> Schedule:  # a tiny ZB-H1-like order with B and W ops

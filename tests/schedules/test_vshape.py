@@ -19,8 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_pp_ext.analysis.schedule_check import validate
-from megatron_pp_ext.analysis.simulate import Costs, SimResult, simulate
+from megatron_pp_ext.analysis.simulate import SimResult, simulate
 from megatron_pp_ext.schedules import ScheduleError, generate, get, lower, names, v_placement
+from megatron_pp_ext.schedules.costs import Costs
 from megatron_pp_ext.schedules.generators.building_block import (
     PASSES,
     BuildingBlock,

@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from megatron_pp_ext.analysis import Costs, simulate
+from megatron_pp_ext.analysis import simulate
 from megatron_pp_ext.schedules import ScheduleError, generate
-from megatron_pp_ext.schedules.costs import stage_costs
+from megatron_pp_ext.schedules.costs import Costs, stage_costs
 from megatron_pp_ext.schedules.generators.zb_rounds import ROUND_VARIANTS, rounds_order
 from megatron_pp_ext.schedules.generators.zero_bubble import post_validated_time, time_order
 from megatron_pp_ext.schedules.timing import repeat_iterations

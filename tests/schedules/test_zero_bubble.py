@@ -15,9 +15,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_pp_ext.analysis import Costs, SimResult, simulate, validate
+from megatron_pp_ext.analysis import SimResult, simulate, validate
 from megatron_pp_ext.cli import main
 from megatron_pp_ext.schedules import Schedule, ScheduleError, generate, get, names
+from megatron_pp_ext.schedules.costs import Costs
 from megatron_pp_ext.schedules.generators.common import ScheduleParameterError
 from megatron_pp_ext.schedules.generators.zero_bubble import (
     DEFAULT_VARIANTS,

@@ -10,9 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_pp_ext.analysis import zeropp_auto
 from megatron_pp_ext.analysis.schedule_check import validate
-from megatron_pp_ext.analysis.simulate import Costs, simulate
+from megatron_pp_ext.analysis.simulate import simulate
 from megatron_pp_ext.analysis.zeropp_auto import choose_unit_size
 from megatron_pp_ext.schedules import OpKind, generate, names
 from megatron_pp_ext.schedules.collectives import (
@@ -22,8 +21,9 @@ from megatron_pp_ext.schedules.collectives import (
     derive_collectives,
     policy_for,
 )
+from megatron_pp_ext.schedules.costs import Costs
 from megatron_pp_ext.schedules.generators.common import ScheduleParameterError
-from megatron_pp_ext.schedules.generators.zeropp import unit_ranges
+from megatron_pp_ext.schedules.generators.zeropp import unit_ranges, zeropp
 from megatron_pp_ext.schedules.schedule import Schedule
 
 
@@ -192,10 +192,11 @@ def test_auto_picks_the_fastest_that_fits_and_lists_the_alternatives() -> None:
     )
     with pytest.raises(ScheduleParameterError, match="--pipeline-memory-limit"):
         choose_unit_size(4, 8, v=4, costs=costs, memory_limit=0.5)
-    # by name, as the CLI and --pipeline-unit-size auto ask for it; the generator itself takes a number
-    assert zeropp_auto.generate("zeropp", 4, 8, unit_size="auto").params["unit_size_auto"] is True
-    with pytest.raises(ScheduleParameterError, match=r"zeropp_auto\.generate"):
-        generate("zeropp", 4, 8, unit_size="auto")
+    # by name through the registry (the chooser analysis registers), as the CLI and --pipeline-unit-size
+    # auto ask for it; the generator itself takes a number
+    assert generate("zeropp", 4, 8, unit_size="auto").params["unit_size_auto"] is True
+    with pytest.raises(ScheduleParameterError, match="chosen with the simulator"):
+        zeropp(4, 8, unit_size="auto")
 
 
 @pytest.mark.parametrize("t_w", [0.5, 1.0, 3.0])

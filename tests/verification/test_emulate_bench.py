@@ -172,7 +172,8 @@ def _first_cells(text: str, header: str) -> list[str]:
 def test_paid_hop_is_read_off_the_ops_where_a_consumer_waited(name: str) -> None:
     """A simulated timeline with hop time 0.7 ms, turned into the ranks' traced ops (seconds): the hop the
     run paid is 0.7 ms, from the messages whose consumer waited (the others would read shorter)."""
-    from megatron_pp_ext.analysis.simulate import Costs, simulate
+    from megatron_pp_ext.analysis.simulate import simulate
+    from megatron_pp_ext.schedules.costs import Costs
 
     schedule = generate(name, 2, 4)
     timeline = simulate(schedule, Costs(20.0, 20.0, 15.0, None, 0.7)).timeline

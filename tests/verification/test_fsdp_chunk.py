@@ -6,7 +6,7 @@ import pytest
 
 from megatron_pp_ext.verification.fsdp_check import FsdpCase, fsdp_check
 from megatron_pp_ext.verification.rank_pool import check_errors
-from megatron_pp_ext.verification.rank_run import RankPool
+from megatron_pp_ext.verification.rank_run import TrainingRankPool
 from tests.tiers import launches_ranks
 
 pytestmark = pytest.mark.gloo
@@ -16,11 +16,11 @@ pytestmark = pytest.mark.gloo
 @launches_ranks
 def pool():
     """Two warm ranks for this module only (the session pool of conftest has four)."""
-    with RankPool(2, warm_cpu=True) as ranks:
+    with TrainingRankPool(2, warm_cpu=True) as ranks:
         yield ranks
 
 
-def _run(pool: RankPool, case: FsdpCase) -> list[dict]:
+def _run(pool: TrainingRankPool, case: FsdpCase) -> list[dict]:
     results = pool.run_fn(fsdp_check, case, case.dp, 240)
     check_errors(results)
     for r in results:

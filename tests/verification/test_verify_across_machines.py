@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_pp_ext.schedules import generate
-from megatron_pp_ext.verification.rank_run import RankPool
+from megatron_pp_ext.verification.rank_run import TrainingRankPool
 from megatron_pp_ext.verification.verify import verify_schedule
 
 NATIVE = torch.backends.cpu.get_cpu_capability().lower()
@@ -33,7 +33,7 @@ def test_verdict_holds_under_other_kernels_and_thread_counts(monkeypatch, capabi
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
     monkeypatch.setenv("OMP_NUM_THREADS", str(threads))
     monkeypatch.setenv("MEGATRON_PP_CPU_THREADS", str(threads))  # the CPU mode's own setting (integration/cpu.py)
-    with RankPool(4) as pool:
+    with TrainingRankPool(4) as pool:
         report = verify_schedule(generate(name, 2, 4), pool, dp=2, distributed_optimizer=dist_opt, iterations=2)
         assert report.ok, report.describe()
         assert report.bitwise_megatron_1f1b is (True if name == "1f1b" else None), report.describe()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_pp_ext.schedules import generate
-from megatron_pp_ext.verification.rank_run import RankPool
+from megatron_pp_ext.verification.rank_run import TrainingRankPool
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
 from megatron_pp_ext.verification.verify import verify_schedule
 from tests.tiers import launches_ranks
@@ -17,7 +17,7 @@ from tests.tiers import launches_ranks
 @pytest.fixture(scope="module")
 @launches_ranks
 def pool8():
-    with RankPool(8, warm_cpu=True) as ranks:
+    with TrainingRankPool(8, warm_cpu=True) as ranks:
         yield ranks
 
 

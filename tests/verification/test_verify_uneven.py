@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from megatron_pp_ext.runtime.layer_map import LayerSplit, stage_layer_counts
 from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.schedules.layer_split import LayerSplit, stage_layer_counts
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
 from megatron_pp_ext.verification.verify import verify_schedule
 

@@ -57,7 +57,7 @@ from .common import ScheduleParameterError, StageCosts, stage_costs
 __all__ = [
     "INTERLEAVED_ZB",
     "POLICIES",
-    "Policy",
+    "InterleavedPolicy",
     "best_order",
     "interleaved_zb",
     "interleaved_zb_order",
@@ -69,7 +69,7 @@ _LAGS: dict[str, Callable[[int], float]] = {"r": lambda r: r, "2r": lambda r: 2 
 
 
 @dataclass(frozen=True)
-class Policy:
+class InterleavedPolicy:
     """One variant (see the module doc): warm-up slope ``k``, ``lag`` (a key of ``_LAGS``), ``fit``,
     and ``zb1p_groups`` (``m // p`` equal groups instead of groups of ``p``)."""
 
@@ -84,9 +84,15 @@ class Policy:
         return f"k{self.k}-lag-{self.lag}-{'fit' if self.fit else 'eager'}{groups}"
 
 
-POLICIES: tuple[Policy, ...] = (
-    *(Policy(k, lag, fit, zb1p) for zb1p in (False, True) for k in (1, 2) for lag in _LAGS for fit in (True, False)),
-    Policy(0, "none", False),  # the fallback: where the others stall (tight limits, see the module doc)
+POLICIES: tuple[InterleavedPolicy, ...] = (
+    *(
+        InterleavedPolicy(k, lag, fit, zb1p)
+        for zb1p in (False, True)
+        for k in (1, 2)
+        for lag in _LAGS
+        for fit in (True, False)
+    ),
+    InterleavedPolicy(0, "none", False),  # the fallback: where the others stall (tight limits, see the module doc)
 )
 
 
@@ -95,7 +101,7 @@ def _group(p: int, m: int, v: int, limit: int, zb1p_groups: bool) -> int:
     return max(1, min(group, (limit - 1) // (v - 1)))
 
 
-def _passes(p: int, m: int, v: int, limit: int, policy: Policy, r: int) -> list[int]:
+def _passes(p: int, m: int, v: int, limit: int, policy: InterleavedPolicy, r: int) -> list[int]:
     """Rank ``r``'s forward/backward passes in order (the engine's pass numbers): warm-up, steady, cool-down."""
     group = _group(p, m, v, limit, policy.zb1p_groups)
     chunks = [c for _, c in interleaved_order(m, v, group)]
@@ -107,7 +113,7 @@ def _passes(p: int, m: int, v: int, limit: int, policy: Policy, r: int) -> list[
 
 
 def interleaved_zb_order(
-    p: int, m: int, v: int, sc: StageCosts, limit: int, policy: Policy, w_memory: float = 1.0
+    p: int, m: int, v: int, sc: StageCosts, limit: int, policy: InterleavedPolicy, w_memory: float = 1.0
 ) -> tuple[list[list[Op]], Timing] | None:
     """Rows and timing of one policy (``limit`` in stage activations per rank, counted with the engine's
     ``w_memory``: the share of an activation a pending ``W`` keeps); None if it stalls."""

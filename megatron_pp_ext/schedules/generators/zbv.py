@@ -4,7 +4,7 @@ on the V placement (see :mod:`.vshape`), within a memory limit.
 ``v-zb`` runs ZB-V on the V placement, never holding more than ``memory_limit`` (in ``M_a``;
 default ``p``, 1F1B's peak) on a rank. It times the passes with the given costs (``t_f``,
 ``t_b``, ``t_w``: a number or one per stage; ``t_comm`` per hop; read from any object that has
-them, e.g. ``analysis.simulate.Costs``; unit costs by default) and tries the schedules of
+them, e.g. ``schedules.costs.Costs``; unit costs by default) and tries the schedules of
 :data:`POLICIES`, keeping the one that runs fastest as the executor runs it (the simulator's
 async model, in which the lowering's batched exchanges make no rank wait beyond its own inputs;
 the ``ordered`` greedy policies also keep messages in one order for the blocking model).

@@ -199,14 +199,15 @@ def zeropp(
 ) -> Schedule:
     """ZeroPP with ``v`` chunks per rank (default 2) and scheduling units of ``unit_size`` micro-batches
     (default ``m``, or the largest that ``memory_limit`` holds). ``"auto"`` needs the simulator, which
-    sits above this package: :func:`megatron_pp_ext.analysis.zeropp_auto.generate` resolves it and calls
-    this generator with a number. ``memory_limit``: live activations per rank in ``M_a`` (>= 1): a forward
-    waits until it fits (running queued ``W`` passes first)."""
+    sits above this package: ``registry.generate`` hands it to the chooser that
+    :mod:`megatron_pp_ext.analysis.zeropp_auto` registers, which calls this generator with a number.
+    ``memory_limit``: live activations per rank in ``M_a`` (>= 1): a forward waits until it fits (running
+    queued ``W`` passes first)."""
     reject_unsupported("zeropp", unused)
     if isinstance(unit_size, str) and unit_size.strip().lower() == "auto":
         raise ScheduleParameterError(
-            "zeropp: unit_size 'auto' is chosen with the simulator: generate through "
-            "megatron_pp_ext.analysis.zeropp_auto.generate (as the CLI and --pipeline-unit-size auto do)"
+            "zeropp: unit_size 'auto' is chosen with the simulator, which registers the choice with the "
+            "registry when megatron_pp_ext.analysis is imported (import it before registry.generate)"
         )
     if isinstance(unit_size, str) and unit_size.strip().isdigit():
         unit_size = int(unit_size)

@@ -1,17 +1,23 @@
-"""``--pipeline-fsdp``'s checks of megatron's flags: what per-chunk FSDP (:mod:`.fsdp_training`) cannot train.
+"""The FSDP feature: ``--pipeline-fsdp``'s checks of megatron's flags (what per-chunk FSDP cannot train)
+and its activation (:mod:`..fsdp_training` replaces megatron DDP and optimizer).
 
-Kept apart from the training code (which needs torch and megatron) so that :mod:`.arguments` can run
-them before any process group exists, one ``argument --flag: ...`` line each.
+The checks are kept apart from the training code (which needs torch and megatron) so that flag
+validation runs them before any process group exists, one ``argument --flag: ...`` line each.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .config import PipelineArgumentError
+from ..config import FSDP_FLAG, PipelineArgumentError
+from .base import Feature, Wiring, register
 
-FLAG = "--pipeline-fsdp"
+if TYPE_CHECKING:
+    from .._patching import Patcher
+    from ..config import PipelineConfig
+
+FLAG = FSDP_FLAG
 
 # (megatron attribute, the flag the message names, refused when, message) under --pipeline-fsdp
 _NOT_WITH = f"not allowed with {FLAG}"
@@ -66,3 +72,28 @@ def check_argv(argv: Sequence[str]) -> None:
     for flag in _ARGV_REFUSED:
         if any(a == flag or a.startswith(flag + "=") for a in argv):
             raise PipelineArgumentError(flag, _PLUGIN_FSDP)
+
+
+class ChunkFsdp(Feature):
+    """``--pipeline-fsdp``: per-chunk FSDP instead of megatron DDP (:mod:`..fsdp_training`)."""
+
+    name = "fsdp"
+    fields = ("fsdp", "fsdp_max_unsharded")
+    megatron_flags = tuple(dict.fromkeys(flag for _, flag, _, _ in _REFUSED))
+
+    def check(self, args: Any, config: PipelineConfig) -> None:
+        if config.selected:
+            check_arguments(args)
+
+    def prepare(self, wiring: Wiring) -> None:
+        config = wiring.config
+        wiring.executor_options["fsdp_max_unsharded"] = config.fsdp_max_unsharded if config.fsdp else None
+
+    def activate(self, config: PipelineConfig, patcher: Patcher, wiring: Wiring) -> None:
+        if config.fsdp:
+            from ..fsdp_training import patch_megatron
+
+            patch_megatron(patcher)
+
+
+register(ChunkFsdp())
