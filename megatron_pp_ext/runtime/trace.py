@@ -12,6 +12,10 @@ measured apart (``peak_pending_send_bytes``): the lowering bounds their number.
 The p2p protocol's events (receive posted / waited, send posted / completed, with
 the op count at that moment) are kept for the last iteration
 (``last_iteration_protocol``), so tests can check the protocol's order from a real run.
+
+Host time between ops is split into named parts (``part(name)``: ``p2p wait``, ``p2p posting``; the rest of the
+time between ops is the executor's own bookkeeping), summed over the traced iterations with the number of
+times each part ran, so a reader sees what the runtime costs per op (``host_parts``).
 """
 
 from __future__ import annotations
@@ -28,9 +32,32 @@ import torch
 from ..schedules.collectives import Collective
 from ..schedules.ir import Op
 
+_NO_PART = contextlib.nullcontext()  # reusable: what an untraced run enters around a named part
+
+
+class _Part:
+    """Times one named part of the host work between ops (a context manager, reused per name)."""
+
+    __slots__ = ("name", "start", "tracer")
+
+    def __init__(self, tracer: Tracer, name: str) -> None:
+        self.tracer, self.name, self.start = tracer, name, 0.0
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        spent = self.tracer.host_parts.setdefault(self.name, [0.0, 0])
+        spent[0] += time.perf_counter() - self.start
+        spent[1] += 1
+
 
 class NullTracer:
     """Does nothing; the executor's default."""
+
+    def part(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """A context manager around a named part of the host work between ops (here: nothing)."""
+        return _NO_PART
 
     def bind(self, context: dict[str, Any]) -> None: ...
     def begin_iteration(self, forward_only: bool = False) -> None: ...
@@ -82,6 +109,17 @@ class Tracer(NullTracer):
         self._ops_done = 0  # ops ended this iteration: the gap a protocol event happens in
         self._iter_protocol: list[dict[str, Any]] = []
         self.last_iteration_protocol: list[dict[str, Any]] = []
+        # host time between ops by named part: name -> [seconds, times entered], over every traced iteration
+        self.host_parts: dict[str, list[float]] = {}
+        self._parts: dict[str, _Part] = {}
+        self._ops_total = 0
+        self._between_ops = 0.0  # iteration time outside ops, summed over iterations
+
+    def part(self, name: str) -> contextlib.AbstractContextManager[None]:
+        found = self._parts.get(name)
+        if found is None:
+            found = self._parts[name] = _Part(self, name)
+        return found
 
     def _now(self) -> float:
         return time.perf_counter() - self._t0
@@ -112,6 +150,8 @@ class Tracer(NullTracer):
         self.last_iteration_protocol = self._iter_protocol
         span = (self._last_end - self._first_start) if self._first_start is not None else 0.0
         total = end - self._iter_start
+        self._ops_total += self._ops_done
+        self._between_ops += total - self._busy
         counts: dict[str, int] = {}
         for launch in self._collectives:
             counts[launch["kind"]] = counts.get(launch["kind"], 0) + 1
@@ -269,7 +309,18 @@ class Tracer(NullTracer):
             "per_iteration": self.iterations,
             "last_iteration_ops": self.last_iteration_ops,
             "last_iteration_protocol": self.last_iteration_protocol,
+            "host_parts": self.host_split(),
         }
+
+    def host_split(self) -> dict[str, Any]:
+        """Where the time between ops went, over every traced iteration: each named part's seconds and count,
+        ``bookkeeping`` (the rest of the time between ops: the executor's own loop, mailbox, plan lookups), the
+        number of ops and the seconds per op of each."""
+        parts = {name: {"s": s, "count": int(n)} for name, (s, n) in self.host_parts.items()}
+        named = sum(s for s, _ in self.host_parts.values())
+        parts["bookkeeping"] = {"s": max(self._between_ops - named, 0.0), "count": self._ops_total}
+        ops = max(self._ops_total, 1)
+        return {"ops": self._ops_total, "parts": parts, "per_op_s": {k: v["s"] / ops for k, v in parts.items()}}
 
     def write(self, directory: str | Path) -> None:
         out = Path(directory)

@@ -1,0 +1,247 @@
+"""One schedule on real gloo ranks, ours against torch.distributed.pipelining's runtime, on the same chunks.
+
+Each rank builds its megatron-core chunks for our schedule's placement (:func:`tiny_gpt.build_chunks`: the
+same seeded weights for everyone), wraps them in torch ``PipelineStage`` s (:mod:`.torch_pipelining`) and runs,
+every iteration, torch's schedule and ours on the same micro-batches, alternating which goes first; both are
+timed, both losses kept. A torch schedule that refuses the shape (its constructor or its first step raises) is
+recorded with its refusal text and our schedule still runs. Then a few traced iterations of ours give the op
+times per stage and the host time between ops by named part (:class:`~megatron_pp_ext.runtime.trace.Tracer`),
+with the time inside the model's own forward (so the forward-step wrapper's cost shows), and one iteration of
+torch's with its stage methods timed gives its F, its split backward (input ``B`` and weight ``W``, torch's
+``stage_backward_input`` / ``stage_backward_weight``) or its fused backward per stage.
+
+No data parallelism, no megatron DDP (plain ``.grad`` on both sides), no optimizer step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from .rank_setup import rank_process_group
+from .tiny_gpt import TinyGPTSpec
+
+#: our schedule -> torch.distributed.pipelining's class for the same order of work
+TORCH_PEERS = {
+    "1f1b": "Schedule1F1B",
+    "gpipe": "ScheduleGPipe",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "interleaved-zb": "ScheduleInterleavedZeroBubble",
+    "v-zb": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+    "bfs": "ScheduleLoopedBFS",
+}
+#: chunks per rank of our loop-placed schedules with virtual stages (V placements imply two)
+LOOP_CHUNKS = {"interleaved-1f1b": 2, "interleaved-zb": 2, "bfs": 2}
+OURS, TORCH = "ours", "torch"
+#: the two model sizes: one where the host cost per op shows, one whose ops take >= 20 ms on one thread
+SIZES = {
+    "tiny": TinyGPTSpec(
+        num_layers=8, hidden_size=128, num_attention_heads=4, seq_length=64, vocab_size=512, micro_batch_size=2
+    ),
+    "large": TinyGPTSpec(
+        num_layers=8, hidden_size=512, num_attention_heads=8, seq_length=256, vocab_size=2048, micro_batch_size=2
+    ),
+}
+
+
+def num_microbatches(p: int) -> int:
+    """m = 2p: every schedule of the table accepts it (DualPipeV needs m >= 2p, torch's interleaving m % p == 0)."""
+    return 2 * p
+
+
+@dataclass(frozen=True)
+class PeerRunSpec:
+    """One schedule, ours and torch's, on ``pp`` ranks (picklable; sent to every rank)."""
+
+    schedule: str  # our registry name, a key of TORCH_PEERS
+    pp: int
+    num_microbatches: int
+    model: TinyGPTSpec
+    iterations: int = 6
+    trace_iterations: int = 2
+    timeout_s: float = 600.0
+
+
+def generate_ours(spec: PeerRunSpec) -> Any:
+    """Our schedule for ``spec`` (with its virtual stages)."""
+    from ..schedules import generate
+
+    return generate(spec.schedule, spec.pp, spec.num_microbatches, v=LOOP_CHUNKS.get(spec.schedule))
+
+
+def is_split(schedule: Any) -> bool:
+    """Whether a schedule has separate weight-gradient ops (it needs the weight-gradient hooks)."""
+    return any(op.kind.value == "W" for ops in schedule.ops for op in ops)
+
+
+def run_on_rank(spec: PeerRunSpec, rank: int, init_method: str) -> dict[str, Any]:
+    with rank_process_group(rank, spec.pp, init_method, timeout_s=spec.timeout_s, pp=spec.pp):
+        schedule = generate_ours(spec)
+        if not is_split(schedule):
+            return _Run(spec, rank, schedule).result()
+        from ..runtime.wgrad_hooks import install_wgrad_hooks, uninstall_wgrad_hooks
+
+        install_wgrad_hooks()
+        try:
+            return _Run(spec, rank, schedule).result()
+        finally:
+            uninstall_wgrad_hooks()
+
+
+class _Run:
+    """Both runtimes on this rank's chunks: timed iterations, then the traced ones."""
+
+    def __init__(self, spec: PeerRunSpec, rank: int, schedule: Any) -> None:
+        from ..runtime.executor import make_forward_backward_func
+        from . import tiny_gpt
+
+        self.spec, self.rank, self.schedule = spec, rank, schedule
+        placement = schedule.placement
+        self.chunks, self.layouts = tiny_gpt.build_chunks(tiny_gpt.make_config(spec.model), spec.model, placement, rank)
+        self.has_first = any(layout.pre_process for layout in self.layouts)
+        self.has_last = any(layout.post_process for layout in self.layouts)
+        self.ours = make_forward_backward_func(lambda m: schedule, timeout_s=spec.timeout_s)
+        self.refusal: str | None = None
+        self.theirs: Any = None
+        try:
+            self.theirs = self._torch_schedule()
+        except Exception as error:  # torch refuses the shape: named in the table, never dropped
+            self.refusal = f"{type(error).__name__}: {error}"
+
+    def _torch_schedule(self) -> Any:
+        from torch.distributed.pipelining import schedules as torch_schedules
+
+        from .torch_pipelining import cross_entropy_loss, torch_stages
+
+        self.stages = torch_stages(self.spec.model, self.chunks, self.layouts, self.schedule.placement)
+        cls = getattr(torch_schedules, TORCH_PEERS[self.spec.schedule])
+        single = issubclass(cls, torch_schedules.PipelineScheduleSingle)
+        stages = self.stages[0] if single and len(self.stages) == 1 else self.stages
+        return cls(stages, self.spec.num_microbatches, loss_fn=cross_entropy_loss(self.spec.model.vocab_size))
+
+    def _zero(self) -> None:
+        for c in self.chunks:
+            c.zero_grad(set_to_none=True)
+
+    def _ours(self, iteration: int, func: Any = None) -> list[float]:
+        from . import tiny_gpt
+
+        batches = tiny_gpt.make_batches(self.spec.model, iteration, self.spec.num_microbatches)
+        return tiny_gpt.run_forward_backward(func or self.ours, self.spec.model, self.chunks, batches, chunk_list=True)
+
+    def _torch(self, iteration: int) -> list[float]:
+        from .torch_pipelining import torch_step
+
+        spec = self.spec
+        return torch_step(self.theirs, spec.model, iteration, spec.num_microbatches, self.has_first, self.has_last)
+
+    def result(self) -> dict[str, Any]:
+        times: dict[str, list[float]] = {OURS: [], TORCH: []}
+        losses: dict[str, list[list[float]]] = {OURS: [], TORCH: []}
+        for iteration in range(self.spec.iterations):
+            order = [TORCH, OURS] if iteration % 2 == 0 else [OURS, TORCH]
+            for name in order:
+                if name == TORCH and self.theirs is None:
+                    continue
+                self._zero()
+                started = time.perf_counter()
+                try:
+                    losses[name].append(self._ours(iteration) if name == OURS else self._torch(iteration))
+                except Exception as error:
+                    if name == OURS:
+                        raise
+                    self.refusal, self.theirs = f"{type(error).__name__}: {error}", None  # refused at its step
+                    continue
+                times[name].append(time.perf_counter() - started)
+        return {
+            "rank": self.rank,
+            "step_times": times,
+            "losses": losses,
+            "refusal": self.refusal,
+            "ours_trace": self._trace_ours(),
+            "torch_op_times_s": self._time_torch_ops() if self.theirs is not None else {},
+        }
+
+    def _trace_ours(self) -> dict[str, Any]:
+        """Op times per stage and the host split of a few traced iterations of ours, with the model's own
+        forward time per F (the rest of an F is megatron's forward-step wrapper)."""
+        from ..runtime.executor import make_forward_backward_func
+        from ..runtime.trace import Tracer
+
+        tracer = Tracer(self.rank)
+        traced = make_forward_backward_func(
+            lambda m: self.schedule, tracer_factory=lambda r: tracer, timeout_s=self.spec.timeout_s
+        )
+        model_forward = [0.0, 0]
+        with _TimedForwards(self.chunks, model_forward):
+            for iteration in range(self.spec.trace_iterations):
+                self._zero()
+                self._ours(self.spec.iterations + iteration, traced)
+        summary = tracer.summary()
+        return {
+            "op_times_s": summary["op_times_s"],
+            "host": summary["host_parts"],
+            "model_forward_s": model_forward[0] / max(model_forward[1], 1),
+            "step_times_s": [it["step_time_s"] for it in tracer.iterations],
+        }
+
+    def _time_torch_ops(self) -> dict[str, dict[int, float]]:
+        """Mean time per stage of torch's forward, fused backward (BW), input backward (B) and weight backward
+        (W) over one iteration of its schedule, read by timing its stage methods."""
+        spent: dict[tuple[str, int], list[float]] = defaultdict(list)
+        for stage in self.stages:
+            _time_methods(stage, spent)
+        self._zero()
+        self._torch(self.spec.iterations + self.spec.trace_iterations)
+        for stage in self.stages:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                stage.__dict__.pop(name, None)
+        out: dict[str, dict[int, float]] = {}
+        for (kind, stage_index), values in spent.items():
+            out.setdefault(kind, {})[stage_index] = sum(values) / len(values)
+        return out
+
+
+def _time_methods(stage: Any, spent: dict[tuple[str, int], list[float]]) -> None:
+    """Shadow a torch stage's compute methods with timed ones (instance attributes, removed afterwards)."""
+
+    def timed(name: str, kind_of: Any) -> None:
+        method = getattr(stage, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            out = method(*args, **kwargs)
+            spent[(kind_of(kwargs), stage.stage_index)].append(time.perf_counter() - started)
+            return out
+
+        setattr(stage, name, wrapper)
+
+    timed("forward_one_chunk", lambda kw: "F")
+    timed("backward_one_chunk", lambda kw: "BW" if kw.get("full_backward", True) else "B")
+    timed("backward_weight_one_chunk", lambda kw: "W")
+
+
+class _TimedForwards:
+    """Adds the time of each chunk's own forward (the model, without megatron's forward-step wrapper around
+    it) and the count of forwards to ``into`` while active."""
+
+    def __init__(self, chunks: list[Any], into: list[Any]) -> None:
+        self.chunks, self.into, self.handles, self.start = chunks, into, [], 0.0
+
+    def __enter__(self) -> None:
+        def pre(module: Any, args: Any) -> None:
+            self.start = time.perf_counter()
+
+        def post(module: Any, args: Any, output: Any) -> None:
+            self.into[0] += time.perf_counter() - self.start
+            self.into[1] += 1
+
+        for chunk in self.chunks:
+            self.handles += [chunk.register_forward_pre_hook(pre), chunk.register_forward_hook(post)]
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
