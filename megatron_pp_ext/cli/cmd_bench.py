@@ -20,7 +20,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     real = real_peers_bench.settings_from(args)  # refuses its flags without --real-peers
     if real is not None:
-        real_peers_bench.run(real)
+        text = real_peers_bench.run(real)
+        if not real.write:
+            print(text)
         return 0
     if args.emulate:
         return emulate_bench.run(args)

@@ -229,7 +229,8 @@ class _TimedForwards:
     it) and the count of forwards to ``into`` while active."""
 
     def __init__(self, chunks: list[Any], into: list[Any]) -> None:
-        self.chunks, self.into, self.handles, self.start = chunks, into, [], 0.0
+        self.chunks, self.into, self.start = chunks, into, 0.0
+        self.handles: list[Any] = []
 
     def __enter__(self) -> None:
         def pre(module: Any, args: Any) -> None:
