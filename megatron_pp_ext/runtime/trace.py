@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,9 +48,11 @@ class _Part:
         self.start = time.perf_counter()
 
     def __exit__(self, *exc: object) -> None:
+        took = time.perf_counter() - self.start
         spent = self.tracer.host_parts.setdefault(self.name, [0.0, 0])
-        spent[0] += time.perf_counter() - self.start
+        spent[0] += took
         spent[1] += 1
+        self.tracer.host_samples.setdefault(self.name, []).append(took)
 
 
 class NullTracer:
@@ -111,6 +114,7 @@ class Tracer(NullTracer):
         self.last_iteration_protocol: list[dict[str, Any]] = []
         # host time between ops by named part: name -> [seconds, times entered], over every traced iteration
         self.host_parts: dict[str, list[float]] = {}
+        self.host_samples: dict[str, list[float]] = {}  # each time a part ran: its seconds (for the median)
         self._parts: dict[str, _Part] = {}
         self._ops_total = 0
         self._between_ops = 0.0  # iteration time outside ops, summed over iterations
@@ -315,8 +319,12 @@ class Tracer(NullTracer):
     def host_split(self) -> dict[str, Any]:
         """Where the time between ops went, over every traced iteration: each named part's seconds and count,
         ``bookkeeping`` (the rest of the time between ops: the executor's own loop, mailbox, plan lookups), the
-        number of ops and the seconds per op of each."""
-        parts = {name: {"s": s, "count": int(n)} for name, (s, n) in self.host_parts.items()}
+        number of ops and the seconds per op of each. A part's median is its cost without the waits some of its
+        runs hold (posting waits when the number of pending sends reaches its bound)."""
+        parts: dict[str, dict[str, Any]] = {
+            name: {"s": s, "count": int(n), "median_s": statistics.median(self.host_samples[name])}
+            for name, (s, n) in self.host_parts.items()
+        }
         named = sum(s for s, _ in self.host_parts.values())
         parts["bookkeeping"] = {"s": max(self._between_ops - named, 0.0), "count": self._ops_total}
         ops = max(self._ops_total, 1)
