@@ -119,6 +119,13 @@ class Tracer(NullTracer):
         self._ops_total = 0
         self._between_ops = 0.0  # iteration time outside ops, summed over iterations
 
+    def restart(self) -> None:
+        """Forget what the iterations so far recorded (op events, per-iteration records, host parts): a warm-up
+        iteration, whose first-call costs are not those of a steady run, is then left out of every figure."""
+        self.events, self.iterations = [], []
+        self.host_parts, self.host_samples = {}, {}
+        self._ops_total, self._between_ops = 0, 0.0
+
     def part(self, name: str) -> contextlib.AbstractContextManager[None]:
         found = self._parts.get(name)
         if found is None:

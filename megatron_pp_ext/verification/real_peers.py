@@ -4,7 +4,8 @@ Each rank builds its megatron-core chunks for our schedule's placement (:func:`t
 same seeded weights for everyone), wraps them in torch ``PipelineStage`` s (:mod:`.torch_pipelining`) and runs,
 every iteration, torch's schedule and ours on the same micro-batches, alternating which goes first; both are
 timed, both losses kept. A torch schedule that refuses the shape (its constructor or its first step raises) is
-recorded with its refusal text and our schedule still runs. Then a few traced iterations of ours give the op
+recorded with its refusal text and our schedule still runs. Then a few traced iterations of ours (after one
+traced warm-up, left out) give the op
 times per stage and the host time between ops by named part (:class:`~megatron_pp_ext.runtime.trace.Tracer`),
 with the time inside the model's own forward (so the forward-step wrapper's cost shows), and one iteration of
 torch's with its stage methods timed gives its F, its split backward (input ``B`` and weight ``W``, torch's
@@ -175,11 +176,14 @@ class _Run:
         traced = make_forward_backward_func(
             lambda m: self.schedule, tracer_factory=lambda r: tracer, timeout_s=self.spec.timeout_s
         )
+        self._zero()
+        self._ours(self.spec.iterations, traced)  # the traced function's first call: not a steady iteration
+        tracer.restart()
         model_forward = [0.0, 0]
         with _TimedForwards(self.chunks, model_forward):
             for iteration in range(self.spec.trace_iterations):
                 self._zero()
-                self._ours(self.spec.iterations + iteration, traced)
+                self._ours(self.spec.iterations + 1 + iteration, traced)
         summary = tracer.summary()
         return {
             "op_times_s": summary["op_times_s"],
@@ -195,7 +199,7 @@ class _Run:
         for stage in self.stages:
             _time_methods(stage, spent)
         self._zero()
-        self._torch(self.spec.iterations + self.spec.trace_iterations)
+        self._torch(self.spec.iterations + 1 + self.spec.trace_iterations)
         for stage in self.stages:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 stage.__dict__.pop(name, None)
