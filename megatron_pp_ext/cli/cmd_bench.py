@@ -20,10 +20,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     real = real_peers_bench.settings_from(args)  # refuses its flags without --real-peers
     if real is not None:
-        text = real_peers_bench.run(real)
-        if not real.write:
-            print(text)
-        return 0
+        return real_peers_bench.main(real)
     if args.emulate:
         return emulate_bench.run(args)
     emulate_bench.settings_from(args)  # refuses the --emulate flags without --emulate

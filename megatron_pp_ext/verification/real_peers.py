@@ -34,6 +34,8 @@ TORCH_PEERS = {
     "dualpipev": "ScheduleDualPipeV",
     "bfs": "ScheduleLoopedBFS",
 }
+#: torch's schedules that split the backward themselves (their run on plain layers is added to the table)
+TORCH_SPLIT = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 #: chunks per rank of our loop-placed schedules with virtual stages (V placements imply two)
 LOOP_CHUNKS = {"interleaved-1f1b": 2, "interleaved-zb": 2, "bfs": 2}
 OURS, TORCH = "ours", "torch"
@@ -164,7 +166,33 @@ class _Run:
             "refusal": self.refusal,
             "ours_trace": self._trace_ours(),
             "torch_op_times_s": self._time_torch_ops() if self.theirs is not None else {},
+            "torch_plain_step_times": self._torch_on_plain() if self.theirs is not None else [],
         }
+
+    def _torch_on_plain(self) -> list[float]:
+        """Step times of torch's split schedule on plain torch layers of the same shapes (its generic split is
+        free there), one untimed step first; empty for the schedules that do not split."""
+        from torch.distributed.pipelining import schedules as torch_schedules
+
+        from .plain_chunks import plain_stages
+        from .torch_pipelining import cross_entropy_loss, torch_step
+
+        name = TORCH_PEERS[self.spec.schedule]
+        if name not in TORCH_SPLIT:
+            return []
+        spec = self.spec
+        stages = plain_stages(spec.model, self.layouts, self.schedule.placement.num_stages)
+        plain = getattr(torch_schedules, name)(
+            stages, spec.num_microbatches, loss_fn=cross_entropy_loss(spec.model.vocab_size)
+        )
+        times = []
+        for iteration in range(spec.iterations):
+            for stage in stages:
+                stage.submod.zero_grad(set_to_none=True)
+            started = time.perf_counter()
+            torch_step(plain, spec.model, iteration, spec.num_microbatches, self.has_first, self.has_last)
+            times.append(time.perf_counter() - started)
+        return times
 
     def _trace_ours(self) -> dict[str, Any]:
         """Op times per stage and the host split of a few traced iterations of ours, with the model's own

@@ -91,6 +91,22 @@ def settings_from(args: argparse.Namespace) -> Settings | None:
     return Settings(ps, sizes, schedules, iterations, warmup, args.write, command)
 
 
+def main(settings: Settings) -> int:
+    """``megatron-pp bench --real-peers``: run, print the report (or write its block); 1 when a rank failed."""
+    import sys
+
+    from .rank_pool import VerifyRunError
+
+    try:
+        text = run(settings, say=lambda line: print(line, flush=True))
+    except (VerifyRunError, TimeoutError, RuntimeError) as exc:  # a rank failed or the ranks did not finish
+        print(f"megatron-pp: error: bench --real-peers: {exc}", file=sys.stderr)
+        return 1
+    if not settings.write:
+        print("\n" + text)
+    return 0
+
+
 def run(settings: Settings, say: Any = print) -> str:
     """Every case of ``settings`` on real ranks; the report's text (also written with ``--write``)."""
     from ..analysis.results_file import write_block
@@ -169,6 +185,10 @@ def torch_case(pool: Any, settings: Settings, name: str, p: int, size: str) -> d
         case["peer_s"] = round(statistics.median(theirs), 4)
         case["ratio"] = round(statistics.median(a / b for a, b in zip(ours, theirs, strict=True)), 4)
         case["peer_losses"] = _losses(results, real_peers.TORCH)
+        if results[0]["torch_plain_step_times"]:
+            n = len(results[0]["torch_plain_step_times"])
+            plain = [max(r["torch_plain_step_times"][i] for r in results) for i in range(n)][settings.warmup :]
+            case["torch_plain_s"] = round(statistics.median(plain), 4)
     return case
 
 

@@ -72,24 +72,11 @@ def _plain(spec: SplitCostSpec) -> dict[str, float]:
     """The same shape in plain torch layers (pre-norm attention and MLP blocks of nn.Linear / LayerNorm)."""
     import torch
 
-    h, heads = spec.model.hidden_size, spec.model.num_attention_heads
-
-    class Block(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.norm1, self.norm2 = torch.nn.LayerNorm(h), torch.nn.LayerNorm(h)
-            self.qkv, self.proj = torch.nn.Linear(h, 3 * h), torch.nn.Linear(h, h)
-            self.fc1, self.fc2 = torch.nn.Linear(h, 4 * h), torch.nn.Linear(4 * h, h)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            s, b, _ = x.shape
-            q, k, v = self.qkv(self.norm1(x)).view(s, b, 3, heads, h // heads).permute(2, 1, 3, 0, 4)
-            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + self.proj(a.permute(2, 0, 1, 3).reshape(s, b, h))
-            return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm2(x))))
+    from .plain_chunks import Block
 
     torch.manual_seed(spec.model.seed)
-    module = torch.nn.Sequential(*(Block() for _ in range(spec.layers)))
+    h, heads = spec.model.hidden_size, spec.model.num_attention_heads
+    module = torch.nn.Sequential(*(Block(h, heads) for _ in range(spec.layers)))
 
     class Plain:
         def __init__(self) -> None:
