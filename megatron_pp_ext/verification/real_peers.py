@@ -22,37 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .rank_setup import rank_process_group
+from .real_peers_cases import LOOP_CHUNKS, TORCH_PEERS, TORCH_SPLIT
 from .tiny_gpt import TinyGPTSpec
 
-#: our schedule -> torch.distributed.pipelining's class for the same order of work
-TORCH_PEERS = {
-    "1f1b": "Schedule1F1B",
-    "gpipe": "ScheduleGPipe",
-    "interleaved-1f1b": "ScheduleInterleaved1F1B",
-    "interleaved-zb": "ScheduleInterleavedZeroBubble",
-    "v-zb": "ScheduleZBVZeroBubble",
-    "dualpipev": "ScheduleDualPipeV",
-    "bfs": "ScheduleLoopedBFS",
-}
-#: torch's schedules that split the backward themselves (their run on plain layers is added to the table)
-TORCH_SPLIT = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
-#: chunks per rank of our loop-placed schedules with virtual stages (V placements imply two)
-LOOP_CHUNKS = {"interleaved-1f1b": 2, "interleaved-zb": 2, "bfs": 2}
 OURS, TORCH = "ours", "torch"
-#: the two model sizes: one where the host cost per op shows, one whose ops take >= 20 ms on one thread
-SIZES = {
-    "tiny": TinyGPTSpec(
-        num_layers=8, hidden_size=128, num_attention_heads=4, seq_length=64, vocab_size=512, micro_batch_size=2
-    ),
-    "large": TinyGPTSpec(
-        num_layers=8, hidden_size=512, num_attention_heads=8, seq_length=256, vocab_size=2048, micro_batch_size=2
-    ),
-}
-
-
-def num_microbatches(p: int) -> int:
-    """m = 2p: every schedule of the table accepts it (DualPipeV needs m >= 2p, torch's interleaving m % p == 0)."""
-    return 2 * p
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from .real_peers import SIZES, num_microbatches
+from .real_peers_cases import SIZE_SHAPES, TORCH_PEERS, model_spec, num_microbatches
 
 MEGATRON_PEERS = {"1f1b": "1F1B", "interleaved-1f1b": "interleaved 1F1B"}
 P_RANGE = (2, 8)
@@ -52,15 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ours vs torch.distributed.pipelining's and megatron-core's runtimes on real gloo ranks, real compute",
     )
     group.add_argument(
-        "--peer-sizes", default=None, metavar="NAME[,NAME]", help=f"model sizes (default {','.join(SIZES)})"
+        "--peer-sizes", default=None, metavar="NAME[,NAME]", help=f"model sizes (default {','.join(SIZE_SHAPES)})"
     )
 
 
 def settings_from(args: argparse.Namespace) -> Settings | None:
     """Check every ``--real-peers`` flag before anything is spawned (RealPeersError names flag and range);
     None without ``--real-peers`` (RealPeersError if one of its own flags was given)."""
-    from .real_peers import TORCH_PEERS
-
     if not args.real_peers:
         if args.peer_sizes is not None:
             raise RealPeersError("--peer-sizes: only with --real-peers")
@@ -73,9 +71,9 @@ def settings_from(args: argparse.Namespace) -> Settings | None:
         raise RealPeersError(f"-p with --real-peers: comma-separated sizes in 2..8, got {args.p_list!r}") from None
     if not ps or any(not P_RANGE[0] <= p <= P_RANGE[1] for p in ps):
         raise RealPeersError(f"-p with --real-peers: each size in {P_RANGE[0]}..{P_RANGE[1]}, got {args.p_list!r}")
-    sizes = tuple(x.strip() for x in (args.peer_sizes or ",".join(SIZES)).split(","))
-    if not sizes or any(x not in SIZES for x in sizes):
-        raise RealPeersError(f"--peer-sizes: names from {', '.join(SIZES)}, got {args.peer_sizes!r}")
+    sizes = tuple(x.strip() for x in (args.peer_sizes or ",".join(SIZE_SHAPES)).split(","))
+    if not sizes or any(x not in SIZE_SHAPES for x in sizes):
+        raise RealPeersError(f"--peer-sizes: names from {', '.join(SIZE_SHAPES)}, got {args.peer_sizes!r}")
     schedules = tuple(x.strip() for x in (args.schedules or ",".join(TORCH_PEERS)).split(","))
     if not schedules or any(x not in TORCH_PEERS for x in schedules):
         raise RealPeersError(f"--schedules with --real-peers: names from {', '.join(TORCH_PEERS)}, got {schedules}")
@@ -141,7 +139,7 @@ def split_cost(pool: Any, size: str, p: int) -> dict[str, Any]:
     from . import split_cost as sc
     from .rank_pool import check_errors
 
-    model = SIZES[size]
+    model = model_spec(size)
     results = pool.run_fn(sc.run_on_rank, sc.SplitCostSpec(model, model.num_layers // p), 1, wall_timeout_s=3600)
     check_errors(results)
     return {"layers": model.num_layers // p, **results[0]}
@@ -164,14 +162,14 @@ def torch_case(pool: Any, settings: Settings, name: str, p: int, size: str) -> d
     from . import real_peers
     from .rank_pool import check_errors
 
-    spec = real_peers.PeerRunSpec(name, p, num_microbatches(p), SIZES[size], iterations=settings.iterations)
+    spec = real_peers.PeerRunSpec(name, p, num_microbatches(p), model_spec(size), iterations=settings.iterations)
     results = sorted(pool.run_fn(real_peers.run_on_rank, spec, p, wall_timeout_s=3600), key=lambda r: r["rank"])
     check_errors(results)
     refusal = next((r["refusal"] for r in results if r["refusal"]), None)
     ours = _slowest(results, real_peers.OURS, settings.warmup)
     case: dict[str, Any] = {
         "schedule": name,
-        "peer": f"torch {real_peers.TORCH_PEERS[name]}",
+        "peer": f"torch {TORCH_PEERS[name]}",
         "p": p,
         "size": size,
         "ours_s": round(statistics.median(ours), 4),
@@ -204,7 +202,7 @@ def megatron_case(pool: Any, settings: Settings, name: str, p: int, size: str) -
         pp=p,
         num_microbatches=num_microbatches(p),
         schedule_csv=schedule.to_csv(),
-        model=replace(SIZES[size]),
+        model=model_spec(size),
         iterations=settings.iterations,
         mode=AB,
         timeout_s=600.0,

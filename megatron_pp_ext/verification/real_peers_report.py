@@ -12,7 +12,8 @@ from typing import Any
 
 from ..analysis.host_costs import with_host_costs
 from ..analysis.simulate import Costs, simulate
-from .real_peers import SIZES, PeerRunSpec, generate_ours, num_microbatches
+from .real_peers import PeerRunSpec, generate_ours
+from .real_peers_cases import describe, model_spec, num_microbatches
 
 MIN_SIM_GAIN = 0.01  # below this simulated improvement over 1f1b the realized share is not defined
 
@@ -56,7 +57,7 @@ def simulated(case: dict[str, Any]) -> tuple[float, float]:
     """(makespan with the measured host costs, makespan without) of ``case``'s schedule, in seconds."""
 
     p = case["p"]
-    schedule = generate_ours(PeerRunSpec(case["schedule"], p, num_microbatches(p), SIZES[case["size"]]))
+    schedule = generate_ours(PeerRunSpec(case["schedule"], p, num_microbatches(p), model_spec(case["size"])))
     costs = stage_costs(case["traces"], schedule.placement.num_stages)
     per_op, per_exchange = host_costs(case["traces"])
     charged = with_host_costs(costs, schedule.placement, per_op, per_exchange)
@@ -130,11 +131,7 @@ def _split_rows(split: dict[str, dict[str, Any]]) -> list[list[str]]:
 
 
 def report(settings: Any, cases: list[dict[str, Any]], split: dict[str, dict[str, Any]]) -> str:
-    sizes = "; ".join(
-        f"{name}: {SIZES[name].num_layers} layers, hidden {SIZES[name].hidden_size}, seq {SIZES[name].seq_length}, "
-        f"vocab {SIZES[name].vocab_size}, micro-batch {SIZES[name].micro_batch_size}"
-        for name in settings.sizes
-    )
+    sizes = "; ".join(describe(name) for name in settings.sizes)
     lines = [
         "## Peers on real compute: torch.distributed.pipelining's and megatron-core's runtimes vs ours",
         "",

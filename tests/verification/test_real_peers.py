@@ -79,8 +79,9 @@ def test_a_small_real_run_gives_equal_losses_traces_and_torch_on_plain_layers(po
     from dataclasses import replace
 
     from megatron_pp_ext.verification import real_peers
+    from megatron_pp_ext.verification.real_peers_cases import model_spec
 
-    model = replace(real_peers.SIZES["tiny"], num_layers=4)
+    model = replace(model_spec("tiny"), num_layers=4)
     cases = {}
     for name in ("1f1b", "v-zb"):
         spec = real_peers.PeerRunSpec(name, 2, 4, model, iterations=2, trace_iterations=1)
