@@ -84,8 +84,10 @@ class NullTracer:
 class Tracer(NullTracer):
     """Records every op's start/end and the live activation bytes after it."""
 
-    def __init__(self, rank: int, param_storages: set[int] | None = None) -> None:
+    def __init__(self, rank: int, param_storages: set[int] | None = None, *, track_memory: bool = True) -> None:
         self.rank = rank
+        # False: no saved-tensor hook around forwards (no activation bytes), so op times carry no hook cost
+        self.track_memory = track_memory
         self.param_storages = param_storages or set()
         self.events: list[dict[str, Any]] = []  # chrome-trace events
         self.iterations: list[dict[str, Any]] = []
@@ -274,6 +276,9 @@ class Tracer(NullTracer):
 
     @contextlib.contextmanager
     def saving(self, op: Op) -> Iterator[None]:
+        if not self.track_memory:
+            yield
+            return
         seen: set[int] = set()
         total = 0
 

@@ -173,7 +173,7 @@ class _Run:
         from ..runtime.executor import make_forward_backward_func
         from ..runtime.trace import Tracer
 
-        tracer = Tracer(self.rank)
+        tracer = Tracer(self.rank, track_memory=False)  # op times without the saved-tensor hook
         traced = make_forward_backward_func(
             lambda m: self.schedule, tracer_factory=lambda r: tracer, timeout_s=self.spec.timeout_s
         )
