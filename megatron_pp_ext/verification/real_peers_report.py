@@ -118,6 +118,31 @@ def _host_rows(cases: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
+def _backward_over_forward(per_rank: list[dict[str, dict[Any, float]]]) -> float | None:
+    """Mean over stages of (B + W) / F from op times per rank and stage; None without a split backward."""
+    ratios = [
+        (times["B"][s] + times["W"][s]) / times["F"][s]
+        for times in per_rank
+        if "B" in times and "W" in times
+        for s in times["B"]
+        if s in times["W"] and s in times.get("F", {})
+    ]
+    return sum(ratios) / len(ratios) if ratios else None
+
+
+def _in_run_split_rows(cases: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for c in cases:
+        if "traces" not in c:
+            continue
+        ours = _backward_over_forward([t["op_times_s"] for t in c["traces"]])
+        theirs = _backward_over_forward(c.get("torch_op_times", []))
+        if ours is not None or theirs is not None:
+            cells = ["-" if x is None else f"{x:.2f}" for x in (ours, theirs)]
+            rows.append([c["schedule"], c["peer"], str(c["p"]), c["size"], *cells])
+    return rows
+
+
 def _split_rows(split: dict[str, dict[str, Any]]) -> list[list[str]]:
     rows = []
     for size, measured in split.items():
@@ -157,6 +182,8 @@ def report(settings: Any, cases: list[dict[str, Any]], split: dict[str, dict[str
     header = ["schedule", "p", "size", "ops per rank", "bookkeeping per op", "posting per exchange (median)"]
     header += ["p2p wait per op", "megatron forward-step wrapper per F"]
     lines += _table(header, _host_rows(cases))
+    lines += ["", "Split backward in the pipelined runs: (B + W) / F per stage, mean over stages and ranks:", ""]
+    lines += _table(["schedule", "peer", "p", "size", "ours", "peer"], _in_run_split_rows(cases))
     lines += ["", "Split backward on one middle stage (ms, medians; ratios: split B + W over the fused BW):", ""]
     header = ["size", "chunk", "layers", "F", "BW", "torch B", "torch W", "torch (B+W)/BW", "ours (B+W)/BW"]
     lines += _table(header, _split_rows(split))

@@ -72,6 +72,10 @@ def test_report_reads_the_realized_share_against_the_simulated_gain_and_names_a_
     cells = row.split(" | ")
     assert cells[-4] == f"{sim_gain:.3f}" and cells[-3] == "1.250"
     assert cells[-1].rstrip(" |") == f"{(1.25 - 1) / (sim_gain - 1):.2f}"
+    # the split in the pipelined runs: (B + W) / F per stage, ours from the traces, torch's from its op times
+    zb["torch_op_times"] = [{"F": {0: 1.0, 2: 1.0}, "B": {0: 1.5, 2: 1.5}, "W": {0: 1.0, 2: 0.5}}]
+    text = real_peers_report.report(settings, [base, zb], {})
+    assert "| interleaved-zb | torch interleaved-zb | 2 | tiny | 2.00 | 2.25 |" in text
 
 
 @pytest.mark.gloo
