@@ -450,8 +450,7 @@ class _Run:
             raise ExecutorError(f"{self._where()}: no implementation for collective {collective}")
 
     def _compute(self, op: Op) -> None:
-        with self.tracer.part("p2p wait"):
-            self._await_inputs(op)  # waiting for data is idle time, not part of the op
+        self._await_inputs(op)  # waiting for data is idle time, not part of the op
         self.tracer.begin_op(op)
         if op.kind == OpKind.F:
             self._forward(op)
@@ -592,8 +591,7 @@ class _Run:
             )
             self.mailbox[msg.key] = buffer
             recvs.append((msg, buffer))
-        with self.tracer.part("p2p posting"):
-            self.channels.post(sends, recvs, _ExchangeContext(self, next_op))
+        self.channels.post(sends, recvs, _ExchangeContext(self, next_op))
 
     def _await_inputs(self, op: Op) -> None:
         """Wait for the receive that brings ``op``'s input, and nothing else; before a backward, then

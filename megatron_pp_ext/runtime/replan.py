@@ -99,9 +99,6 @@ class ProfilingTracer(NullTracer):
             self.durations[(op.kind, op.stage)].append(_now() - self._start)
         self.inner.end_op(op)
 
-    def part(self, name: str) -> Any:
-        return self.inner.part(name)
-
     def begin_comm(self) -> None:
         self.inner.begin_comm()
 

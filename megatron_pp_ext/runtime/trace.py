@@ -13,9 +13,12 @@ The p2p protocol's events (receive posted / waited, send posted / completed, wit
 the op count at that moment) are kept for the last iteration
 (``last_iteration_protocol``), so tests can check the protocol's order from a real run.
 
-Host time between ops is split into named parts (``part(name)``: ``p2p wait``, ``p2p posting``; the rest of the
-time between ops is the executor's own bookkeeping), summed over the traced iterations with the number of
-times each part ran, so a reader sees what the runtime costs per op (``host_parts``).
+Host time between ops is split into named parts, summed over the traced iterations with the number of times
+each ran and their median (``host_parts``), so a reader sees what the runtime costs per op: ``p2p posting``
+(``begin_comm`` .. ``end_comm``: posting an exchange's transfers, gloo's ``isend`` / ``irecv`` and the code
+around them), ``p2p wait`` (the seconds the protocol's events report waited for a receive or a send) and
+``bookkeeping``, the rest of the time between ops (the executor's loop, mailbox, receive buffers, plan).
+No code of the executor's own is added for it: an untraced run pays nothing.
 """
 
 from __future__ import annotations
@@ -33,34 +36,9 @@ import torch
 from ..schedules.collectives import Collective
 from ..schedules.ir import Op
 
-_NO_PART = contextlib.nullcontext()  # reusable: what an untraced run enters around a named part
-
-
-class _Part:
-    """Times one named part of the host work between ops (a context manager, reused per name)."""
-
-    __slots__ = ("name", "start", "tracer")
-
-    def __init__(self, tracer: Tracer, name: str) -> None:
-        self.tracer, self.name, self.start = tracer, name, 0.0
-
-    def __enter__(self) -> None:
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        took = time.perf_counter() - self.start
-        spent = self.tracer.host_parts.setdefault(self.name, [0.0, 0])
-        spent[0] += took
-        spent[1] += 1
-        self.tracer.host_samples.setdefault(self.name, []).append(took)
-
 
 class NullTracer:
     """Does nothing; the executor's default."""
-
-    def part(self, name: str) -> contextlib.AbstractContextManager[None]:
-        """A context manager around a named part of the host work between ops (here: nothing)."""
-        return _NO_PART
 
     def bind(self, context: dict[str, Any]) -> None: ...
     def begin_iteration(self, forward_only: bool = False) -> None: ...
@@ -117,7 +95,6 @@ class Tracer(NullTracer):
         # host time between ops by named part: name -> [seconds, times entered], over every traced iteration
         self.host_parts: dict[str, list[float]] = {}
         self.host_samples: dict[str, list[float]] = {}  # each time a part ran: its seconds (for the median)
-        self._parts: dict[str, _Part] = {}
         self._ops_total = 0
         self._between_ops = 0.0  # iteration time outside ops, summed over iterations
 
@@ -128,11 +105,11 @@ class Tracer(NullTracer):
         self.host_parts, self.host_samples = {}, {}
         self._ops_total, self._between_ops = 0, 0.0
 
-    def part(self, name: str) -> contextlib.AbstractContextManager[None]:
-        found = self._parts.get(name)
-        if found is None:
-            found = self._parts[name] = _Part(self, name)
-        return found
+    def _add_part(self, name: str, seconds: float) -> None:
+        spent = self.host_parts.setdefault(name, [0.0, 0])
+        spent[0] += seconds
+        spent[1] += 1
+        self.host_samples.setdefault(name, []).append(seconds)
 
     def _now(self) -> float:
         return time.perf_counter() - self._t0
@@ -241,6 +218,7 @@ class Tracer(NullTracer):
 
     def end_comm(self) -> None:
         end = self._now()
+        self._add_part("p2p posting", end - self._comm_start)
         self.events.append(
             {
                 "name": "p2p",
@@ -269,6 +247,9 @@ class Tracer(NullTracer):
         """One p2p protocol event (``recv-post``, ``recv-wait``, ``send-post``, ``send-done``) of
         message ``what`` (recorded as ``str(what)``), at gap ``gap`` (ops ended so far this iteration)."""
         event_record = {"event": event, "what": str(what), "gap": self._ops_done, "t": self._now(), **info}
+        waited = info.get("waited_s")
+        if waited is not None:
+            self._add_part("p2p wait", waited)
         self._iter_protocol.append(event_record)
 
     def released(self, op: Op) -> None:

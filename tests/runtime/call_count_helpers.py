@@ -27,8 +27,13 @@ def count_calls(payload: tuple[str, int, int], rank: int, init_method: str) -> d
         from megatron_pp_ext.schedules import generate
         from megatron_pp_ext.verification import tiny_gpt
 
+        from megatron_pp_ext.runtime.wgrad_hooks import install_wgrad_hooks, uninstall_wgrad_hooks
+
         spec = tiny_gpt.TinyGPTSpec(num_layers=2)
         schedule = generate(name, p, m)
+        split = any(op.kind.value == "W" for ops in schedule.ops for op in ops)
+        if split:
+            install_wgrad_hooks()  # before the model is built
         chunks, _ = tiny_gpt.build_chunks(tiny_gpt.make_config(spec), spec, schedule.placement, rank)
         func = make_forward_backward_func(lambda _: schedule, timeout_s=300.0)
 
@@ -57,5 +62,7 @@ def count_calls(payload: tuple[str, int, int], rank: int, init_method: str) -> d
             one(1)
         finally:
             sys.setprofile(None)
+            if split:
+                uninstall_wgrad_hooks()
         ops = len(schedule.ops[rank])
         return {"rank": rank, "ops": ops, "calls": calls, "c_calls": c_calls}
