@@ -24,10 +24,9 @@ def count_calls(payload: tuple[str, int, int], rank: int, init_method: str) -> d
     name, p, m = payload
     with rank_process_group(rank, p, init_method, timeout_s=300.0, pp=p):
         from megatron_pp_ext.runtime.executor import make_forward_backward_func
+        from megatron_pp_ext.runtime.wgrad_hooks import install_wgrad_hooks, uninstall_wgrad_hooks
         from megatron_pp_ext.schedules import generate
         from megatron_pp_ext.verification import tiny_gpt
-
-        from megatron_pp_ext.runtime.wgrad_hooks import install_wgrad_hooks, uninstall_wgrad_hooks
 
         spec = tiny_gpt.TinyGPTSpec(num_layers=2)
         schedule = generate(name, p, m)
