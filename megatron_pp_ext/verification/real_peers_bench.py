@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .real_peers_cases import SIZE_SHAPES, TORCH_PEERS, model_spec, num_microbatches
@@ -83,6 +84,8 @@ def settings_from(args: argparse.Namespace) -> Settings | None:
     warmup = DEFAULT_WARMUP if args.warmup is None else args.warmup
     if not 1 <= iterations - warmup or iterations > 1000:
         raise RealPeersError(f"--iterations must be in {warmup + 1}..1000 (more than --warmup), got {iterations}")
+    if args.write and not Path(args.write).resolve().parent.is_dir():
+        raise RealPeersError(f"--write: no directory for {args.write!r}")
     command = f"megatron-pp bench --real-peers -p {','.join(map(str, ps))} --peer-sizes {','.join(sizes)}"
     command += f" --schedules {','.join(schedules)}" if args.schedules else ""
     command += f" --iterations {iterations} --warmup {warmup}" + (f" --write {args.write}" if args.write else "")
@@ -107,7 +110,7 @@ def main(settings: Settings) -> int:
 
 def run(settings: Settings, say: Any = print) -> str:
     """Every case of ``settings`` on real ranks; the report's text (also written with ``--write``)."""
-    from ..analysis.results_file import write_block
+    from ..analysis.results_file import block_markers, write_block
     from .rank_run import RankPool
     from .real_peers_report import report
 
@@ -126,7 +129,9 @@ def run(settings: Settings, say: Any = print) -> str:
                         say(f"{name} p={p} {size} vs megatron: {_brief(cases[-1])}")
     text = report(settings, cases, split)
     if settings.write:
-        write_block(settings.write, BLOCK, text, after="peers")
+        target = Path(settings.write)
+        placed_after = "peers" if target.exists() and block_markers("peers")[0] in target.read_text() else None
+        write_block(target, BLOCK, text, after=placed_after)  # after the simulator's peer tables when present
         say(f"wrote the {BLOCK} section of {settings.write}")
     return text
 

@@ -20,6 +20,7 @@ from megatron_pp_ext.verification.rank_pool import check_errors
         (["--real-peers", "--iterations", "2", "--warmup", "2"], "--iterations must be in 3..1000"),
         (["--real-peers", "--emulate"], "--real-peers: not with --emulate, -m, --m-factors, --costs or --plots"),
         (["--peer-sizes", "tiny"], "--peer-sizes: only with --real-peers"),
+        (["--real-peers", "--write", "/nonexistent/dir/R.md"], "--write: no directory for '/nonexistent/dir/R.md'"),
     ],
 )
 def test_bad_input_is_one_line_before_any_rank(capsys, monkeypatch, flags, message) -> None:
