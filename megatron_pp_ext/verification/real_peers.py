@@ -37,7 +37,7 @@ class PeerRunSpec:
     num_microbatches: int
     model: TinyGPTSpec
     iterations: int = 6
-    trace_iterations: int = 2
+    trace_iterations: int = 3
     timeout_s: float = 600.0
 
 
@@ -168,7 +168,7 @@ class _Run:
         return times
 
     def _trace_ours(self) -> dict[str, Any]:
-        """Op times per stage and the host split of a few traced iterations of ours, with the model's own
+        """Op times per stage (medians) and the host split of a few traced iterations of ours, with the model's own
         forward time per F (the rest of an F is megatron's forward-step wrapper)."""
         from ..runtime.executor import make_forward_backward_func
         from ..runtime.trace import Tracer
@@ -187,7 +187,7 @@ class _Run:
                 self._ours(self.spec.iterations + 1 + iteration, traced)
         summary = tracer.summary()
         return {
-            "op_times_s": summary["op_times_s"],
+            "op_times_s": _median_op_times(tracer.events),
             "host": summary["host_parts"],
             "model_forward_s": model_forward[0] / max(model_forward[1], 1),
             "step_times_s": [it["step_time_s"] for it in tracer.iterations],
@@ -208,6 +208,22 @@ class _Run:
         for (kind, stage_index), values in spent.items():
             out.setdefault(kind, {})[stage_index] = sum(values) / len(values)
         return out
+
+
+def _median_op_times(events: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
+    """Median duration (s) of each op kind per stage over the traced ops (a load spike on a shared machine moves
+    a mean, not the median)."""
+    import statistics
+
+    durations: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for event in events:
+        if event["cat"] not in ("comm", "collective"):
+            stage = int(event["name"][len(event["cat"]) :].split(".")[0])
+            durations[(event["cat"], stage)].append(event["dur"] / 1e6)
+    out: dict[str, dict[int, float]] = {}
+    for (kind, stage), values in durations.items():
+        out.setdefault(kind, {})[stage] = statistics.median(values)
+    return out
 
 
 def _time_methods(stage: Any, spent: dict[tuple[str, int], list[float]]) -> None:
