@@ -16,6 +16,7 @@ No data parallelism, no megatron DDP (plain ``.grad`` on both sides), no optimiz
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -180,8 +181,8 @@ class _Run:
         self._zero()
         self._ours(self.spec.iterations, traced)  # the traced function's first call: not a steady iteration
         tracer.restart()
-        model_forward = [0.0, 0]
-        with _TimedForwards(self.chunks, model_forward):
+        model_forward: dict[int, list[float]] = {}
+        with _TimedForwards(self.chunks, [layout.stage for layout in self.layouts], model_forward):
             for iteration in range(self.spec.trace_iterations):
                 self._zero()
                 self._ours(self.spec.iterations + 1 + iteration, traced)
@@ -189,7 +190,7 @@ class _Run:
         return {
             "op_times_s": _median_op_times(tracer.events),
             "host": summary["host_parts"],
-            "model_forward_s": model_forward[0] / max(model_forward[1], 1),
+            "model_forward_s": {stage: statistics.median(times) for stage, times in model_forward.items()},
             "step_times_s": [it["step_time_s"] for it in tracer.iterations],
         }
 
@@ -213,8 +214,6 @@ class _Run:
 def _median_op_times(events: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
     """Median duration (s) of each op kind per stage over the traced ops (a load spike on a shared machine moves
     a mean, not the median)."""
-    import statistics
-
     durations: dict[tuple[str, int], list[float]] = defaultdict(list)
     for event in events:
         if event["cat"] not in ("comm", "collective"):
@@ -246,23 +245,25 @@ def _time_methods(stage: Any, spent: dict[tuple[str, int], list[float]]) -> None
 
 
 class _TimedForwards:
-    """Adds the time of each chunk's own forward (the model, without megatron's forward-step wrapper around
-    it) and the count of forwards to ``into`` while active."""
+    """Records, per stage, the time of each forward of the chunk's own model (without megatron's forward-step
+    wrapper around it) into ``into`` while active."""
 
-    def __init__(self, chunks: list[Any], into: list[Any]) -> None:
-        self.chunks, self.into, self.start = chunks, into, 0.0
+    def __init__(self, chunks: list[Any], stages: list[int], into: dict[int, list[float]]) -> None:
+        self.chunks, self.stages, self.into, self.start = chunks, stages, into, 0.0
         self.handles: list[Any] = []
 
     def __enter__(self) -> None:
         def pre(module: Any, args: Any) -> None:
             self.start = time.perf_counter()
 
-        def post(module: Any, args: Any, output: Any) -> None:
-            self.into[0] += time.perf_counter() - self.start
-            self.into[1] += 1
+        def post_for(stage: int) -> Any:
+            def post(module: Any, args: Any, output: Any) -> None:
+                self.into.setdefault(stage, []).append(time.perf_counter() - self.start)
 
-        for chunk in self.chunks:
-            self.handles += [chunk.register_forward_pre_hook(pre), chunk.register_forward_hook(post)]
+            return post
+
+        for chunk, stage in zip(self.chunks, self.stages, strict=True):
+            self.handles += [chunk.register_forward_pre_hook(pre), chunk.register_forward_hook(post_for(stage))]
 
     def __exit__(self, *exc: object) -> None:
         for handle in self.handles:

@@ -107,14 +107,14 @@ def _host_rows(cases: list[dict[str, Any]]) -> list[list[str]]:
         traces = c["traces"]
         per_op, per_exchange = host_costs(traces)
         wait = sum(t["host"]["per_op_s"].get("p2p wait", 0.0) for t in traces) / len(traces)
-        forward = [
-            sum(t["op_times_s"]["F"].values()) / len(t["op_times_s"]["F"]) - t["model_forward_s"] for t in traces
+        forward = [  # per stage: the median F less the median forward of the model itself
+            t["op_times_s"]["F"][stage] - model for t in traces for stage, model in t["model_forward_s"].items()
         ]
         ops = sum(t["host"]["ops"] for t in traces) // len(traces)
         rows.append(
             [c["schedule"], str(c["p"]), c["size"], str(ops), f"{per_op * 1e6:.0f}", f"{per_exchange * 1e6:.0f}"]
         )
-        rows[-1] += [f"{wait * 1e6:.0f}", f"{sum(forward) / len(forward) * 1e6:.0f}"]
+        rows[-1] += [f"{wait * 1e6:.0f}", f"{sum(forward) / len(forward) * 1e6:.0f}" if forward else "-"]
     return rows
 
 
