@@ -16,8 +16,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     every schedule on real ranks with emulated compute (verification/emulate_bench.py)."""
     from ..analysis import peers
     from ..analysis.results_file import write_block
-    from ..verification import emulate_bench
+    from ..verification import emulate_bench, real_peers_bench
 
+    real = real_peers_bench.settings_from(args)  # refuses its flags without --real-peers
+    if real is not None:
+        return real_peers_bench.main(real)
     if args.emulate:
         return emulate_bench.run(args)
     emulate_bench.settings_from(args)  # refuses the --emulate flags without --emulate
@@ -48,6 +51,12 @@ def _add_emulate_arguments(bench: argparse.ArgumentParser) -> None:
     add_arguments(bench)
 
 
+def _add_real_peers_arguments(bench: argparse.ArgumentParser) -> None:
+    from ..verification.real_peers_bench import add_arguments  # argument parsing only: no torch
+
+    add_arguments(bench)
+
+
 def add_parser(subparsers: Any) -> None:
     """Adds ``bench`` to ``megatron-pp``'s sub-commands (its parser, with ``func`` set)."""
     bench = subparsers.add_parser("bench", help="torch.distributed.pipelining's schedules vs ours in the simulator")
@@ -56,4 +65,5 @@ def add_parser(subparsers: Any) -> None:
     bench.add_argument("--write", metavar="RESULTS.md", help="replace the peers section of this markdown file")
     bench.add_argument("--plots", metavar="DIR", help="also draw bubble-vs-m and peak-memory plots (matplotlib)")
     _add_emulate_arguments(bench)
+    _add_real_peers_arguments(bench)
     bench.set_defaults(func=cmd_bench)

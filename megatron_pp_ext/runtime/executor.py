@@ -482,7 +482,7 @@ class _Run:
         else:
             with watching(self.grad_watch, self.placement.chunk_of(op.stage), op.microbatch):
                 if op.kind == OpKind.W:
-                    self.wgrad.run(self.placement.chunk_of(op.stage), op.microbatch, self._where(op))
+                    self.wgrad.run(self.placement.chunk_of(op.stage), op.microbatch, _Where(self, op))
                 else:
                     self._backward(op)
         self.tracer.end_op(op)
@@ -581,7 +581,7 @@ class _Run:
             output_grad = self._take((GRAD, op.stage, op.microbatch), op)
         chunk = self.placement.chunk_of(op.stage)
         with self.wgrad.deferring(
-            chunk, op.microbatch, enabled=op.kind == OpKind.B, where=self._where(op), model_chunk=self.models[chunk]
+            chunk, op.microbatch, enabled=op.kind == OpKind.B, where=_Where(self, op), model_chunk=self.models[chunk]
         ):
             input_grad = backward_step(input_tensor, output_tensor, output_grad, self.config)
         self.tracer.released(op)
@@ -636,6 +636,19 @@ class _Run:
 
         if not self.forward_only:
             deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)
+
+
+class _Where:
+    """Where an op runs, for the weight-gradient store's error messages: formatted only when one is written
+    (formatting it for every backward op is host time the run does not need)."""
+
+    __slots__ = ("executor", "op")
+
+    def __init__(self, executor: Any, op: Op) -> None:
+        self.executor, self.op = executor, op
+
+    def __str__(self) -> str:
+        return str(self.executor._where(self.op))
 
 
 class _ExchangeContext:

@@ -12,12 +12,20 @@ measured apart (``peak_pending_send_bytes``): the lowering bounds their number.
 The p2p protocol's events (receive posted / waited, send posted / completed, with
 the op count at that moment) are kept for the last iteration
 (``last_iteration_protocol``), so tests can check the protocol's order from a real run.
+
+Host time between ops is split into named parts, summed over the traced iterations with the number of times
+each ran and their median (``host_parts``), so a reader sees what the runtime costs per op: ``p2p posting``
+(``begin_comm`` .. ``end_comm``: posting an exchange's transfers, gloo's ``isend`` / ``irecv`` and the code
+around them), ``p2p wait`` (the seconds the protocol's events report waited for a receive or a send) and
+``bookkeeping``, the rest of the time between ops (the executor's loop, mailbox, receive buffers, plan).
+No code of the executor's own is added for it: an untraced run pays nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,8 +62,10 @@ class NullTracer:
 class Tracer(NullTracer):
     """Records every op's start/end and the live activation bytes after it."""
 
-    def __init__(self, rank: int, param_storages: set[int] | None = None) -> None:
+    def __init__(self, rank: int, param_storages: set[int] | None = None, *, track_memory: bool = True) -> None:
         self.rank = rank
+        # False: no saved-tensor hook around forwards (no activation bytes), so op times carry no hook cost
+        self.track_memory = track_memory
         self.param_storages = param_storages or set()
         self.events: list[dict[str, Any]] = []  # chrome-trace events
         self.iterations: list[dict[str, Any]] = []
@@ -82,6 +92,24 @@ class Tracer(NullTracer):
         self._ops_done = 0  # ops ended this iteration: the gap a protocol event happens in
         self._iter_protocol: list[dict[str, Any]] = []
         self.last_iteration_protocol: list[dict[str, Any]] = []
+        # host time between ops by named part: name -> [seconds, times entered], over every traced iteration
+        self.host_parts: dict[str, list[float]] = {}
+        self.host_samples: dict[str, list[float]] = {}  # each time a part ran: its seconds (for the median)
+        self._ops_total = 0
+        self._between_ops = 0.0  # iteration time outside ops, summed over iterations
+
+    def restart(self) -> None:
+        """Forget what the iterations so far recorded (op events, per-iteration records, host parts): a warm-up
+        iteration, whose first-call costs are not those of a steady run, is then left out of every figure."""
+        self.events, self.iterations = [], []
+        self.host_parts, self.host_samples = {}, {}
+        self._ops_total, self._between_ops = 0, 0.0
+
+    def _add_part(self, name: str, seconds: float) -> None:
+        spent = self.host_parts.setdefault(name, [0.0, 0])
+        spent[0] += seconds
+        spent[1] += 1
+        self.host_samples.setdefault(name, []).append(seconds)
 
     def _now(self) -> float:
         return time.perf_counter() - self._t0
@@ -112,6 +140,8 @@ class Tracer(NullTracer):
         self.last_iteration_protocol = self._iter_protocol
         span = (self._last_end - self._first_start) if self._first_start is not None else 0.0
         total = end - self._iter_start
+        self._ops_total += self._ops_done
+        self._between_ops += total - self._busy
         counts: dict[str, int] = {}
         for launch in self._collectives:
             counts[launch["kind"]] = counts.get(launch["kind"], 0) + 1
@@ -188,6 +218,7 @@ class Tracer(NullTracer):
 
     def end_comm(self) -> None:
         end = self._now()
+        self._add_part("p2p posting", end - self._comm_start)
         self.events.append(
             {
                 "name": "p2p",
@@ -216,6 +247,9 @@ class Tracer(NullTracer):
         """One p2p protocol event (``recv-post``, ``recv-wait``, ``send-post``, ``send-done``) of
         message ``what`` (recorded as ``str(what)``), at gap ``gap`` (ops ended so far this iteration)."""
         event_record = {"event": event, "what": str(what), "gap": self._ops_done, "t": self._now(), **info}
+        waited = info.get("waited_s")
+        if waited is not None:
+            self._add_part("p2p wait", waited)
         self._iter_protocol.append(event_record)
 
     def released(self, op: Op) -> None:
@@ -223,6 +257,9 @@ class Tracer(NullTracer):
 
     @contextlib.contextmanager
     def saving(self, op: Op) -> Iterator[None]:
+        if not self.track_memory:
+            yield
+            return
         seen: set[int] = set()
         total = 0
 
@@ -269,7 +306,22 @@ class Tracer(NullTracer):
             "per_iteration": self.iterations,
             "last_iteration_ops": self.last_iteration_ops,
             "last_iteration_protocol": self.last_iteration_protocol,
+            "host_parts": self.host_split(),
         }
+
+    def host_split(self) -> dict[str, Any]:
+        """Where the time between ops went, over every traced iteration: each named part's seconds and count,
+        ``bookkeeping`` (the rest of the time between ops: the executor's own loop, mailbox, plan lookups), the
+        number of ops and the seconds per op of each. A part's median is its cost without the waits some of its
+        runs hold (posting waits when the number of pending sends reaches its bound)."""
+        parts: dict[str, dict[str, Any]] = {
+            name: {"s": s, "count": int(n), "median_s": statistics.median(self.host_samples[name])}
+            for name, (s, n) in self.host_parts.items()
+        }
+        named = sum(s for s, _ in self.host_parts.values())
+        parts["bookkeeping"] = {"s": max(self._between_ops - named, 0.0), "count": self._ops_total}
+        ops = max(self._ops_total, 1)
+        return {"ops": self._ops_total, "parts": parts, "per_op_s": {k: v["s"] / ops for k, v in parts.items()}}
 
     def write(self, directory: str | Path) -> None:
         out = Path(directory)

@@ -63,7 +63,7 @@ class WeightGradStore:
     # ---- used by the executor --------------------------------------------------------------
     @contextlib.contextmanager
     def deferring(
-        self, chunk: int, microbatch: int, *, enabled: bool, where: str, model_chunk: Any = None
+        self, chunk: int, microbatch: int, *, enabled: bool, where: object, model_chunk: Any = None
     ) -> Iterator[None]:
         """Run a B op: linear layers queue their weight gradients under ``(chunk, microbatch)``.
 
@@ -93,7 +93,7 @@ class WeightGradStore:
         finally:
             self._active = None
 
-    def run(self, chunk: int, microbatch: int, where: str) -> None:
+    def run(self, chunk: int, microbatch: int, where: object) -> None:
         key = (chunk, microbatch)
         if key not in self._queues:
             raise WeightGradError(f"{where}: W for chunk {chunk} micro-batch {microbatch} has no deferred B")

@@ -40,10 +40,7 @@ def run_on_rank(spec: TorchRunSpec, rank: int, init_method: str) -> dict[str, An
 
 
 def _run(spec: TorchRunSpec, rank: int) -> dict[str, Any]:
-    import torch
-    from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as torch_schedules
-    from torch.nn import functional
 
     from ..runtime.executor import make_forward_backward_func
     from ..schedules import generate
@@ -54,37 +51,8 @@ def _run(spec: TorchRunSpec, rank: int) -> dict[str, Any]:
     placement = ours_schedule.placement
     config = tiny_gpt.make_config(spec.model)
     chunks, layouts = tiny_gpt.build_chunks(config, spec.model, placement, rank)
-    s, b, h, vocab = spec.model.seq_length, spec.model.micro_batch_size, spec.model.hidden_size, spec.model.vocab_size
-
-    class Stage(torch.nn.Module):
-        def __init__(self, gpt: Any, pre: bool) -> None:
-            super().__init__()
-            self.gpt, self.pre = gpt, pre
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if self.pre:
-                positions = torch.arange(s).unsqueeze(0).expand_as(x).contiguous()
-                return self.gpt(x, positions, None)
-            self.gpt.set_input_tensor(x)
-            return self.gpt(None, None, None)
-
-    stages = []
-    for chunk, layout in zip(chunks, layouts, strict=True):
-        inp = torch.zeros(b, s, dtype=torch.long) if layout.pre_process else torch.zeros(s, b, h, requires_grad=True)
-        out = (torch.zeros(b, s, vocab) if layout.post_process else torch.zeros(s, b, h)).requires_grad_(True)
-        stages.append(
-            PipelineStage(
-                Stage(chunk, layout.pre_process),
-                layout.stage,
-                placement.num_stages,
-                torch.device("cpu"),
-                input_args=inp,
-                output_args=out,
-            )
-        )
-
-    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return functional.cross_entropy(logits.float().reshape(-1, vocab), target.reshape(-1))
+    stages = torch_stages(spec.model, chunks, layouts, placement)
+    loss_fn = cross_entropy_loss(spec.model.vocab_size)
 
     cls = getattr(torch_schedules, TORCH_CLASSES[spec.schedule])
     theirs = cls(stages if spec.chunks > 1 else stages[0], spec.num_microbatches, loss_fn=loss_fn)
@@ -93,13 +61,7 @@ def _run(spec: TorchRunSpec, rank: int) -> dict[str, Any]:
     ours = make_forward_backward_func(lambda m: ours_schedule, timeout_s=spec.timeout_s)
 
     def run_theirs(iteration: int) -> list[float]:
-        batches = tiny_gpt.make_batches(spec.model, iteration, spec.num_microbatches)
-        tokens = torch.cat([x["tokens"] for x in batches])
-        labels = torch.cat([x["labels"] for x in batches])
-        losses: list[torch.Tensor] = []
-        args = (tokens,) if has_first else ()
-        theirs.step(*args, target=labels if has_last else None, losses=losses if has_last else None)
-        return [float(x) for x in losses]
+        return torch_step(theirs, spec.model, iteration, spec.num_microbatches, has_first, has_last)
 
     def run_ours(iteration: int) -> list[float]:
         batches = tiny_gpt.make_batches(spec.model, iteration, spec.num_microbatches)
@@ -126,3 +88,64 @@ def _run(spec: TorchRunSpec, rank: int) -> dict[str, Any]:
             runner(spec.iterations)
         peak[name] = meter.peak
     return {"rank": rank, "step_times": times, "losses": losses, "peak_saved_bytes": peak}
+
+
+def torch_stages(model: TinyGPTSpec, chunks: list[Any], layouts: list[Any], placement: Any) -> list[Any]:
+    """One torch ``PipelineStage`` per chunk of this rank: token ids into the first stage, hidden states
+    ``[s, b, h]`` through megatron's ``set_input_tensor`` into later ones, logits out of the last."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage
+
+    s, b, h, vocab = model.seq_length, model.micro_batch_size, model.hidden_size, model.vocab_size
+
+    class Stage(torch.nn.Module):
+        def __init__(self, gpt: Any, pre: bool) -> None:
+            super().__init__()
+            self.gpt, self.pre = gpt, pre
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.pre:
+                positions = torch.arange(s).unsqueeze(0).expand_as(x).contiguous()
+                return self.gpt(x, positions, None)
+            self.gpt.set_input_tensor(x)
+            return self.gpt(None, None, None)
+
+    stages = []
+    for chunk, layout in zip(chunks, layouts, strict=True):
+        inp = torch.zeros(b, s, dtype=torch.long) if layout.pre_process else torch.zeros(s, b, h, requires_grad=True)
+        out = (torch.zeros(b, s, vocab) if layout.post_process else torch.zeros(s, b, h)).requires_grad_(True)
+        module = Stage(chunk, layout.pre_process)
+        stages.append(
+            PipelineStage(
+                module, layout.stage, placement.num_stages, torch.device("cpu"), input_args=inp, output_args=out
+            )
+        )
+    return stages
+
+
+def cross_entropy_loss(vocab: int) -> Any:
+    """torch's ``loss_fn`` for the last stage: the mean token cross-entropy of the logits."""
+    from torch.nn import functional
+
+    def loss_fn(logits: Any, target: Any) -> Any:
+        return functional.cross_entropy(logits.float().reshape(-1, vocab), target.reshape(-1))
+
+    return loss_fn
+
+
+def torch_step(
+    schedule: Any, model: TinyGPTSpec, iteration: int, num_microbatches: int, has_first: bool, has_last: bool
+) -> list[float]:
+    """One ``step`` of a torch pipelining schedule on iteration ``iteration``'s micro-batches (the ones our runs
+    get); the losses this rank computed (empty unless it holds the last stage)."""
+    import torch
+
+    from . import tiny_gpt
+
+    batches = tiny_gpt.make_batches(model, iteration, num_microbatches)
+    tokens = torch.cat([x["tokens"] for x in batches])
+    labels = torch.cat([x["labels"] for x in batches])
+    losses: list[torch.Tensor] = []
+    args = (tokens,) if has_first else ()
+    schedule.step(*args, target=labels if has_last else None, losses=losses if has_last else None)
+    return [float(x) for x in losses]

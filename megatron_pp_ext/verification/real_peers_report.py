@@ -1,0 +1,190 @@
+"""The text of ``megatron-pp bench --real-peers``: the peer table (ours / peer, losses, simulated and measured
+gains over 1f1b, realized share), where ours spends its host time between ops, and the split backward's cost.
+
+The simulation of each case is fed by the op times its own traced run of ours measured (per stage: F, and B, W
+for a split schedule or BW for a fused one) and by that run's host costs (bookkeeping per op, posting per
+exchange: :func:`~megatron_pp_ext.analysis.host_costs.with_host_costs`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..analysis.host_costs import with_host_costs
+from ..analysis.simulate import Costs, simulate
+from .real_peers import PeerRunSpec, generate_ours
+from .real_peers_cases import describe, model_spec, num_microbatches
+
+MIN_SIM_GAIN = 0.01  # below this simulated improvement over 1f1b the realized share is not defined
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)] + [
+        "| " + " | ".join(r) + " |" for r in rows
+    ]
+
+
+def stage_costs(traces: list[dict[str, Any]], num_stages: int) -> Costs:
+    """Costs per stage (seconds) from the op times every rank's trace measured."""
+    times: dict[str, dict[int, float]] = {}
+    for trace in traces:
+        for kind, per_stage in trace["op_times_s"].items():
+            for stage, t in per_stage.items():
+                times.setdefault(kind, {})[int(stage)] = t
+    f, b, w, bw = [], [], [], []
+    for s in range(num_stages):
+        f.append(times["F"][s])
+        if s in times.get("B", {}) and s in times.get("W", {}):
+            b.append(times["B"][s])
+            w.append(times["W"][s])
+            bw.append(times.get("BW", {}).get(s, b[-1] + w[-1]))
+        else:
+            bw.append(times["BW"][s])
+            b.append(bw[-1] / 2)
+            w.append(bw[-1] / 2)
+    return Costs(tuple(f), tuple(b), tuple(w), tuple(bw), 0.0)
+
+
+def host_costs(traces: list[dict[str, Any]]) -> tuple[float, float]:
+    """(bookkeeping seconds per op, posting seconds per exchange: the median posting, as a posting that waits
+    for the send bound holds a wait, not host work), averaged over the ranks."""
+    per_op = sum(t["host"]["per_op_s"]["bookkeeping"] for t in traces) / len(traces)
+    posting = [t["host"]["parts"]["p2p posting"]["median_s"] for t in traces if "p2p posting" in t["host"]["parts"]]
+    return per_op, (sum(posting) / len(posting) if posting else 0.0)
+
+
+def simulated(case: dict[str, Any]) -> tuple[float, float]:
+    """(makespan with the measured host costs, makespan without) of ``case``'s schedule, in seconds."""
+
+    p = case["p"]
+    schedule = generate_ours(PeerRunSpec(case["schedule"], p, num_microbatches(p), model_spec(case["size"])))
+    costs = stage_costs(case["traces"], schedule.placement.num_stages)
+    per_op, per_exchange = host_costs(case["traces"])
+    charged = with_host_costs(costs, schedule.placement, per_op, per_exchange)
+    return simulate(schedule, charged).makespan, simulate(schedule, costs).makespan
+
+
+def _rel_diff(a: list[float], b: list[float]) -> float:
+    return max((abs(x - y) / abs(y) for x, y in zip(a, b, strict=True)), default=0.0)
+
+
+def _peer_rows(cases: list[dict[str, Any]]) -> list[list[str]]:
+    base = {(c["p"], c["size"]): c for c in cases if c["schedule"] == "1f1b" and c["peer"].startswith("torch")}
+    sims = {id(c): simulated(c) for c in cases if "traces" in c}
+    rows = []
+    for c in cases:
+        ref = base[(c["p"], c["size"])]
+        ours_loss = f"{_rel_diff(c['ours_losses'], ref['ours_losses']):.1e}"
+        if c["refusal"]:
+            peer, ratio, peer_loss = f"{c['peer']}: refused ({c['refusal'][:160]})", "-", "-"
+        else:
+            peer, ratio = c["peer"], f"{c['ratio']:.3f}"
+            peer_loss = f"{_rel_diff(c['peer_losses'], c['ours_losses']):.1e}"
+        gains = ["", "", "", "", ""]
+        if id(c) in sims:
+            sim, _ = sims[id(c)]
+            sim_gain, meas_gain = sims[id(ref)][0] / sim, ref["ours_s"] / c["ours_s"]
+            share = (meas_gain - 1) / (sim_gain - 1) if abs(sim_gain - 1) >= MIN_SIM_GAIN else None
+            gains = [
+                f"{c['ours_s'] / sim:.3f}",
+                f"{sim_gain:.3f}",
+                f"{meas_gain:.3f}",
+                f"{meas_gain / sim_gain:.3f}",
+                "n/a" if share is None else f"{share:.2f}",
+            ]
+        rows.append([c["schedule"], peer, str(c["p"]), c["size"], f"{c['ours_s'] * 1e3:.1f}"])
+        plain = f"{c['torch_plain_s'] * 1e3:.1f}" if "torch_plain_s" in c else ""
+        peer_ms = f"{c['peer_s'] * 1e3:.1f}" if not c["refusal"] else "-"
+        rows[-1] += [peer_ms, plain, ratio, ours_loss, peer_loss, *gains]
+    return rows
+
+
+def _host_rows(cases: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for c in cases:
+        if "traces" not in c:
+            continue
+        traces = c["traces"]
+        per_op, per_exchange = host_costs(traces)
+        wait = sum(t["host"]["per_op_s"].get("p2p wait", 0.0) for t in traces) / len(traces)
+        forward = [  # per stage: the median F less the median forward of the model itself
+            t["op_times_s"]["F"][stage] - model for t in traces for stage, model in t["model_forward_s"].items()
+        ]
+        ops = sum(t["host"]["ops"] for t in traces) // len(traces)
+        rows.append(
+            [c["schedule"], str(c["p"]), c["size"], str(ops), f"{per_op * 1e6:.0f}", f"{per_exchange * 1e6:.0f}"]
+        )
+        rows[-1] += [f"{wait * 1e6:.0f}", f"{sum(forward) / len(forward) * 1e6:.0f}" if forward else "-"]
+    return rows
+
+
+def _backward_over_forward(per_rank: list[dict[str, dict[Any, float]]]) -> float | None:
+    """Mean over stages of (B + W) / F from op times per rank and stage; None without a split backward."""
+    ratios = [
+        (times["B"][s] + times["W"][s]) / times["F"][s]
+        for times in per_rank
+        if "B" in times and "W" in times
+        for s in times["B"]
+        if s in times["W"] and s in times.get("F", {})
+    ]
+    return sum(ratios) / len(ratios) if ratios else None
+
+
+def _in_run_split_rows(cases: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for c in cases:
+        if "traces" not in c:
+            continue
+        ours = _backward_over_forward([t["op_times_s"] for t in c["traces"]])
+        theirs = _backward_over_forward(c.get("torch_op_times", []))
+        if ours is not None or theirs is not None:
+            cells = ["-" if x is None else f"{x:.2f}" for x in (ours, theirs)]
+            rows.append([c["schedule"], c["peer"], str(c["p"]), c["size"], *cells])
+    return rows
+
+
+def _split_rows(split: dict[str, dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for size, measured in split.items():
+        for chunk in ("megatron", "plain"):
+            t = measured[chunk]
+            ours = f"{(t['ours B'] + t['ours W']) / t['BW']:.2f}" if "ours B" in t else "-"
+            rows.append([size, chunk, str(measured["layers"])] + [f"{t[k] * 1e3:.1f}" for k in ("F", "BW")])
+            rows[-1] += [f"{t['torch B'] * 1e3:.1f}", f"{t['torch W'] * 1e3:.1f}"]
+            rows[-1] += [f"{(t['torch B'] + t['torch W']) / t['BW']:.2f}", ours]
+    return rows
+
+
+def report(settings: Any, cases: list[dict[str, Any]], split: dict[str, dict[str, Any]]) -> str:
+    sizes = "; ".join(describe(name) for name in settings.sizes)
+    lines = [
+        "## Peers on real compute: torch.distributed.pipelining's and megatron-core's runtimes vs ours",
+        "",
+        f"Command: `{settings.command}` (m = 2p; {settings.iterations - settings.warmup} timed iterations after "
+        f"{settings.warmup} warm-up, medians of the slowest rank per iteration; fp32, one thread per rank, gloo; "
+        f"{sizes}).",
+        "",
+        "Ours / peer: wall time per iteration, same chunks, weights, data and micro-batch order, alternating which "
+        "runs first. Loss diff: max relative difference of every micro-batch loss, ours against our 1f1b, the "
+        "peer's against ours. Simulated: the schedule's plan from the op times and host costs (bookkeeping per op, "
+        "posting per exchange) its own traced run of ours measured; gains are over our 1f1b at the same p and size; "
+        "realized share = (measured gain - 1) / (simulated gain - 1) (n/a: simulated gain within 1%). Peer on plain "
+        "layers: torch's split schedules on chunks of plain torch layers of the same shapes (verification/"
+        "plain_chunks.py; its generic backward split is free there, on megatron's custom autograd functions it is "
+        "not: the split table below), own weights, so its losses are not compared.",
+        "",
+    ]
+    header = ["ours", "peer", "p", "size", "ours ms", "peer ms", "peer on plain layers ms", "ours / peer"]
+    header += ["loss diff, ours", "loss diff, peer"]
+    header += ["measured / simulated", "simulated gain", "measured gain", "ratio of gains", "realized share"]
+    lines += _table(header, _peer_rows(cases))
+    lines += ["", "Host time of ours between ops, per rank (µs), from the traced iterations:", ""]
+    header = ["schedule", "p", "size", "ops per rank", "bookkeeping per op", "posting per exchange (median)"]
+    header += ["p2p wait per op", "megatron forward-step wrapper per F"]
+    lines += _table(header, _host_rows(cases))
+    lines += ["", "Split backward in the pipelined runs: (B + W) / F per stage, mean over stages and ranks:", ""]
+    lines += _table(["schedule", "peer", "p", "size", "ours", "peer"], _in_run_split_rows(cases))
+    lines += ["", "Split backward on one middle stage (ms, medians; ratios: split B + W over the fused BW):", ""]
+    header = ["size", "chunk", "layers", "F", "BW", "torch B", "torch W", "torch (B+W)/BW", "ours (B+W)/BW"]
+    lines += _table(header, _split_rows(split))
+    return "\n".join(lines)
