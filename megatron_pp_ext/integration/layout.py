@@ -48,6 +48,7 @@ from functools import lru_cache
 from typing import Any
 
 from ..runtime.layer_map import ChunkLayout, LayerSplit, chunk_layouts, stage_layer_counts
+from ..runtime.mtp import holds_mtp_without_embedding
 from ..schedules.placement import Placement
 from ._patching import Patcher
 
@@ -205,9 +206,10 @@ def _unwrap(module: Any) -> Any:
 
 
 def tie_local_embeddings(model_chunks: Any) -> None:
-    """Give a chunk's tied output layer the embedding weights of the same replica's embedding chunk
-    when both sit on this rank (V-shape: rank 0). Megatron initialises the output copy to zero and
-    all-reduces it with the embedding across the embedding group, which is this rank alone then."""
+    """Give a chunk's tied output layer (or its multi-token prediction layers' embedding copy) the embedding
+    weights of the same replica's embedding chunk when both sit on this rank (V-shape: rank 0). Megatron
+    initialises the copy to zero and all-reduces it with the embedding across the embedding group, which is
+    this rank alone then."""
     if _ACTIVE is None:
         return
     import torch
@@ -219,7 +221,7 @@ def tie_local_embeddings(model_chunks: Any) -> None:
     for layout, chunk in zip(layouts, chunks, strict=True):
         if not (layout.post_process and not layout.pre_process):
             continue
-        if not getattr(chunk, "share_embeddings_and_output_weights", False):
+        if not (getattr(chunk, "share_embeddings_and_output_weights", False) or holds_mtp_without_embedding(chunk)):
             continue
         source = next((chunks[o.chunk] for o in layouts if o.pre_process and o.replica == layout.replica), None)
         if source is not None:
@@ -286,6 +288,38 @@ def chunk_is_first_last(vp_stage: int | None) -> tuple[bool, bool]:
     return (
         bool(mpu.is_pipeline_first_stage(ignore_virtual=not per_chunk, vp_stage=vp_stage)),
         bool(mpu.is_pipeline_last_stage(ignore_virtual=not per_chunk, vp_stage=vp_stage)),
+    )
+
+
+@lru_cache(maxsize=8)
+def _megatron_layout(text: str, pp: int) -> Any:
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    return PipelineParallelLayerLayout(text, pp)
+
+
+def chunk_holds_mtp(args: Any, vp_stage: int | None) -> bool:
+    """Whether this rank's chunk ``vp_stage`` builds megatron's multi-token prediction layers (it then needs
+    every micro-batch's tokens, positions and labels, as the first and the last stage do).
+
+    Megatron's own ``mtp_on_this_rank`` decides, asked with the layout megatron's model is built from: the
+    parsed ``--pipeline-model-parallel-layout`` under megatron's loop placement, none under a V /
+    bidirectional placement (the layout string is the plugin's there, and the MTP layers go with the loss:
+    megatron then asks ``is_pipeline_last_stage``, which the hooks answer from the placement)."""
+    if not getattr(args, "mtp_num_layers", None):
+        return False
+    from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
+
+    text = getattr(args, "pipeline_model_parallel_layout", None)
+    ours = _ACTIVE is not None and _ACTIVE[0].style != "loop"
+    megatron_layout = None if (text is None or ours) else _megatron_layout(text, args.pipeline_model_parallel_size)
+    return bool(
+        mtp_on_this_rank(
+            layout=megatron_layout,
+            mtp_num_layers=args.mtp_num_layers,
+            ignore_virtual=vp_stage is None,
+            vp_stage=vp_stage,
+        )
     )
 
 
