@@ -256,13 +256,17 @@ class _Training:
         self.grads.append(step)
 
     def _record_grads(self) -> None:
+        from ..runtime.mtp import unused_parameters
         from . import tiny_gpt
 
         spec, dp_rank = self.spec, self.dp_rank
         step: dict[str, Any] = {}
         for chunk, layout in zip(self.model.chunks, self.model.layouts, strict=True):
             owned = owned_grad_ranges(chunk, dp_rank, spec.dp) if spec.distributed_optimizer else {}
+            unused = unused_parameters(chunk)  # megatron never reads them (runtime/mtp.py): not the model's
             for name, p in tiny_gpt._unwrap(chunk).named_parameters():
+                if id(p) in unused:
+                    continue
                 g = getattr(p, "main_grad", None) if spec.use_ddp else p.grad
                 key = self._key(name, layout)
                 if spec.distributed_optimizer:  # after the reduce-scatter only this rank's shard is reduced
