@@ -333,13 +333,16 @@ class _Training:
 
 
 def _final_weights(chunk: Any) -> list[tuple[str, Any]]:
-    """A chunk's parameters after the last step, by name: gathered from the shards of an FSDP chunk (its own
+    """A chunk's parameters after the last step (those megatron uses), by name: gathered from the shards of an FSDP chunk (its own
     parameter tensors hold no storage once resharded), copied from the module otherwise."""
     from . import tiny_gpt
 
+    from ..runtime.mtp import unused_parameters
+
     if _is_sharded(chunk):
         return list(chunk.gather_full_params().items())
-    return [(name, p.detach().clone()) for name, p in tiny_gpt._unwrap(chunk).named_parameters()]
+    unused = unused_parameters(chunk)  # never read by megatron, never updated: not a copy of the model's
+    return [(name, p.detach().clone()) for name, p in tiny_gpt._unwrap(chunk).named_parameters() if id(p) not in unused]
 
 
 def _is_sharded(chunk: Any) -> bool:
