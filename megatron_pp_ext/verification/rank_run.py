@@ -333,11 +333,10 @@ class _Training:
 
 
 def _final_weights(chunk: Any) -> list[tuple[str, Any]]:
-    """A chunk's parameters after the last step (those megatron uses), by name: gathered from the shards of an FSDP chunk (its own
-    parameter tensors hold no storage once resharded), copied from the module otherwise."""
-    from . import tiny_gpt
-
+    """A chunk's parameters after the last step (those megatron uses), by name: gathered from the shards of an
+    FSDP chunk (its own parameter tensors hold no storage once resharded), copied from the module otherwise."""
     from ..runtime.mtp import unused_parameters
+    from . import tiny_gpt
 
     if _is_sharded(chunk):
         return list(chunk.gather_full_params().items())

@@ -153,6 +153,8 @@ def hybrid_refusal(pattern: str, schedule: Any, tp: int = 1) -> str | None:
     from ..runtime.hybrid_pattern import HybridPatternError, check_runnable, hybrid_layer_split
 
     flag = "--hybrid-pattern"
+    if "/" in pattern:
+        return f"{flag} {pattern!r}: verify builds its HybridModel without MTP ('/'); verify MTP with --mtp-num-layers"
     try:
         hybrid_layer_split(pattern, schedule.placement, schedule.name, flag)
         check_runnable(pattern, LOCAL_SYMBOLS, "by verify (megatron-core's local layers)", flag)

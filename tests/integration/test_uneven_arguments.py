@@ -58,7 +58,7 @@ def _stages_of(rank: int) -> set[tuple[int, int]]:
         ("t|Ett|t|tL", "needs E once, in the first stage, and L once, in the last"),
         ("Et|tL|t|tL", "needs E once, in the first stage, and L once, in the last"),
         ("Et|tt|t|ttL", "holds 6 transformer layer(s) (t), --num-layers is 5"),
-        ("Etm|t|t|tL", "multi-token prediction layers (m) are not supported"),
+        ("Etm|t|t|tL", "megatron places multi-token prediction layers (m) after every transformer layer (t)"),
     ],
 )
 def test_layouts_without_a_mapping_are_refused(layout: str, message: str) -> None:
