@@ -242,3 +242,30 @@ def test_interleaving_refusals_are_where_megatrons_argument_checks_assert(megatr
         except AssertionError:
             asserted = True
         assert asserted == refused == bool(interleaving_problems(argv)), argv
+
+
+@pytest.mark.parametrize(
+    ("schedule", "layout", "accepted"),
+    [
+        ("1f1b", "Et|tmL", True),  # loop: megatron builds it; m with the loss
+        ("v-zb", "Et|t|t|tmL", True),  # V: the last model stage, on rank 0
+        ("bitpipe", "Et|t|t|tmL", True),
+        ("1f1b", "Etm|L", False),  # megatron's rule: never on the first stage
+        ("interleaved-1f1b", "Et|t|tm|L", False),  # an MTP stage before the loss: not with our executor
+        ("v-zb", "Et|t|tm|tL", False),  # megatron's rule: after every t
+    ],
+)
+def test_mtp_layouts_under_every_placement(schedule: str, layout: str, accepted: bool) -> None:
+    args = make_args(
+        ["--pipeline-schedule", schedule],
+        pipeline_model_parallel_size=2,
+        num_layers=layout.count("t"),
+        pipeline_model_parallel_layout=layout,
+        mtp_num_layers=1,
+    )
+    if accepted:
+        validate_arguments(args)
+    else:
+        message = error_of(args)
+        assert message.startswith("argument --pipeline-model-parallel-layout:") and "\n" not in message
+        assert "multi-token prediction layers (m)" in message
