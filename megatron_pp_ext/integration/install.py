@@ -250,11 +250,16 @@ def install(args_or_config: Any = None, *, layout_hooks: bool | None = None) -> 
             from ..runtime.trace import static_bytes_of
 
             static.update(static_bytes_of(model))
+        if two_replicas:
+            from .losses import mtp_tracker_snapshot
+
+            mtp_before = mtp_tracker_snapshot(kwargs)
         result = executor_func(**kwargs)
         if two_replicas:  # the loss lands on two ranks: each gets every micro-batch's (losses.py)
-            from .losses import gather_losses, pp_group_of
+            from .losses import gather_losses, pp_group_of, share_mtp_metrics
 
             result = gather_losses(source(kwargs["num_microbatches"]), pp_group_of(kwargs), result)
+            share_mtp_metrics(pp_group_of(kwargs), mtp_before)
         return result
 
     forward_backward_func.megatron_pp_ext = True  # type: ignore[attr-defined]

@@ -270,6 +270,34 @@ def _install_hooks() -> None:
             _PATCHER.call_after(module, attr, tie_local_embeddings)  # ties what megatron built
         except ImportError:
             pass
+    _tie_mtp_embedding_locally()
+
+
+def _tie_mtp_embedding_locally() -> None:
+    """A chunk holding MTP layers joins megatron's construction-time embedding all-reduce as the same chunk
+    without them would, where the placement puts each model copy's two ends on one rank (V, bidirectional).
+
+    Megatron's ``LanguageModule._is_in_embd_group`` makes every MTP chunk all-reduce its embedding copy over the
+    embedding group; under a bidirectional placement both ranks of that group hold an MTP chunk and an embedding
+    stage, and the counts of all-reduces per rank differ (a hang at model construction). There the copy comes
+    from the local embedding stage instead (:func:`tie_local_embeddings`), as the tied output layer's does."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    from ..runtime.embedding_sync import ends_on_same_rank
+
+    original = LanguageModule._is_in_embd_group
+
+    def is_in_embd_group(self: Any) -> bool:
+        if getattr(self, "mtp_process", False) and _ACTIVE is not None and ends_on_same_rank(_ACTIVE[0]):
+            self.mtp_process = False  # megatron's answer for this chunk without its MTP layers
+            try:
+                return bool(original(self))
+            finally:
+                self.mtp_process = True
+        return bool(original(self))
+
+    LanguageModule._is_in_embd_group = is_in_embd_group  # type: ignore[method-assign]
+    _PATCHER.on_restore(lambda: setattr(LanguageModule, "_is_in_embd_group", original))
 
 
 def deactivate() -> None:
