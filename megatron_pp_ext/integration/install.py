@@ -250,16 +250,11 @@ def install(args_or_config: Any = None, *, layout_hooks: bool | None = None) -> 
             from ..runtime.trace import static_bytes_of
 
             static.update(static_bytes_of(model))
-        if two_replicas:
-            from .losses import mtp_tracker_snapshot
-
-            mtp_before = mtp_tracker_snapshot(kwargs)
-        result = executor_func(**kwargs)
         if two_replicas:  # the loss lands on two ranks: each gets every micro-batch's (losses.py)
-            from .losses import gather_losses, pp_group_of, share_mtp_metrics
+            from .losses import run_with_two_loss_ranks
 
-            result = gather_losses(source(kwargs["num_microbatches"]), pp_group_of(kwargs), result)
-            share_mtp_metrics(pp_group_of(kwargs), mtp_before)
+            return run_with_two_loss_ranks(executor_func, kwargs, source(kwargs["num_microbatches"]))
+        result = executor_func(**kwargs)
         return result
 
     forward_backward_func.megatron_pp_ext = True  # type: ignore[attr-defined]

@@ -125,3 +125,14 @@ def share_mtp_metrics(pp_group: Any, before: dict[str, torch.Tensor] | None) -> 
     for key in added:
         total = sum((share[key] for share in every if share and key in share), torch.zeros_like(added[key]))
         tracker[key].copy_((before[key].cpu() if key in before else 0) + total)
+
+
+def run_with_two_loss_ranks(executor_func: Any, kwargs: dict[str, Any], schedule: Schedule) -> list[Any]:
+    """``executor_func(**kwargs)`` under a placement with several loss ranks: the returned losses
+    (:func:`gather_losses`) and megatron's tracked MTP losses (:func:`share_mtp_metrics`) of every micro-batch."""
+    before = mtp_tracker_snapshot(kwargs)
+    result = executor_func(**kwargs)
+    group = pp_group_of(kwargs)
+    result = gather_losses(schedule, group, result)
+    share_mtp_metrics(group, before)
+    return result

@@ -147,12 +147,15 @@ def add_verify_parser(subparsers: Any) -> None:
     parser.set_defaults(func=run_verify)
 
 
-def hybrid_refusal(pattern: str, schedule: Any, tp: int = 1) -> str | None:
-    """Why ``--hybrid-pattern`` cannot be verified with ``schedule`` (one line), or None. Pure: before any rank."""
+def hybrid_refusal(pattern: str, schedule: Any, tp: int = 1, mtp: bool = False) -> str | None:
+    """Why ``--hybrid-pattern`` cannot be verified with ``schedule`` (one line), or None. Pure: before any rank.
+    ``mtp``: ``--mtp-num-layers`` given too (it verifies a GPTModel)."""
     from ..integration.hybrid import LOCAL_SYMBOLS
     from ..runtime.hybrid_pattern import HybridPatternError, check_runnable, hybrid_layer_split
 
     flag = "--hybrid-pattern"
+    if mtp:
+        return f"{flag}: --mtp-num-layers verifies a GPTModel, not with a HybridModel"
     if "/" in pattern:
         return f"{flag} {pattern!r}: verify builds its HybridModel without MTP ('/'); verify MTP with --mtp-num-layers"
     try:
@@ -210,12 +213,9 @@ def run_verify(args: argparse.Namespace) -> int:
     if moe_problem:
         print(f"{PROG}: {moe_problem}", file=sys.stderr)
         return 2
-    if args.mtp_num_layers is not None and args.hybrid_pattern is not None:
-        print(f"{PROG}: --mtp-num-layers verifies a GPTModel: not with --hybrid-pattern", file=sys.stderr)
-        return 2
     schedule = _schedule_from_args(args)
     if args.hybrid_pattern is not None:
-        refusal = hybrid_refusal(args.hybrid_pattern, schedule, args.tp)
+        refusal = hybrid_refusal(args.hybrid_pattern, schedule, args.tp, mtp=args.mtp_num_layers is not None)
         if refusal is not None:
             print(f"{PROG}: {refusal}", file=sys.stderr)
             return 2
