@@ -25,7 +25,8 @@ Example (4 CPU processes, tiny model; ``scripts/run_tiny_cpu.sh SCHEDULE NPROC``
         --seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 16 \\
         --train-iters 20 --lr 3e-3 --eval-iters 0 --log-interval 1
 
-Supports GPT pre-training (no SFT, FIM, MTP or packed sequences: use Megatron-LM's own
+Supports GPT pre-training, multi-token prediction (``--mtp-num-layers``) included (no SFT, FIM or packed
+sequences: use Megatron-LM's own
 ``pretrain_gpt.py`` with ``patches/megatron_lm_pretrain_gpt.patch`` for those).
 """
 
@@ -110,7 +111,8 @@ def get_batch(data_iterator: Any, vp_stage: int | None) -> tuple[Any, ...]:
     """This chunk's part of the next micro-batch (``None`` for what the chunk does not use)."""
     args = get_args()
     first, last = layout.chunk_is_first_last(vp_stage)
-    if not (first or last):
+    mtp = layout.chunk_holds_mtp(args, vp_stage)  # its own embedding of the tokens, and their labels
+    if not (first or last or mtp):
         return (None,) * len(BATCH_KEYS)
     tp_rank = mpu.get_tensor_model_parallel_rank()
     batch: dict[str, Any] = {}
@@ -129,7 +131,7 @@ def get_batch(data_iterator: Any, vp_stage: int | None) -> tuple[Any, ...]:
         tp_rank=tp_rank,
         micro_batch_size=args.micro_batch_size,
         seq_length=args.seq_length,
-        mtp_on_this_rank=False,
+        mtp_on_this_rank=mtp,
         # A chunk that is both first and last (a one-stage pipeline) needs every tensor.
         pipeline_model_parallel_size=1 if (first and last) else args.pipeline_model_parallel_size,
         is_pipeline_first_stage=first,
@@ -236,7 +238,7 @@ def is_dataset_built_on_rank(vp_stage: int | None = None) -> bool:
     if mpu.get_tensor_model_parallel_rank() != 0:
         return False
     first, last = layout.chunk_is_first_last(vp_stage)
-    return first or last
+    return first or last or layout.chunk_holds_mtp(get_args(), vp_stage)
 
 
 def train_valid_test_datasets_provider(num_samples: list[int], vp_stage: int | None = None) -> tuple[Any, Any, Any]:

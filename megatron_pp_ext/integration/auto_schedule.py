@@ -147,7 +147,8 @@ def _layer_kinds(args: Any) -> dict[str, Any]:
     pattern = getattr(args, "hybrid_layer_pattern", None)
     if not pattern:
         return {"num_layers": int(args.num_layers)}
-    flat = "".join(_NEAREST_KIND.get(c, c) for c in pattern.replace("|", ""))
+    decoder = pattern.split("/")[0].replace("|", "")  # an MTP part ("/") is no decoder layer
+    flat = "".join(_NEAREST_KIND.get(c, c) for c in decoder)
     kinds: dict[str, Any] = {"num_layers": len(flat), "hybrid_pattern": flat}
     if "E" in flat:
         kinds["num_experts"] = int(getattr(args, "num_experts", None) or 1)

@@ -66,7 +66,32 @@ def local_hybrid_stack_spec(num_experts: int | None = None) -> Any:
             pre_mlp_layernorm=sparse.pre_mlp_layernorm, mlp=sparse.mlp, mlp_bda=sparse.mlp_bda
         )
         layers["moe_layer"] = ModuleSpec(module=TransformerLayer, submodules=moe)
-    return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(**layers))
+    return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(**layers, mtp_block_spec=_local_mtp_block()))
+
+
+def _local_mtp_block() -> Any:
+    """The MTP block of a pattern's ``/`` part, of local modules (megatron's hybrid spec has it of TE ones):
+    each depth's norms and projection; its inner layers are built from the MTP pattern by megatron."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlock,
+        MultiTokenPredictionBlockSubmodules,
+        MultiTokenPredictionLayer,
+        MultiTokenPredictionLayerSubmodules,
+    )
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    local = LocalSpecProvider()
+    norm = local.layer_norm()
+    layer = MultiTokenPredictionLayerSubmodules(
+        enorm=norm, hnorm=norm, eh_proj=local.column_parallel_linear(), mtp_model_layer=None, layer_norm=norm
+    )
+    return ModuleSpec(
+        module=MultiTokenPredictionBlock,
+        submodules=MultiTokenPredictionBlockSubmodules(
+            layer_specs=[ModuleSpec(module=MultiTokenPredictionLayer, submodules=layer)]
+        ),
+    )
 
 
 @contextlib.contextmanager

@@ -33,7 +33,7 @@ def layer_kinds(args: Any) -> tuple[str, ...] | None:
     if pattern:
         from ..planner.models import HYBRID_KINDS
 
-        symbols = pattern.replace("|", "")
+        symbols = pattern.split("/")[0].replace("|", "")  # the decoder's layers (an MTP part is none)
         if not set(symbols) <= set(HYBRID_KINDS):
             return None
         return tuple(HYBRID_KINDS[c] for c in symbols)

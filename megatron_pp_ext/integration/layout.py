@@ -48,6 +48,7 @@ from functools import lru_cache
 from typing import Any
 
 from ..runtime.layer_map import ChunkLayout, chunk_layouts
+from ..runtime.mtp import holds_mtp_without_embedding
 from ..schedules.layer_split import LayerSplit, stage_layer_counts
 from ..schedules.placement import Placement
 from ._patching import Patcher
@@ -206,9 +207,10 @@ def _unwrap(module: Any) -> Any:
 
 
 def tie_local_embeddings(model_chunks: Any) -> None:
-    """Give a chunk's tied output layer the embedding weights of the same replica's embedding chunk
-    when both sit on this rank (V-shape: rank 0). Megatron initialises the output copy to zero and
-    all-reduces it with the embedding across the embedding group, which is this rank alone then."""
+    """Give a chunk's tied output layer (or its multi-token prediction layers' embedding copy) the embedding
+    weights of the same replica's embedding chunk when both sit on this rank (V-shape: rank 0). Megatron
+    initialises the copy to zero and all-reduces it with the embedding across the embedding group, which is
+    this rank alone then."""
     if _ACTIVE is None:
         return
     import torch
@@ -220,7 +222,7 @@ def tie_local_embeddings(model_chunks: Any) -> None:
     for layout, chunk in zip(layouts, chunks, strict=True):
         if not (layout.post_process and not layout.pre_process):
             continue
-        if not getattr(chunk, "share_embeddings_and_output_weights", False):
+        if not (getattr(chunk, "share_embeddings_and_output_weights", False) or holds_mtp_without_embedding(chunk)):
             continue
         source = next((chunks[o.chunk] for o in layouts if o.pre_process and o.replica == layout.replica), None)
         if source is not None:
@@ -269,6 +271,34 @@ def _install_hooks() -> None:
             _PATCHER.call_after(module, attr, tie_local_embeddings)  # ties what megatron built
         except ImportError:
             pass
+    _tie_mtp_embedding_locally()
+
+
+def _tie_mtp_embedding_locally() -> None:
+    """A chunk holding MTP layers joins megatron's construction-time embedding all-reduce as the same chunk
+    without them would, where the placement puts each model copy's two ends on one rank (V, bidirectional).
+
+    Megatron's ``LanguageModule._is_in_embd_group`` makes every MTP chunk all-reduce its embedding copy over the
+    embedding group; under a bidirectional placement both ranks of that group hold an MTP chunk and an embedding
+    stage, and the counts of all-reduces per rank differ (a hang at model construction). There the copy comes
+    from the local embedding stage instead (:func:`tie_local_embeddings`), as the tied output layer's does."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    from ..runtime.embedding_sync import ends_on_same_rank
+
+    original = LanguageModule._is_in_embd_group
+
+    def is_in_embd_group(self: Any) -> bool:
+        if getattr(self, "mtp_process", False) and _ACTIVE is not None and ends_on_same_rank(_ACTIVE[0]):
+            self.mtp_process = False  # megatron's answer for this chunk without its MTP layers
+            try:
+                return bool(original(self))
+            finally:
+                self.mtp_process = True
+        return bool(original(self))
+
+    LanguageModule._is_in_embd_group = is_in_embd_group  # type: ignore[method-assign]
+    _PATCHER.on_restore(lambda: setattr(LanguageModule, "_is_in_embd_group", original))
 
 
 def deactivate() -> None:
@@ -287,6 +317,38 @@ def chunk_is_first_last(vp_stage: int | None) -> tuple[bool, bool]:
     return (
         bool(mpu.is_pipeline_first_stage(ignore_virtual=not per_chunk, vp_stage=vp_stage)),
         bool(mpu.is_pipeline_last_stage(ignore_virtual=not per_chunk, vp_stage=vp_stage)),
+    )
+
+
+@lru_cache(maxsize=8)
+def _megatron_layout(text: str, pp: int) -> Any:
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    return PipelineParallelLayerLayout(text, pp)
+
+
+def chunk_holds_mtp(args: Any, vp_stage: int | None) -> bool:
+    """Whether this rank's chunk ``vp_stage`` builds megatron's multi-token prediction layers (it then needs
+    every micro-batch's tokens, positions and labels, as the first and the last stage do).
+
+    Megatron's own ``mtp_on_this_rank`` decides, asked with the layout megatron's model is built from: the
+    parsed ``--pipeline-model-parallel-layout`` under megatron's loop placement, none under a V /
+    bidirectional placement (the layout string is the plugin's there, and the MTP layers go with the loss:
+    megatron then asks ``is_pipeline_last_stage``, which the hooks answer from the placement)."""
+    if not getattr(args, "mtp_num_layers", None):
+        return False
+    from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
+
+    text = getattr(args, "pipeline_model_parallel_layout", None)
+    ours = _ACTIVE is not None and _ACTIVE[0].style != "loop"
+    megatron_layout = None if (text is None or ours) else _megatron_layout(text, args.pipeline_model_parallel_size)
+    return bool(
+        mtp_on_this_rank(
+            layout=megatron_layout,
+            mtp_num_layers=args.mtp_num_layers,
+            ignore_virtual=vp_stage is None,
+            vp_stage=vp_stage,
+        )
     )
 
 

@@ -81,3 +81,58 @@ def gather_losses(schedule: Schedule, pp_group: Any, store: list[Any]) -> list[A
     if sorted(by_microbatch) != list(range(schedule.num_microbatches)):
         raise RuntimeError(f"pipeline rank {rank}: losses of micro-batches {sorted(by_microbatch)} gathered")
     return [_to(by_microbatch[mb], device) for mb in range(schedule.num_microbatches)]
+
+
+_MTP_KEYS = ("loss_values", "correct_values", "total_values")
+
+
+def mtp_tracker_snapshot(kwargs: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+    """Megatron's multi-token prediction metrics as this rank has tracked them so far (before a forward-backward
+    call), or None when the model has no MTP layers (then :func:`share_mtp_metrics` does nothing)."""
+    model = kwargs.get("model")
+    chunk = model[0] if isinstance(model, list) else model
+    while hasattr(chunk, "module") and not hasattr(chunk, "config"):
+        chunk = chunk.module
+    if not getattr(getattr(chunk, "config", None), "mtp_num_layers", None):
+        return None
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    tracker = MTPLossLoggingHelper.tracker
+    return {key: tracker[key].detach().clone() for key in _MTP_KEYS if key in tracker}
+
+
+def share_mtp_metrics(pp_group: Any, before: dict[str, torch.Tensor] | None) -> None:
+    """Each loss rank's MTP metrics of the last forward-backward call completed with the other loss ranks' ones.
+
+    Megatron tracks the MTP losses on the stage computing them and logs one rank's tracker: under a placement
+    whose model copies end on different ranks each tracked the micro-batches of its own copy only (half the
+    logged MTP loss). Collective over ``pp_group`` (every rank calls it after every call when ``before`` is not
+    None); the rest of the tracker, and megatron's own reduction at logging time, are untouched."""
+    if before is None:
+        return
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    tracker = MTPLossLoggingHelper.tracker
+    added = {}
+    for key in _MTP_KEYS:
+        if key in tracker:
+            now = tracker[key].detach()
+            added[key] = (now - before[key] if key in before else now).cpu()
+    every: list[Any] = [None] * pp_group.size()
+    dist.all_gather_object(every, added, group=pp_group)
+    if not added:  # no MTP layers on this rank: nothing of megatron's to complete
+        return
+    for key in added:
+        total = sum((share[key] for share in every if share and key in share), torch.zeros_like(added[key]))
+        tracker[key].copy_((before[key].cpu() if key in before else 0) + total)
+
+
+def run_with_two_loss_ranks(executor_func: Any, kwargs: dict[str, Any], schedule: Schedule) -> list[Any]:
+    """``executor_func(**kwargs)`` under a placement with several loss ranks: the returned losses
+    (:func:`gather_losses`) and megatron's tracked MTP losses (:func:`share_mtp_metrics`) of every micro-batch."""
+    before = mtp_tracker_snapshot(kwargs)
+    result = executor_func(**kwargs)
+    group = pp_group_of(kwargs)
+    result = gather_losses(schedule, group, result)
+    share_mtp_metrics(group, before)
+    return result

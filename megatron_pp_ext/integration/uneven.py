@@ -141,3 +141,21 @@ def patch_transformer_config(patcher: Patcher, counts: list[int]) -> None:
         patcher.replace(*_CONFIG_BUILDER, builder)
     except ImportError:  # megatron.training absent: a user's own TransformerConfig is theirs
         pass
+
+
+def mtp_layout_error(args: Any) -> str | None:
+    """What is wrong with the multi-token prediction layers (``m``) of ``args``' ``--pipeline-model-parallel-layout``
+    under a plugin schedule, any placement (megatron's own rules and the plugin's, ``schedules/layer_split.py``
+    ``check_mtp_layers``), or None. Megatron would stop with an assertion on every rank (its rules), or the
+    executor at the first message (an MTP stage before the loss)."""
+    from ..schedules.layer_split import LayerSplitError, check_mtp_layers
+    from ..schedules.values import parse_layer_layout
+
+    text = getattr(args, LAYOUT_ATTR, None)
+    if text is None:
+        return None
+    try:
+        check_mtp_layers(parse_layer_layout(text), getattr(args, "mtp_num_layers", None))
+    except (ValueError, LayerSplitError) as exc:
+        return str(exc)
+    return None

@@ -34,8 +34,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..analysis.moe_comm import MoeComm
-from ..analysis.simulate import Costs, simulate
+from ..analysis.simulate import simulate
 from ..schedules import registry
+from ..schedules.costs import Costs
 from ..schedules.ir import ScheduleError
 from ..schedules.placement import loop_placement
 from ..schedules.schedule import Schedule

@@ -7,7 +7,9 @@ stage) live in different chunks, and all-reduces their gradients over the
 placements (first stage on rank 0, last on rank P-1). When the placement puts
 both ends of a replica on the same rank (V-shape: rank 0 holds stage 0 and stage
 2P-1), the copies sit in two local chunks: their gradients are added locally and
-megatron's cross-rank embedding all-reduce is switched off for this call.
+megatron's cross-rank embedding all-reduce is switched off for this call. A last stage holding
+multi-token prediction layers keeps a copy of the embedding for them, tied the same way with or without
+``share_embeddings_and_output_weights`` (``runtime/mtp.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 
 from ..schedules.placement import Placement
+from .mtp import holds_mtp_without_embedding
 
 
 def ends_on_same_rank(placement: Placement) -> bool:
@@ -48,7 +51,8 @@ def local_tied_pairs(placement: Placement, rank: int, models: list[Any]) -> list
         if first in stages and last in stages:
             head = _unwrap(models[stages.index(first)])
             tail = _unwrap(models[stages.index(last)])
-            if getattr(head, "share_embeddings_and_output_weights", False) and head is not tail:
+            tied = getattr(head, "share_embeddings_and_output_weights", False) or holds_mtp_without_embedding(tail)
+            if tied and head is not tail:
                 pairs.append((head.shared_embedding_or_output_weight(), tail.shared_embedding_or_output_weight()))
     return pairs
 

@@ -41,7 +41,12 @@ class GradWatch:
 
     def __init__(self, models: Sequence[torch.nn.Module]) -> None:
         self.models = list(models)
-        self.params = [[(n, p) for n, p in m.named_parameters() if p.requires_grad] for m in self.models]
+        from .mtp import unused_parameters
+
+        self.params = []
+        for model in self.models:
+            unused = unused_parameters(model)  # megatron's forward never reads them: no gradient is right
+            self.params.append([(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in unused])
         self.received: list[list[set[int]]] = [[set() for _ in ps] for ps in self.params]
         self.ran: list[set[int]] = [set() for _ in self.models]
 

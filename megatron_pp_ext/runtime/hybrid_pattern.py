@@ -9,7 +9,9 @@ evenly over the pipeline ranks (one chunk per rank only).
 Here every placement follows the same rule through the model stage: the chunk holding model stage
 ``s`` (``Placement.model_slice_of``) builds segment ``s``. For a loop placement that is megatron's
 own choice; a V placement's rank 0 holds stages 0 and 2p-1, so it builds the first and the last
-segment; both copies of a bidirectional placement's model build the same segments. A pattern whose
+segment; both copies of a bidirectional placement's model build the same segments. A multi-token
+prediction part (``main/mtp/mtp``, megatron's syntax) is no segment: megatron builds it with the loss, on
+the chunk holding the model's last stage (rank 0 under V), whatever the placement. A pattern whose
 segment count differs from the placement's stage count is refused with one line naming the count
 that would work (:class:`HybridPatternError`).
 """
@@ -34,27 +36,48 @@ class HybridPatternError(LayerSplitError):
     """A hybrid layer pattern that does not fit the schedule's placement, or cannot run here."""
 
 
-def pattern_segments(pattern: str, flag: str = "--hybrid-layer-pattern") -> tuple[str, ...]:
-    """The pattern's ``|`` segments (one when it has no ``|``); refuses unknown symbols and an MTP part."""
-    if MTP_SEPARATOR in pattern:
+def split_mtp(pattern: str, flag: str = "--hybrid-layer-pattern") -> tuple[str, str | None, int]:
+    """``(main pattern, MTP pattern or None, MTP depths)`` of a pattern written ``main/mtp/mtp/...``.
+
+    Megatron's own rules for the part after ``/`` (``hybrid_layer_allocation.parse_hybrid_pattern``): one
+    layer pattern per prediction depth, every depth the same, and no ``|`` in it (the MTP layers are built
+    with the loss, on the model's last stage, under every placement here)."""
+    main, *depths = pattern.split(MTP_SEPARATOR)
+    if not any(depths):  # megatron reads "main/" as no MTP
+        return main, None, 0
+    if any(not d for d in depths) or len(set(depths)) > 1:
         raise HybridPatternError(
-            f"{flag} {pattern!r}: multi-token prediction ('/') is not supported with the plugin's schedules; "
-            "give the main pattern only"
+            f"{flag} {pattern!r}: megatron needs one identical MTP pattern per prediction depth after '/' "
+            "(e.g. '*-|*-/*-/*-' for 2 depths)"
         )
-    unknown = sorted({c for c in pattern if c != PIPE and c not in SYMBOLS})
+    if PIPE in depths[0]:
+        raise HybridPatternError(f"{flag} {pattern!r}: megatron's MTP pattern (after '/') takes no '|'")
+    return main, depths[0], len(depths)
+
+
+def main_pattern(pattern: str) -> str:
+    """The decoder's layers: the pattern before its first ``/`` (the MTP part is not a pipeline segment)."""
+    return pattern.split(MTP_SEPARATOR, 1)[0]
+
+
+def pattern_segments(pattern: str, flag: str = "--hybrid-layer-pattern") -> tuple[str, ...]:
+    """The main pattern's ``|`` segments (one when it has no ``|``); refuses unknown symbols and an MTP part
+    that breaks megatron's rules (:func:`split_mtp`)."""
+    main, mtp, _ = split_mtp(pattern, flag)
+    unknown = sorted({c for c in main + (mtp or "") if c != PIPE and c not in SYMBOLS})
     if unknown:
         raise HybridPatternError(
-            f"{flag} {pattern!r}: unknown layer symbol(s) {' '.join(unknown)}; use {' '.join(SYMBOLS)} and '|'"
+            f"{flag} {pattern!r}: unknown layer symbol(s) {' '.join(unknown)}; use {' '.join(SYMBOLS)}, '|' and '/'"
         )
-    segments = tuple(pattern.split(PIPE))
+    segments = tuple(main.split(PIPE))
     if not "".join(segments):
         raise HybridPatternError(f"{flag} {pattern!r} has no layers")
     return segments
 
 
 def num_pattern_layers(pattern: str) -> int:
-    """Layers of the pattern (its symbols without the ``|``)."""
-    return len(pattern.replace(PIPE, ""))
+    """Decoder layers of the pattern (the main pattern's symbols without the ``|``; MTP layers not counted)."""
+    return len(main_pattern(pattern).replace(PIPE, ""))
 
 
 def hybrid_layer_split(
@@ -89,8 +112,8 @@ def hybrid_layer_split(
 
 
 def chunk_layer_types(pattern: str, layout: ChunkLayout) -> list[str]:
-    """The layer symbols of one chunk (its layers of the pattern, ``|`` removed)."""
-    flat = pattern.replace(PIPE, "")
+    """The decoder layer symbols of one chunk (its layers of the main pattern, ``|`` removed)."""
+    flat = main_pattern(pattern).replace(PIPE, "")
     return list(flat[layout.layer_offset : layout.layer_offset + layout.num_layers])
 
 
@@ -101,7 +124,7 @@ def missing_mamba_kernels() -> list[str]:
 
 def check_runnable(pattern: str, supported: str, where: str, flag: str = "--hybrid-layer-pattern") -> None:
     """Refuse layer symbols that cannot be built ``where`` (``supported``: the symbols that can)."""
-    symbols = {c for c in pattern if c != PIPE}
+    symbols = {c for c in pattern if c not in (PIPE, MTP_SEPARATOR)}
     if "M" in symbols and "M" not in supported:
         missing = missing_mamba_kernels()
         why = f"{' and '.join(missing)} do not import here" if missing else f"they are not built {where}"

@@ -23,6 +23,8 @@ __all__ = [
     "LayerSplit",
     "LayerSplitError",
     "add_split_arguments",
+    "check_mtp_layers",
+    "mtp_layout_problem",
     "placement_layer_counts",
     "split_from_args",
     "stage_layer_counts",
@@ -178,8 +180,9 @@ def _layout_counts(num_layers: int, num_slices: int, split: LayerSplit) -> list[
             f"layout {text!r} has {len(stages)} stage(s); this schedule's placement has {num_slices} "
             f"model stages (write {num_slices} stages separated by |)"
         )
-    if any("m" in stage for stage in stages):
-        raise LayerSplitError(f"layout {text!r}: multi-token prediction layers (m) are not supported")
+    mtp_problem = mtp_layout_problem(stages)
+    if mtp_problem:
+        raise LayerSplitError(f"layout {text!r}: {mtp_problem}")
     ends_ok = "".join(stages).count("E") == stages[0].count("E") == 1 and (
         "".join(stages).count("L") == stages[-1].count("L") == 1
     )
@@ -205,3 +208,43 @@ def placement_layer_counts(num_layers: int, placement: Placement, split: LayerSp
             "model stage: the per-stage mapping covers one-chunk loop, V and bidirectional placements"
         )
     return stage_layer_counts(num_layers, placement.stages_per_replica, split)
+
+
+def mtp_layout_problem(stages: tuple[str, ...]) -> str | None:
+    """What is wrong with the multi-token prediction layers (``m``) of a layout's stages, or None.
+
+    Megatron's rules (``PipelineParallelLayerLayout.validate_layer_layout``): every ``m`` after every ``t``, all
+    of them in one stage, never on the first stage. The plugin's schedules add one: the ``m`` sit in the stage
+    holding the loss ``L`` (the model's last stage, which a V placement puts on rank 0): the executor passes one
+    activation shape between stages, and megatron's stage of MTP layers before the loss sends a longer one."""
+    holding = [i for i, stage in enumerate(stages) if "m" in stage]
+    if not holding:
+        return None
+    flat = "".join(stages)
+    if "t" in flat[flat.index("m") :]:
+        return "megatron places multi-token prediction layers (m) after every transformer layer (t)"
+    if len(holding) > 1:
+        return "megatron needs all multi-token prediction layers (m) in one stage"
+    if len(stages) > 1 and holding[0] == 0:
+        return "megatron never puts multi-token prediction layers (m) on the first stage"
+    if "L" not in stages[holding[0]]:
+        return (
+            "with --pipeline-schedule the multi-token prediction layers (m) sit in the stage with the loss (L): "
+            "move them there"
+        )
+    return None
+
+
+def check_mtp_layers(stages: tuple[str, ...], mtp_num_layers: int | None) -> None:
+    """Refuse (:class:`LayerSplitError`) a layout whose ``m`` do not match ``--mtp-num-layers`` (megatron's rule:
+    as many ``m`` as MTP layers, none without the flag) or break :func:`mtp_layout_problem`'s rules."""
+    text = "|".join(stages)
+    found, wanted = "".join(stages).count("m"), mtp_num_layers or 0
+    if found != wanted:
+        raise LayerSplitError(
+            f"layout {text!r} holds {found} multi-token prediction layer(s) (m), --mtp-num-layers is {wanted}: "
+            "megatron needs one m per MTP layer"
+        )
+    problem = mtp_layout_problem(stages)
+    if problem:
+        raise LayerSplitError(f"layout {text!r}: {problem}")

@@ -261,13 +261,17 @@ class _Training:
         self.grads.append(step)
 
     def _record_grads(self) -> None:
+        from ..runtime.mtp import unused_parameters
         from . import tiny_gpt
 
         spec, dp_rank = self.spec, self.dp_rank
         step: dict[str, Any] = {}
         for chunk, layout in zip(self.model.chunks, self.model.layouts, strict=True):
             owned = owned_grad_ranges(chunk, dp_rank, spec.dp) if spec.distributed_optimizer else {}
+            unused = unused_parameters(chunk)  # megatron never reads them (runtime/mtp.py): not the model's
             for name, p in tiny_gpt._unwrap(chunk).named_parameters():
+                if id(p) in unused:
+                    continue
                 g = getattr(p, "main_grad", None) if spec.use_ddp else p.grad
                 key = self._key(name, layout)
                 if spec.distributed_optimizer:  # after the reduce-scatter only this rank's shard is reduced
@@ -334,13 +338,15 @@ class _Training:
 
 
 def _final_weights(chunk: Any) -> list[tuple[str, Any]]:
-    """A chunk's parameters after the last step, by name: gathered from the shards of an FSDP chunk (its own
-    parameter tensors hold no storage once resharded), copied from the module otherwise."""
+    """A chunk's parameters after the last step (those megatron uses), by name: gathered from the shards of an
+    FSDP chunk (its own parameter tensors hold no storage once resharded), copied from the module otherwise."""
+    from ..runtime.mtp import unused_parameters
     from . import tiny_gpt
 
     if _is_sharded(chunk):
         return list(chunk.gather_full_params().items())
-    return [(name, p.detach().clone()) for name, p in tiny_gpt._unwrap(chunk).named_parameters()]
+    unused = unused_parameters(chunk)  # never read by megatron, never updated: not a copy of the model's
+    return [(name, p.detach().clone()) for name, p in tiny_gpt._unwrap(chunk).named_parameters() if id(p) not in unused]
 
 
 def _is_sharded(chunk: Any) -> bool:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..analysis.host_costs import with_host_costs
-from ..analysis.simulate import Costs, simulate
+from ..analysis.simulate import simulate
+from ..schedules.costs import Costs
 from .real_peers import PeerRunSpec, generate_ours
 from .real_peers_cases import describe, model_spec, num_microbatches
 

@@ -53,8 +53,13 @@ class TinyGPTSpec:
     # of a GPTModel; num_layers then follows the pattern. Segment s goes to model stage s (hybrid_pattern.py).
     # With "E" layers and no num_experts, 4 experts.
     hybrid_pattern: str | None = None
+    # Multi-token prediction: this many megatron MTP layers (local spec) with the loss, on the chunk holding the
+    # model's last stage; the model then uses rotary position embeddings (megatron's MTP needs rope or none).
+    mtp_num_layers: int | None = None
 
     def __post_init__(self) -> None:
+        if self.mtp_num_layers is not None and (self.mtp_num_layers < 1 or self.hybrid_pattern is not None):
+            raise ValueError("mtp_num_layers must be >= 1, with a GPTModel (no hybrid_pattern)")
         if self.moe_grouped_gemm and (self.transformer_impl != "transformer_engine" or not self.num_experts):
             raise ValueError("moe_grouped_gemm needs num_experts and transformer_impl='transformer_engine'")
         if self.hybrid_pattern is not None:
@@ -128,6 +133,7 @@ def make_config(spec: TinyGPTSpec, tp: int = 1, sequence_parallel: bool = False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
+        mtp_num_layers=spec.mtp_num_layers,
         **recompute_options(spec.recompute),
     )
 
@@ -137,7 +143,8 @@ def _model(config: Any, spec: TinyGPTSpec, layout: ChunkLayout | None, vp_stage:
     pre, post = (True, True) if layout is None else (layout.pre_process, layout.post_process)
     num_layers = spec.num_layers if layout is None else layout.num_layers
     if spec.hybrid_pattern is None:
-        return _gpt(config, spec, num_layers, pre, post, vp_stage)
+        offset = 0 if layout is None else layout.layer_offset
+        return _gpt(config, spec, num_layers, pre, post, vp_stage, offset)
     from ..integration.hybrid import build_hybrid_model
     from ..runtime.hybrid_pattern import chunk_layer_types
 
@@ -159,7 +166,49 @@ def _model(config: Any, spec: TinyGPTSpec, layout: ChunkLayout | None, vp_stage:
     )
 
 
-def _gpt(config: Any, spec: TinyGPTSpec, num_layers: int, pre: bool, post: bool, vp_stage: int | None) -> Any:
+def _mtp_block_spec(layer_spec: Any, num_layers: int) -> Any:
+    """Megatron's MTP block of ``num_layers`` local-spec layers, each around a copy of ``layer_spec``."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlockSubmodules,
+        get_mtp_layer_spec_for_backend,
+    )
+
+    layer = get_mtp_layer_spec_for_backend(mtp_model_layer_spec=layer_spec, backend=LocalSpecProvider())
+    return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * num_layers)
+
+
+@contextlib.contextmanager
+def _mtp_here(mtp: bool, layer_offset: int) -> Iterator[None]:
+    """While a chunk of an MTP model is built, megatron's ``mtp_on_this_rank`` says ``mtp`` and its layers are
+    numbered from ``layer_offset``: the chunks here are placed by their layout (the MTP layers with the loss), not
+    by megatron's process-group view of the pipeline, and with MTP megatron puts the decoder's final norm on the
+    chunk whose layer numbers reach ``num_layers``."""
+    import megatron.core.models.gpt.gpt_model as gpt_model
+    import megatron.core.transformer.multi_token_prediction as multi_token_prediction
+    import megatron.core.transformer.transformer_layer as transformer_layer
+
+    originals = (
+        gpt_model.mtp_on_this_rank,
+        multi_token_prediction.is_vp_last_stage,
+        transformer_layer.get_transformer_layer_offset,
+    )
+    gpt_model.mtp_on_this_rank = lambda *args, **kwargs: mtp
+    multi_token_prediction.is_vp_last_stage = lambda *args, **kwargs: mtp  # its rule: MTP with the last stage
+    transformer_layer.get_transformer_layer_offset = lambda *args, **kwargs: layer_offset
+    try:
+        yield
+    finally:
+        (
+            gpt_model.mtp_on_this_rank,
+            multi_token_prediction.is_vp_last_stage,
+            transformer_layer.get_transformer_layer_offset,
+        ) = originals
+
+
+def _gpt(
+    config: Any, spec: TinyGPTSpec, num_layers: int, pre: bool, post: bool, vp_stage: int | None, offset: int = 0
+) -> Any:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
@@ -175,16 +224,21 @@ def _gpt(config: Any, spec: TinyGPTSpec, num_layers: int, pre: bool, post: bool,
     else:
         layer_spec, norm = get_gpt_layer_local_spec(num_experts=spec.num_experts), LayerNormImpl
     block = TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=norm)
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=block,
-        vocab_size=spec.vocab_size,
-        max_sequence_length=spec.seq_length,
-        pre_process=pre,
-        post_process=post,
-        share_embeddings_and_output_weights=spec.tied_embeddings,
-        vp_stage=vp_stage,
-    )
+    mtp = bool(spec.mtp_num_layers) and post  # the MTP layers go with the loss
+    context = _mtp_here(mtp, offset) if spec.mtp_num_layers else contextlib.nullcontext()
+    with context:
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=block,
+            vocab_size=spec.vocab_size,
+            max_sequence_length=spec.seq_length,
+            pre_process=pre,
+            post_process=post,
+            share_embeddings_and_output_weights=spec.tied_embeddings,
+            vp_stage=vp_stage,
+            mtp_block_spec=_mtp_block_spec(layer_spec, spec.mtp_num_layers) if mtp and spec.mtp_num_layers else None,
+            position_embedding_type="rope" if spec.mtp_num_layers else "learned_absolute",
+        )
 
 
 def build_full_model(config: Any, spec: TinyGPTSpec) -> Any:
@@ -288,11 +342,12 @@ def _unwrap(model: Any) -> Any:
 
 
 def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
-    """megatron-style forward step: data only on chunks with the embedding or the loss."""
+    """megatron-style forward step: data only on chunks with the embedding, the MTP layers or the loss."""
     gpt = _unwrap(model)
-    batch = next(data_iterator) if (gpt.pre_process or gpt.post_process) else None
-    tokens = batch["tokens"] if gpt.pre_process else None
-    positions = batch["position_ids"] if gpt.pre_process else None
+    mtp = bool(getattr(gpt, "mtp_process", False))  # MTP layers embed the tokens themselves
+    batch = next(data_iterator) if (gpt.pre_process or gpt.post_process or mtp) else None
+    tokens = batch["tokens"] if gpt.pre_process or mtp else None
+    positions = batch["position_ids"] if gpt.pre_process or mtp else None
     labels = batch["labels"] if gpt.post_process else None
     output = model(tokens, positions, None, labels=labels)
     loss_mask = batch["loss_mask"] if gpt.post_process else None

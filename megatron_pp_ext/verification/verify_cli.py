@@ -51,6 +51,13 @@ def add_verify_parser(subparsers: Any) -> None:
         "'-' MLP, 'E' MoE, '|' between model stages (one segment per stage of the schedule's placement, "
         "stage s gets segment s; e.g. '*-|*-|*-|*-' for v-zb at p=2); replaces --layers-per-stage",
     )
+    parser.add_argument(
+        "--mtp-num-layers",
+        type=positive_int,
+        default=None,
+        help="megatron's multi-token prediction layers, with the loss on the model's last stage (as 'm' before 'L' "
+        "in --pipeline-model-parallel-layout); the model then uses rotary position embeddings",
+    )
     parser.add_argument("--untied-embeddings", action="store_true", help="separate input and output embeddings")
     parser.add_argument("--no-ddp", action="store_true", help="plain autograd gradients instead of megatron DDP")
     parser.add_argument("--sequence-parallel", action="store_true", help="megatron sequence parallelism (tp > 1)")
@@ -140,12 +147,17 @@ def add_verify_parser(subparsers: Any) -> None:
     parser.set_defaults(func=run_verify)
 
 
-def hybrid_refusal(pattern: str, schedule: Any, tp: int = 1) -> str | None:
-    """Why ``--hybrid-pattern`` cannot be verified with ``schedule`` (one line), or None. Pure: before any rank."""
+def hybrid_refusal(pattern: str, schedule: Any, tp: int = 1, mtp: bool = False) -> str | None:
+    """Why ``--hybrid-pattern`` cannot be verified with ``schedule`` (one line), or None. Pure: before any rank.
+    ``mtp``: ``--mtp-num-layers`` given too (it verifies a GPTModel)."""
     from ..integration.hybrid import LOCAL_SYMBOLS
     from ..runtime.hybrid_pattern import HybridPatternError, check_runnable, hybrid_layer_split
 
     flag = "--hybrid-pattern"
+    if mtp:
+        return f"{flag}: --mtp-num-layers verifies a GPTModel, not with a HybridModel"
+    if "/" in pattern:
+        return f"{flag} {pattern!r}: verify builds its HybridModel without MTP ('/'); verify MTP with --mtp-num-layers"
     try:
         hybrid_layer_split(pattern, schedule.placement, schedule.name, flag)
         check_runnable(pattern, LOCAL_SYMBOLS, "by verify (megatron-core's local layers)", flag)
@@ -203,7 +215,7 @@ def run_verify(args: argparse.Namespace) -> int:
         return 2
     schedule = _schedule_from_args(args)
     if args.hybrid_pattern is not None:
-        refusal = hybrid_refusal(args.hybrid_pattern, schedule, args.tp)
+        refusal = hybrid_refusal(args.hybrid_pattern, schedule, args.tp, mtp=args.mtp_num_layers is not None)
         if refusal is not None:
             print(f"{PROG}: {refusal}", file=sys.stderr)
             return 2
@@ -244,6 +256,7 @@ def run_verify(args: argparse.Namespace) -> int:
         moe_dispatcher=args.moe_dispatcher,
         split=split,
         hybrid_pattern=args.hybrid_pattern,
+        mtp_num_layers=args.mtp_num_layers,
     )
     try:
         report = verify_schedule(
@@ -298,7 +311,13 @@ def _moe_problem(args: argparse.Namespace) -> str | None:
 
 def _layer_split(args: argparse.Namespace, schedule: Any) -> Any:
     """The uneven split the flags ask for (None: even), or the one-line refusal naming the flag."""
-    from ..schedules.layer_split import SPLIT_FLAGS, LayerSplitError, placement_layer_counts, split_from_args
+    from ..schedules.layer_split import (
+        SPLIT_FLAGS,
+        LayerSplitError,
+        check_mtp_layers,
+        placement_layer_counts,
+        split_from_args,
+    )
 
     given = [flag for attr, flag in SPLIT_FLAGS if getattr(args, attr, None) not in (None, False)]
     if not given:
@@ -307,6 +326,8 @@ def _layer_split(args: argparse.Namespace, schedule: Any) -> Any:
         split = split_from_args(args)
         num_layers = args.num_layers or schedule.placement.stages_per_replica * args.layers_per_stage
         placement_layer_counts(num_layers, schedule.placement, split)
+        if split.layout is not None:
+            check_mtp_layers(split.layout, args.mtp_num_layers)
     except (ValueError, LayerSplitError) as exc:
         placement = schedule.placement
         where = f"{schedule.name}: {placement.style} placement, {placement.stages_per_replica} model stages"

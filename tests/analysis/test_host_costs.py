@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from megatron_pp_ext.analysis.host_costs import with_host_costs
-from megatron_pp_ext.analysis.simulate import Costs, simulate
+from megatron_pp_ext.analysis.simulate import simulate
 from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.schedules.costs import Costs
 
 
 def test_zero_host_costs_leave_the_simulation_as_it_was() -> None:

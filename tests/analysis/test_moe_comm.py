@@ -8,8 +8,9 @@ import pytest
 
 from megatron_pp_ext.analysis.moe_comm import MoeComm, pair_nodes, pair_time, timed_nodes
 from megatron_pp_ext.analysis.schedule_check import validate
-from megatron_pp_ext.analysis.simulate import Costs, simulate
+from megatron_pp_ext.analysis.simulate import simulate
 from megatron_pp_ext.schedules import registry
+from megatron_pp_ext.schedules.costs import Costs
 from megatron_pp_ext.schedules.schedule import Schedule
 from megatron_pp_ext.schedules.timing import op_start_times
 

@@ -60,7 +60,7 @@ def _stages_of(rank: int) -> set[tuple[int, int]]:
         ("t|Ett|t|tL", "needs E once, in the first stage, and L once, in the last"),
         ("Et|tL|t|tL", "needs E once, in the first stage, and L once, in the last"),
         ("Et|tt|t|ttL", "holds 6 transformer layer(s) (t), --num-layers is 5"),
-        ("Etm|t|t|tL", "multi-token prediction layers (m) are not supported"),
+        ("Etm|t|t|tL", "megatron places multi-token prediction layers (m) after every transformer layer (t)"),
     ],
 )
 def test_layouts_without_a_mapping_are_refused(layout: str, message: str) -> None:
@@ -244,3 +244,30 @@ def test_interleaving_refusals_are_where_megatrons_argument_checks_assert(megatr
         except AssertionError:
             asserted = True
         assert asserted == refused == bool(interleaving_problems(argv)), argv
+
+
+@pytest.mark.parametrize(
+    ("schedule", "layout", "accepted"),
+    [
+        ("1f1b", "Et|tmL", True),  # loop: megatron builds it; m with the loss
+        ("v-zb", "Et|t|t|tmL", True),  # V: the last model stage, on rank 0
+        ("bitpipe", "Et|t|t|tmL", True),
+        ("1f1b", "Etm|L", False),  # megatron's rule: never on the first stage
+        ("interleaved-1f1b", "Et|t|tm|L", False),  # an MTP stage before the loss: not with our executor
+        ("v-zb", "Et|t|tm|tL", False),  # megatron's rule: after every t
+    ],
+)
+def test_mtp_layouts_under_every_placement(schedule: str, layout: str, accepted: bool) -> None:
+    args = make_args(
+        ["--pipeline-schedule", schedule],
+        pipeline_model_parallel_size=2,
+        num_layers=layout.count("t"),
+        pipeline_model_parallel_layout=layout,
+        mtp_num_layers=1,
+    )
+    if accepted:
+        validate_arguments(args)
+    else:
+        message = error_of(args)
+        assert message.startswith("argument --pipeline-model-parallel-layout:") and "\n" not in message
+        assert "multi-token prediction layers (m)" in message

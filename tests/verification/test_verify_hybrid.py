@@ -73,7 +73,7 @@ def test_v_and_bidirectional_stage_s_gets_segment_s(placement) -> None:
         ("dualpipev", 2, "*-*-", "has no '|': dualpipev with p=2 runs 4 model stages (2 per rank); write the pattern"),
         ("1f1b", 2, "*-*", "3 layers do not split evenly over p=2 ranks"),
         ("1f1b", 2, "*-|*x", "unknown layer symbol(s) x"),
-        ("1f1b", 2, "*-|*-/*", "multi-token prediction ('/') is not supported"),
+        ("1f1b", 2, "*-|*-/*", "verify builds its HybridModel without MTP ('/')"),
         ("1f1b", 2, "*-|*+", "'+' (multi-latent attention) cannot be built by verify"),
     ],
 )

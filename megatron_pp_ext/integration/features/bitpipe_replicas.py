@@ -25,10 +25,9 @@ class BitpipeReplicas(Feature):
 
         def gathered(forward_backward: ForwardBackward) -> ForwardBackward:
             def forward_backward_func(**kwargs: Any) -> Any:
-                result = forward_backward(**kwargs)
-                from ..losses import gather_losses, pp_group_of  # each replica's last rank gets every loss
+                from ..losses import run_with_two_loss_ranks  # each replica's last rank gets every loss (MTP's too)
 
-                return gather_losses(wiring.source(kwargs["num_microbatches"]), pp_group_of(kwargs), result)
+                return run_with_two_loss_ranks(forward_backward, kwargs, wiring.source(kwargs["num_microbatches"]))
 
             return forward_backward_func
 

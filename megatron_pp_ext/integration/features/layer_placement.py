@@ -116,6 +116,11 @@ def _check_layers(args: Any, schedule: Schedule, virtual_flag: str | None) -> No
         message = f"gives every stage's layers: not with {others} (give one or the other)"
         raise PipelineArgumentError(layout_flag, message)
     if uneven:
+        from ..uneven import mtp_layout_error
+
+        mtp_error = mtp_layout_error(args)
+        if mtp_error:
+            raise PipelineArgumentError(layout_flag, mtp_error)
         if placement.style == "loop":
             return  # megatron splits the layers itself (and checks them)
         if layout_flag in uneven and virtual_flag is not None:
