@@ -13,7 +13,8 @@ What it does (docs/architecture.md, "CPU / gloo mode"):
    arguments; ``Tensor.cuda()`` returns the tensor); ``torch.cuda.current_device()``
    returns 0 and ``device_count()`` 1;
 3. makes ``torch.cuda.synchronize`` / ``empty_cache`` / ``set_device`` no-ops;
-4. gives ``torch.cuda.current_stream()``, ``Stream`` and ``Event`` null objects;
+4. gives ``torch.cuda.current_stream()``, ``Stream`` and ``Event`` null objects (and makes
+   ``Tensor.record_stream`` a no-op: megatron's schedule-plan nodes call it);
 5. points megatron's CUDA RNG tracker at the CPU generator;
 6. defines ``typing.override`` on Python 3.11 (``megatron.training`` uses it);
 7. makes the tensor-parallel all-reduce return a fresh tensor, never its input (MoE experts add
@@ -340,6 +341,9 @@ def _patch_torch_cuda() -> None:
         range_push=lambda *a, **k: None, range_pop=lambda *a, **k: None, range=contextlib.nullcontext
     )
     torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    # the caching allocator's "used on this stream" mark (megatron's schedule-plan nodes set it before
+    # freeing an input): a CPU tensor has no stream to outlive, so there is nothing to mark
+    torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[method-assign,assignment]
 
 
 def _patch_rng_tracker() -> None:
