@@ -22,7 +22,9 @@ What it does (docs/architecture.md, "CPU / gloo mode"):
 8. gives megatron's MoE token dispatcher its all-to-all split sizes as host arrays, as on a GPU
    (:func:`_patch_moe_split_sizes`);
 9. makes the C allocator keep freed large buffers for reuse, as a GPU's caching allocator does
-   (:mod:`megatron_pp_ext.integration.cpu_allocator` says why op costs depend on it).
+   (:mod:`megatron_pp_ext.integration.cpu_allocator` says why op costs depend on it);
+10. runs the communication-stream nodes of megatron's combined forward-backward step on a worker
+   thread, the CPU's stand-in for a CUDA stream (:mod:`megatron_pp_ext.integration.cpu_streams`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import cpu_streams
 from .cpu_allocator import keep_freed_buffers
 
 _ENABLED = False
@@ -395,6 +398,7 @@ def enable_cpu_mode(force: bool = False, threads: int | None = None) -> bool:
     _patch_rng_tracker()
     _patch_reduce_from_model_parallel_region()
     _patch_moe_split_sizes()
+    cpu_streams.patch_schedule_nodes(lambda: _CudaToCpuMode().__enter__())  # the mode is per thread
     _ENABLED = True
     return True
 

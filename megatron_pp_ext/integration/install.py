@@ -27,7 +27,7 @@ from ..schedules import registry
 from ..schedules.ir import ScheduleError
 from ..schedules.placement import Placement, make_placement
 from ..schedules.schedule import Schedule
-from . import layout, replicas
+from . import layout, moe_overlap, replicas
 from ._patching import Patcher
 from .arguments import AUTO, PipelineArgumentError, PipelineConfig, pipeline_config_of, validate_arguments
 
@@ -298,6 +298,7 @@ def install(args_or_config: Any = None, *, layout_hooks: bool | None = None) -> 
 
         post_validation_training.patch_megatron(patcher)
         patcher.on_restore(post_validation_training.forget)
+    moe_overlap.activate(patcher, args_or_config)  # megatron's --overlap-moe-expert-parallel-comm
     if _splits_backward(config):
         try:
             _enable_backward_split(patcher, config.label)

@@ -1,0 +1,120 @@
+"""CPU mode: megatron's communication stream as one worker thread, so combined-step all-to-alls overlap.
+
+megatron's combined forward-backward step (``--overlap-moe-expert-parallel-comm``) runs a forward and
+a backward node by node; the token dispatch and combine nodes of both sides run on a communication
+stream (``pipeline_parallel.utils.get_comm_stream``), the others on the compute stream, and a node of
+one micro-batch waits for the previous node of the same micro-batch (its event). On a GPU the
+all-to-all of a dispatch or combine node thus runs while the host goes on to the other micro-batch's
+compute nodes. CPU mode has no streams (``cpu.py`` makes them null objects), so every node would run
+to its end before the next starts.
+
+:func:`patch_schedule_nodes` gives the communication stream a meaning on CPU: a node whose stream is
+the communication stream runs on one worker thread (nodes in the order they were issued, as on a
+stream), and the host gets a pending value back at once. The next node that takes that value waits
+for it first, which is what the event of its micro-batch does on a GPU; the host, meanwhile, runs
+the other micro-batch's compute nodes. The node's code is megatron's, unchanged (gloo's all-to-all,
+the token (un)permutation of the combine, its bias-dropout-add); only the thread differs, so losses
+and gradients are the same bits. The worker thread enters CPU mode's device rewriting (a per-thread
+torch function mode) like the main thread. Every rank of an expert-parallel group issues the same
+nodes in the same order, so their collectives meet in order on the one worker.
+
+``EVENTS`` (None, or a list the tests set) records ``("launch" | "wait" | "compute", node name,
+"F" | "B", serial)`` in the host's order: a communication node issued, its result waited for (the
+serial number pairs the two), a compute node run (serial -1).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+__all__ = ["EVENTS", "patch_schedule_nodes"]
+
+EVENTS: list[tuple[str, str, str, int]] | None = None
+
+_WORKER: ThreadPoolExecutor | None = None
+_LOCK = threading.Lock()
+_SERIAL = [0]
+
+
+class _Pending:
+    """A communication node's output, still being computed on the worker thread."""
+
+    __slots__ = ("future", "name", "serial", "side")
+
+    def __init__(self, future: Future, name: str, side: str, serial: int) -> None:
+        self.future, self.name, self.side, self.serial = future, name, side, serial
+
+    def result(self) -> Any:
+        value = self.future.result()
+        if EVENTS is not None:
+            EVENTS.append(("wait", self.name, self.side, self.serial))
+        return value
+
+
+def _worker(thread_setup: Any) -> ThreadPoolExecutor:
+    global _WORKER
+    with _LOCK:
+        if _WORKER is None:
+            _WORKER = ThreadPoolExecutor(1, thread_name_prefix="megatron-pp-comm-stream", initializer=thread_setup)
+        return _WORKER
+
+
+def _resolved(values: tuple) -> tuple:
+    """``values`` with pending outputs waited for; one pending tuple stands for the values it holds
+    (megatron's node ``forward`` / ``backward`` wrap a single non-tuple argument in a tuple)."""
+    if len(values) == 1 and isinstance(values[0], _Pending):
+        value = values[0].result()
+        return value if isinstance(value, tuple) else (value,)
+    return tuple(v.result() if isinstance(v, _Pending) else v for v in values)
+
+
+def resolve(value: Any) -> Any:
+    """``value``, waited for if it is a pending communication output."""
+    return value.result() if isinstance(value, _Pending) else value
+
+
+def patch_schedule_nodes(thread_setup: Any) -> None:
+    """Run megatron's communication-stream schedule nodes on the worker thread (idempotent);
+    ``thread_setup()`` runs once on that thread (CPU mode's device rewriting)."""
+    from megatron.core.models.common import model_chunk_schedule_plan as plans
+    from megatron.core.pipeline_parallel import utils
+
+    node = utils.ScheduleNode
+    if getattr(node._forward, "_megatron_pp_cpu", False):
+        return
+    originals = {"F": node._forward, "B": node._backward}
+
+    def step(side: str) -> Any:
+        original = originals[side]
+
+        def run(self: Any, *values: Any) -> Any:
+            values = _resolved(values)
+            stream = self.stream() if callable(self.stream) else self.stream
+            if stream is None or stream is not utils.get_comm_stream():
+                if EVENTS is not None:
+                    EVENTS.append(("compute", self.name, side, -1))
+                return original(self, *values)
+            _SERIAL[0] += 1
+            if EVENTS is not None:
+                EVENTS.append(("launch", self.name, side, _SERIAL[0]))
+            return _Pending(_worker(thread_setup).submit(original, self, *values), self.name, side, _SERIAL[0])
+
+        run._megatron_pp_cpu = True  # type: ignore[attr-defined]
+        return run
+
+    node._forward = step("F")
+    node._backward = step("B")
+
+    chunk_plan = plans.TransformerModelChunkSchedulePlan
+    run_chunks = chunk_plan.run
+
+    def run_plans(*args: Any, **kwargs: Any) -> Any:
+        """megatron's chunk-level combined run; its result (the last forward node's output) waited for,
+        and every node issued to the worker finished, before the step goes on."""
+        output = resolve(run_chunks(*args, **kwargs))
+        _worker(thread_setup).submit(lambda: None).result()
+        return output
+
+    chunk_plan.run = staticmethod(run_plans)
