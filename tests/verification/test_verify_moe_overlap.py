@@ -93,6 +93,14 @@ def test_v_zb_pairs_hide_each_all_to_all_behind_the_other_micro_batch(pool) -> N
                 assert beside, (node, side, step)
                 hidden += 1
         assert hidden > 0
+        # split schedule: every B of the rank (paired or not) queued the weight gradients of its linears
+        # (router, experts, attention, ...) for its W; megatron's own delay_wgrad_compute is off
+        queued = result["wgrad_queued"]
+        chunk_of = paired.placement.chunk_of
+        assert set(queued) == {f"{chunk_of(op.stage)}.{op.microbatch}" for op in schedule.ops[rank] if op.kind == "B"}
+        for chunk in {key.split(".")[0] for key in queued}:  # the same linears in every micro-batch of a chunk
+            counts = {n for key, n in queued.items() if key.split(".")[0] == chunk}
+            assert len(counts) == 1 and counts.pop() > 0, queued
     report = compare(name, P, M, 2, ref, run, exact=exact)
     assert report.problems == []
     assert report.ok, report.describe()
