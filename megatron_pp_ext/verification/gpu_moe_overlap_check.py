@@ -5,11 +5,11 @@ all-to-all is megatron's identity) on one device runs micro-batch 0's forward al
 (micro-batch 1's forward with micro-batch 0's backward) and micro-batch 1's backward alone, each through
 megatron's ``combined_forward_backward_step`` as the executor runs them (``runtime/combined_step.py``).
 Recorded per schedule-plan node: its name, its side (F or B) and its stream (``comm`` when it is
-megatron's communication stream, ``comp`` another stream, ``none`` no stream). The check passes when the token dispatch and combine
-nodes of both sides ran on the communication stream and every other node on the compute stream, the
-pair's nodes interleave the two micro-batches, and losses and gradients equal those of megatron's plain
-``forward_step`` / ``backward_step`` on the same weights and data (relative 1e-5: the combined step
-runs the same layers, its reductions may group differently).
+megatron's communication stream, ``comp`` another stream, ``none`` no stream). The check passes when the
+token dispatch and combine nodes of both sides ran on the communication stream and every other node on
+the compute stream, the pair's nodes interleave the two micro-batches, and losses and gradients equal
+those of megatron's plain ``forward_step`` / ``backward_step`` on the same weights and data (relative
+1e-5: the combined step runs the same layers, its reductions may group differently).
 
 One shim, for EP = 1 only: megatron frees the input of a dispatch node after its forward (the tokens before
 the all-to-all); with one expert-parallel rank its all-to-all hands back that very tensor, so the freed
