@@ -301,6 +301,12 @@ def _moe_problem(args: argparse.Namespace) -> str | None:
         return f"{given[0]} goes with a MoE model: add --num-experts" if given else None
     if args.post_validation:
         return "--post-validation with --num-experts: not supported for MoE models (drop one of them)"
+    if args.overlap_moe and (args.ep < 2 or args.moe_dispatcher != "alltoall"):
+        return (
+            "--overlap-moe needs --ep 2 or more and --moe-dispatcher alltoall (megatron: "
+            "overlap_moe_expert_parallel_comm is only supported with expert model parallelism, with the "
+            "alltoall/flex token dispatcher)"
+        )
     return moe_problem(args.num_experts, args.moe_topk, args.ep, args.dp, args.tp, args.fsdp)
 
 
