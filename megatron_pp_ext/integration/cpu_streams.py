@@ -21,21 +21,57 @@ nodes in the same order, so their collectives meet in order on the one worker.
 ``EVENTS`` (None, or a list the tests set) records ``("launch" | "wait" | "compute", node name,
 "F" | "B", serial)`` in the host's order: a communication node issued, its result waited for (the
 serial number pairs the two), a compute node run (serial -1).
+
+Every wait is bounded by ``MEGATRON_PP_P2P_TIMEOUT`` (the executor's bound for a pipeline message): a
+node that fails (a dead expert-parallel peer closes gloo's connection) or does not finish in time
+raises :class:`CommStreamError` naming the node; the executor adds the rank and the op.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-__all__ = ["EVENTS", "patch_schedule_nodes"]
+from ..runtime.errors import CommStreamError
+
+__all__ = ["EVENTS", "CommStreamError", "patch_schedule_nodes", "resolve"]
 
 EVENTS: list[tuple[str, str, str, int]] | None = None
 
-_WORKER: ThreadPoolExecutor | None = None
 _LOCK = threading.Lock()
 _SERIAL = [0]
+_WORKER: _Worker | None = None
+
+
+class _Worker:
+    """One daemon thread running submitted calls in order (a stream). A daemon, so that a call stuck
+    in a collective with a dead peer cannot keep the process from exiting once the error is reported."""
+
+    def __init__(self, thread_setup: Callable[[], Any]) -> None:
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(
+            target=self._loop, args=(thread_setup,), name="megatron-pp-comm-stream", daemon=True
+        )
+        self.thread.start()
+
+    def _loop(self, thread_setup: Callable[[], Any]) -> None:
+        thread_setup()
+        while True:
+            future, fn, args = self.calls.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # handed to the waiting host thread
+                    future.set_exception(exc)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        self.calls.put((future, fn, args))
+        return future
 
 
 class _Pending:
@@ -47,17 +83,29 @@ class _Pending:
         self.future, self.name, self.side, self.serial = future, name, side, serial
 
     def result(self) -> Any:
-        value = self.future.result()
-        if EVENTS is not None:
+        from ..runtime.p2p import timeout_from_env
+
+        what = f"{self.name} ({'forward' if self.side == 'F' else 'backward'}) on megatron's communication stream"
+        timeout_s = timeout_from_env()
+        try:
+            value = self.future.result(timeout=timeout_s)
+        except FutureTimeout:
+            raise CommStreamError(
+                f"{what} did not finish within {timeout_s:g} s (MEGATRON_PP_P2P_TIMEOUT): an expert-parallel "
+                "peer is dead or stuck in another collective"
+            ) from None
+        except Exception as exc:
+            raise CommStreamError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
+        if EVENTS is not None and self.serial:
             EVENTS.append(("wait", self.name, self.side, self.serial))
         return value
 
 
-def _worker(thread_setup: Any) -> ThreadPoolExecutor:
+def _worker(thread_setup: Callable[[], Any]) -> _Worker:
     global _WORKER
     with _LOCK:
         if _WORKER is None:
-            _WORKER = ThreadPoolExecutor(1, thread_name_prefix="megatron-pp-comm-stream", initializer=thread_setup)
+            _WORKER = _Worker(thread_setup)
         return _WORKER
 
 
@@ -114,7 +162,7 @@ def patch_schedule_nodes(thread_setup: Any) -> None:
         """megatron's chunk-level combined run; its result (the last forward node's output) waited for,
         and every node issued to the worker finished, before the step goes on."""
         output = resolve(run_chunks(*args, **kwargs))
-        _worker(thread_setup).submit(lambda: None).result()
+        _Pending(_worker(thread_setup).submit(lambda: None), "end of the step", "F", 0).result()
         return output
 
     chunk_plan.run = staticmethod(run_plans)

@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..schedules.ir import Op, OpKind
+from .errors import CommStreamError
 from .grad_check import watching
 
 __all__ = ["combined_pair", "combined_step"]
@@ -63,25 +64,29 @@ def combined_step(run: Any, forward: Op | None, backward: Op | None) -> None:
         )
     saving = run.tracer.saving(forward) if forward is not None else contextlib.nullcontext()
     last = placement.is_last(forward.stage) if forward is not None else False
-    with deferral, saving, _loss_where_placed(last, run.cp_size):
-        output, num_tokens, input_grad = combined_forward_backward_step(
-            run.forward_step_func,
-            f_iterator,
-            f_model,
-            run.num_microbatches,
-            f_input,
-            run.forward_data_store,
-            b_model,
-            b_input,
-            b_output,
-            b_grad,
-            run.config,
-            f_model_chunk_id=f_chunk,
-            collect_non_loss_data=run.collect_non_loss_data,
-            checkpoint_activations_microbatch=None,
-            is_first_microbatch=run._is_first_microbatch(forward) if forward is not None else False,
-            current_microbatch=forward.microbatch if forward is not None else None,
-        )
+    try:
+        with deferral, saving, _loss_where_placed(last, run.cp_size):
+            output, num_tokens, input_grad = combined_forward_backward_step(
+                run.forward_step_func,
+                f_iterator,
+                f_model,
+                run.num_microbatches,
+                f_input,
+                run.forward_data_store,
+                b_model,
+                b_input,
+                b_output,
+                b_grad,
+                run.config,
+                f_model_chunk_id=f_chunk,
+                collect_non_loss_data=run.collect_non_loss_data,
+                checkpoint_activations_microbatch=None,
+                is_first_microbatch=run._is_first_microbatch(forward) if forward is not None else False,
+                current_microbatch=forward.microbatch if forward is not None else None,
+            )
+    except CommStreamError as exc:  # name this rank and the op(s), as a failed pipeline message does
+        ops = "+".join(str(op) for op in (forward, backward) if op is not None)
+        raise CommStreamError(f"{run._where()} in combined step {ops}: {exc}") from exc
     if forward is not None:
         run._forward_outputs(forward, f_input, output, num_tokens)
     if backward is not None:
