@@ -18,6 +18,9 @@ and gradients are the same bits. The worker thread enters CPU mode's device rewr
 torch function mode) like the main thread. Every rank of an expert-parallel group issues the same
 nodes in the same order, so their collectives meet in order on the one worker.
 
+One change of order on the host, not on the streams: the forward's token dispatch is issued right after
+its attention node instead of after the backward's expert nodes (:func:`_layer_step` says why).
+
 ``EVENTS`` (None, or a list the tests set) records ``("launch" | "wait" | "compute", node name,
 "F" | "B", serial)`` in the host's order: a communication node issued, its result waited for (the
 serial number pairs the two), a compute node run (serial -1).
@@ -123,6 +126,13 @@ def resolve(value: Any) -> Any:
     return value.result() if isinstance(value, _Pending) else value
 
 
+def _resolving_first(callback: Callable[..., Any]) -> Callable[..., Any]:
+    def call(value: Any, *args: Any) -> Any:
+        return callback(resolve(value), *args)
+
+    return call
+
+
 def patch_schedule_nodes(thread_setup: Any) -> None:
     """Run megatron's communication-stream schedule nodes on the worker thread (idempotent);
     ``thread_setup()`` runs once on that thread (CPU mode's device rewriting)."""
@@ -160,9 +170,60 @@ def patch_schedule_nodes(thread_setup: Any) -> None:
 
     def run_plans(*args: Any, **kwargs: Any) -> Any:
         """megatron's chunk-level combined run; its result (the last forward node's output) waited for,
-        and every node issued to the worker finished, before the step goes on."""
+        and every node issued to the worker finished, before the step goes on; its pipeline callbacks
+        (megatron's interleaved schedule sends and receives there) get waited-for values too."""
+        for hook in ("post_forward", "post_backward"):  # megatron's p2p callbacks take the last node's output
+            if kwargs.get(hook) is not None:
+                kwargs[hook] = _resolving_first(kwargs[hook])
         output = resolve(run_chunks(*args, **kwargs))
         _Pending(_worker(thread_setup).submit(lambda: None), "end of the step", "F", 0).result()
         return output
 
     chunk_plan.run = staticmethod(run_plans)
+    plans.TransformerLayerSchedulePlan.run = staticmethod(_layer_step)
+
+
+def _layer_step(
+    f_layer: Any, b_layer: Any, f_input: Any = None, b_grad: Any = None, is_last_layer_in_bwd: bool = False
+) -> tuple[Any, Any]:
+    """One layer of a forward (``f_layer``) beside one layer of a backward (``b_layer``), either may be
+    None: megatron's nodes, issued in megatron's order on each stream, but on the host each
+    communication node as soon as its input exists.
+
+    On a GPU, megatron issues the forward's dispatch after the backward's expert nodes, which are then
+    still running on the compute stream, so the dispatch travels beside them. On CPU a compute node is
+    finished when the host issues the next node: issuing the forward's dispatch right after its own
+    attention node (before the backward's expert nodes) restores what the GPU overlaps. The
+    communication stream sees the same sequence as megatron's (combine-B, dispatch-F, dispatch-B,
+    combine-F), every node the same inputs, so the numbers are megatron's.
+    """
+    from contextlib import nullcontext
+
+    low = f_layer.get_low_precision_context if f_layer is not None else nullcontext
+    early_release = b_layer is not None and b_layer.config.ep_overlap_early_attn_memory_release
+    if b_layer is not None:
+        b_grad = b_layer.moe_combine.backward(b_layer.mtp_post_process.backward(b_grad))
+    if f_layer is not None:
+        with low():
+            f_input = f_layer.pre_dispatch_computation.forward(f_input)
+        with low():
+            f_input = f_layer.moe_dispatch.forward(f_input)
+    if b_layer is not None:
+        b_grad = b_layer.mlp.backward(b_grad)
+        b_layer.mlp.backward_dw()
+        b_grad = b_layer.moe_dispatch.backward(b_grad)
+        if early_release:
+            b_grad = b_layer.pre_dispatch_computation.backward(b_grad)
+    if f_layer is not None:
+        with low():
+            f_input = f_layer.mlp.forward(f_input)
+        with low():
+            f_input = f_layer.moe_combine.forward(f_input)
+    if b_layer is not None and not early_release:
+        b_grad = b_layer.pre_dispatch_computation.backward(b_grad)
+    if f_layer is not None:
+        with low():
+            f_input = f_layer.mtp_post_process.forward(f_input)
+    if b_layer is not None and not is_last_layer_in_bwd:
+        b_layer.pre_dispatch_computation.backward_dw()
+    return f_input, b_grad
