@@ -95,8 +95,9 @@ def check_overlap(args: Any) -> None:
     if name and name != "auto" and p > 1 and not has_steady_pairs(name, p):
         raise PipelineArgumentError(
             "--overlap-moe-expert-parallel-comm",
-            f"{name} never runs a forward next to another micro-batch's backward (all forwards, then all "
-            "backwards), so there is nothing to overlap: use 1f1b, interleaved-1f1b, zb-h1, v-zb, dualpipev, ...",
+            f"{name} on {p} ranks runs no steady state of forwards next to other micro-batches' backwards (at "
+            "most one such pair per rank), so there is nothing to overlap: use 1f1b, interleaved-1f1b, zb-h1, "
+            "v-zb, dualpipev, ...",
         )
 
 
