@@ -3,7 +3,9 @@
 What runs: megatron's MoE layer with ``SequentialMLP`` experts (``ColumnParallelLinear`` /
 ``RowParallelLinear``), its top-k router with the load-balancing loss, the ``alltoall`` and
 ``allgather`` token dispatchers, expert parallelism (``--expert-model-parallel-size``) on gloo, under
-megatron's own schedule and every ``--pipeline-schedule`` (docs/moe.md). Each check here raises
+megatron's own schedule and every ``--pipeline-schedule`` (docs/moe.md); megatron's
+``--overlap-moe-expert-parallel-comm`` with every schedule that pairs a forward with another micro-batch's
+backward (:func:`check_overlap`: megatron's own conditions, quoted). Each check here raises
 :class:`~.config.PipelineArgumentError` (one ``argument --flag: ...`` line) before any process group.
 """
 
