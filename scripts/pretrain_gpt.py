@@ -205,12 +205,18 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[tor
 
 
 def forward_step(data_iterator: Any, model: Any, return_schedule_plan: bool = False) -> tuple[Any, Any]:
-    """Megatron's forward-step contract: the chunk's output and a loss function for it."""
+    """Megatron's forward-step contract: the chunk's output (or, when megatron's combined 1F1B asks with
+    ``return_schedule_plan``, the chunk's schedule plan) and a loss function for it."""
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
     vp_stage = get_attr_wrapped_model(model, "vp_stage")
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
     timers("batch-generator").stop()
+    if return_schedule_plan:
+        # megatron's combined 1F1B (--overlap-moe-expert-parallel-comm) asks for the chunk's schedule
+        # plan, run node by node beside another micro-batch's backward, instead of its output
+        plan = model.build_schedule_plan(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+        return plan, partial(loss_func, loss_mask)
     output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output, partial(loss_func, loss_mask)
 

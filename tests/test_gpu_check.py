@@ -124,3 +124,16 @@ def test_device_names_map_to_planner_presets():
     assert device_preset("NVIDIA H100 80GB HBM3").name == "H100-80GB"
     assert device_preset("NVIDIA H200").name == "H200"
     assert device_preset("cpu").name == "CPU"
+
+
+@pytest.mark.gloo  # a one-rank gloo group in the script's process
+def test_dry_run_of_the_moe_overlap_check(tmp_path):
+    done = _script("--dry-run", "--in-process", "--checks", "moe-overlap", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert _check_lines(done.stdout) == {"moe-overlap": "PASS"}
+    check = json.loads((tmp_path / gpu_check.SUMMARY_FILE).read_text())["checks"][0]
+    pair = check["details"]["pair_nodes"]
+    on_comm = {(name, side) for name, side, stream in pair if stream == "comm"}
+    assert on_comm == {(n, s) for n in ("moe_dispatch", "moe_combine") for s in "FB"}
+    assert all(stream == "comp" for name, _, stream in pair if name not in ("moe_dispatch", "moe_combine"))
+    assert check["details"]["loss_diff"] == 0.0 and check["details"]["max_rel_grad_diff"] < 1e-5

@@ -9,7 +9,8 @@
 2. :class:`DuplicateOpError` / :class:`MissingOpError`: every (stage, micro-batch) of each
    micro-batch's replica runs exactly one ``F`` and either one ``BW`` or one ``B`` and one ``W``.
 3. :class:`DependencyError`: on one rank, ``F(s,m)`` after ``F(s-1,m)``, a backward of
-   ``(s,m)`` after the backward of ``(s+1,m)`` and after ``F(s,m)``, ``W`` after its ``B``.
+   ``(s,m)`` after the backward of ``(s+1,m)`` and after ``F(s,m)``, ``W`` after its ``B``; each
+   overlap pair one forward and one backward whose second op's input does not wait for the first.
 4. :class:`DeadlockError`: the lowered program (see :mod:`megatron_pp_ext.schedules.lowering`)
    runs to the end under rendezvous semantics, and every channel receives in send order.
 5. only when a :class:`~megatron_pp_ext.schedules.collectives.CollectivePolicy` is given,
@@ -33,6 +34,7 @@ from ..schedules.collectives import CollectivePlan, CollectivePolicy, check_coll
 from ..schedules.ir import Op, OpKind, ScheduleError
 from ..schedules.lowering import GRAD, Compute, Exchange, LoweredSchedule, Message, lower
 from ..schedules.op_arrays import KIND_BW, KIND_F, KIND_W, op_arrays
+from ..schedules.pairs import blocked_pairs
 from ..schedules.schedule import Schedule
 
 __all__ = [
@@ -572,6 +574,23 @@ def check_overlap_pairs(schedule: Schedule) -> None:
                     f"rank {rank}: overlap pair {first}+{second} at op {i} must be one forward and one backward "
                     f"(B or BW) of different stages or micro-batches\n{excerpt(schedule, rank, i)}"
                 )
+    if schedule.overlap_pairs:
+        _check_pairs_independent(schedule)
+
+
+def _check_pairs_independent(schedule: Schedule) -> None:
+    """The input of a pair's second op can arrive before the pair (the lowering receives it there):
+    it must not be made by an op that waits for the pair's first op (:mod:`~..schedules.pairs`)."""
+    try:
+        blocked = blocked_pairs(schedule)
+    except ValueError as exc:
+        raise DependencyError(str(exc)) from None
+    for rank, i in blocked[:1]:
+        first, second = schedule.ops[rank][i : i + 2]
+        raise DependencyError(
+            f"rank {rank}: overlap pair {first}+{second} at op {i}: the input of {second} waits for "
+            f"{first}, so it cannot arrive before the pair\n{excerpt(schedule, rank, i)}"
+        )
 
 
 # ---- all together ---------------------------------------------------------------------------

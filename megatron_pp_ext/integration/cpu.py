@@ -13,7 +13,8 @@ What it does (docs/architecture.md, "CPU / gloo mode"):
    arguments; ``Tensor.cuda()`` returns the tensor); ``torch.cuda.current_device()``
    returns 0 and ``device_count()`` 1;
 3. makes ``torch.cuda.synchronize`` / ``empty_cache`` / ``set_device`` no-ops;
-4. gives ``torch.cuda.current_stream()``, ``Stream`` and ``Event`` null objects;
+4. gives ``torch.cuda.current_stream()``, ``Stream`` and ``Event`` null objects (and makes
+   ``Tensor.record_stream`` a no-op: megatron's schedule-plan nodes call it);
 5. points megatron's CUDA RNG tracker at the CPU generator;
 6. defines ``typing.override`` on Python 3.11 (``megatron.training`` uses it; 3.12 has its own, kept);
 7. makes the tensor-parallel all-reduce return a fresh tensor, never its input (MoE experts add
@@ -21,7 +22,9 @@ What it does (docs/architecture.md, "CPU / gloo mode"):
 8. gives megatron's MoE token dispatcher its all-to-all split sizes as host arrays, as on a GPU
    (:func:`_patch_moe_split_sizes`);
 9. makes the C allocator keep freed large buffers for reuse, as a GPU's caching allocator does
-   (:mod:`megatron_pp_ext.integration.cpu_allocator` says why op costs depend on it).
+   (:mod:`megatron_pp_ext.integration.cpu_allocator` says why op costs depend on it);
+10. runs the communication-stream nodes of megatron's combined forward-backward step on a worker
+   thread, the CPU's stand-in for a CUDA stream (:mod:`megatron_pp_ext.integration.cpu_streams`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import cpu_streams
 from .cpu_allocator import keep_freed_buffers
 
 _ENABLED = False
@@ -340,6 +344,9 @@ def _patch_torch_cuda() -> None:
         range_push=lambda *a, **k: None, range_pop=lambda *a, **k: None, range=contextlib.nullcontext
     )
     torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    # the caching allocator's "used on this stream" mark (megatron's schedule-plan nodes set it before
+    # freeing an input): a CPU tensor has no stream to outlive, so there is nothing to mark
+    torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[method-assign,assignment]
 
 
 def _patch_rng_tracker() -> None:
@@ -391,6 +398,7 @@ def enable_cpu_mode(force: bool = False, threads: int | None = None) -> bool:
     _patch_rng_tracker()
     _patch_reduce_from_model_parallel_region()
     _patch_moe_split_sizes()
+    cpu_streams.patch_schedule_nodes(lambda: _CudaToCpuMode().__enter__())  # the mode is per thread
     _ENABLED = True
     return True
 

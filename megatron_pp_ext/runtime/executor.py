@@ -15,7 +15,9 @@ returns. It interprets this rank's lowered program instruction by instruction:
   unshard/reshard, the replica gradient sync of bidirectional placements) are
   launched when the program reaches that gap;
 * an overlap pair of the schedule (DualPipe's forward-and-backward step) goes to the overlap hook of
-  the chunk running its forward, if it has one (:mod:`.overlap`); otherwise its ops run one by one.
+  the chunk running its forward, if it has one (:mod:`.overlap`); otherwise its ops run one by one;
+* with MoE all-to-all overlap on, the schedule's overlap pairs are marked and every ``F``, ``B``/``BW``
+  and pair runs through megatron's combined forward-backward step (:mod:`.combined_step`).
 
 Tensors move through a mailbox keyed like the lowering's messages
 ``(kind, consumer stage, micro-batch)``: a producer deposits its output, a send
@@ -44,9 +46,11 @@ from ..schedules.collectives import (
 )
 from ..schedules.ir import Op, OpKind, ScheduleError
 from ..schedules.lowering import ACT, GRAD, Compute, Exchange, LoweredSchedule, lower
+from ..schedules.pairs import mark_pairs
 from ..schedules.schedule import Schedule
 from . import agreement, p2p
 from .channels import Channels
+from .combined_step import combined_pair, combined_step
 from .data import MicrobatchIterator
 from .embedding_sync import add_local_tied_grads, ends_on_same_rank, local_tied_pairs, without_embedding_groups
 from .errors import ExecutorError
@@ -104,6 +108,7 @@ def make_forward_backward_func(
     fsdp_grad_reduce_unit: int | None = None,
     replica_sync: Any = None,
     check_grads: bool = False,
+    overlap_moe: bool = False,
 ) -> Callable[..., list[Any]]:
     """Build megatron's ``forward_backward_func`` for schedules from ``schedule_for(num_microbatches)``.
 
@@ -116,15 +121,24 @@ def make_forward_backward_func(
     ``launch(chunk)`` starts a chunk's gradient all-reduce with the other replica's copy,
     ``finish()`` waits for them.
     ``check_grads``: watch every training iteration with :mod:`.grad_check` (the first one always is).
+    ``overlap_moe`` (or megatron's ``overlap_moe_expert_parallel_comm`` in the model's config): a training
+    pass marks the schedule's overlap pairs (:func:`~megatron_pp_ext.schedules.pairs.mark_pairs`) and runs
+    every forward and backward through megatron's combined step (:mod:`.combined_step`).
     Megatron's own ``grad_sync_func`` / ``param_sync_func`` (config) are launched where the
     collectives pass places them.
     """
-    plans: dict[tuple[int, int, bool, CollectivePolicy, bool], tuple[Schedule, _Plan]] = {}
+    plans: dict[tuple[int, int, bool, CollectivePolicy, bool, bool], tuple[Schedule, _Plan]] = {}
     tracers: dict[int, Tracer] = {}
     grad_checks = GradCheckPolicy(every_iteration=check_grads)
 
     def plan(
-        num_microbatches: int, rank: int, forward_only: bool, config: Any, models: list[Any], prefetch: bool
+        num_microbatches: int,
+        rank: int,
+        forward_only: bool,
+        config: Any,
+        models: list[Any],
+        prefetch: bool,
+        combined: bool,
     ) -> _Plan:
         schedule = schedule_for(num_microbatches)  # the source caches; it may re-plan between calls
         training = not forward_only
@@ -138,7 +152,7 @@ def make_forward_backward_func(
             policy = fsdp_policy(schedule, fsdp_max_unsharded, fsdp_grad_reduce_unit, **fields)
         else:
             policy = CollectivePolicy(**fields)
-        key = (num_microbatches, rank, forward_only, policy, prefetch)
+        key = (num_microbatches, rank, forward_only, policy, prefetch, combined)
         cached = plans.get(key)
         if cached is None or cached[0] is not schedule:
             if schedule.num_microbatches != num_microbatches:
@@ -147,6 +161,8 @@ def make_forward_backward_func(
                     f"megatron asked for {num_microbatches}"
                 )
             run_schedule = forward_only_schedule(schedule) if forward_only else schedule
+            if combined:
+                run_schedule = mark_pairs(run_schedule)
             plans[key] = cached = (schedule, _plan_for(lower(run_schedule), rank, policy, prefetch))
         return cached[1]
 
@@ -175,7 +191,9 @@ def make_forward_backward_func(
         from megatron.core.utils import get_model_config
 
         prefetch = p2p.strategy_for(pp_group).prefetches
-        the_plan = plan(num_microbatches, rank, forward_only, get_model_config(models[0]), models, prefetch)
+        config = get_model_config(models[0])
+        combined = not forward_only and (overlap_moe or getattr(config, "overlap_moe_expert_parallel_comm", False))
+        the_plan = plan(num_microbatches, rank, forward_only, config, models, prefetch, combined)
         agreement.agree_on_schedule(the_plan.lowered.schedule, pp_group, timeout_s=timeout_s)  # once per schedule
         if rank not in tracers:
             tracers[rank] = tracer_factory(rank) if tracer_factory else NullTracer()
@@ -200,6 +218,7 @@ def make_forward_backward_func(
             use_tags=use_tags,
             replica_sync=replica_sync,
             grad_watch=grad_checks.watcher(models, forward_only),
+            combined=combined,
         )
         return run.execute()
 
@@ -259,6 +278,7 @@ class _Run:
         use_tags: bool,
         replica_sync: Any,
         grad_watch: GradWatch | None = None,
+        combined: bool = False,
     ) -> None:
         """One keyword per argument of megatron's ``forward_backward_func`` call and per executor option, typed
         (the list is what makes this over 80 lines)."""
@@ -282,6 +302,7 @@ class _Run:
         self.use_tags: bool = use_tags
         self.replica_sync: Any = replica_sync
         self.grad_watch: GradWatch | None = grad_watch
+        self.combined: bool = combined  # every F and B/BW through megatron's combined step
         self.config = get_model_config(self.models[0])
         self.param_sync_func = per_chunk(self.config.param_sync_func, len(self.models))
 
@@ -499,6 +520,9 @@ class _Run:
         first, second = program[index].op, program[end].op  # type: ignore[union-attr]
         # (the lowering receives both inputs before the pair; in between the program may only post)
         forward = first if first.kind == OpKind.F else second
+        if self.combined:
+            combined_pair(self, first, second, program[index + 1 : end], gap)  # type: ignore[arg-type]
+            return end + 1
         hook = find_overlap_hook(self.models[self.placement.chunk_of(forward.stage)])
         if hook is None:
             return 0
@@ -526,16 +550,13 @@ class _Run:
         return end + 1
 
     def _forward(self, op: Op) -> None:
-        from megatron.core.pipeline_parallel.schedules import check_first_val_step, forward_step
+        from megatron.core.pipeline_parallel.schedules import forward_step
 
+        if self.combined:
+            combined_step(self, op, None)
+            return
+        input_tensor, iterator = self._forward_inputs(op)
         chunk = self.placement.chunk_of(op.stage)
-        input_tensor = None
-        if not self.placement.is_first(op.stage):
-            input_tensor = self._take((ACT, op.stage, op.microbatch), op)
-        iterator = self.iterators[chunk]
-        if iterator is not None:
-            iterator.current = op.microbatch
-        is_last = self.placement.is_last(op.stage)
         with self.tracer.saving(op):
             output_tensor, num_tokens = forward_step(
                 self.forward_step_func,
@@ -548,13 +569,31 @@ class _Run:
                 self.cp_size,
                 collect_non_loss_data=self.collect_non_loss_data,
                 checkpoint_activations_microbatch=None,
-                is_first_microbatch=check_first_val_step(
-                    self.first_val_step, self.forward_only, op in self.plan.first_forward
-                ),
+                is_first_microbatch=self._is_first_microbatch(op),
                 current_microbatch=op.microbatch,
                 vp_stage=chunk,
-                is_last_stage=is_last,
+                is_last_stage=self.placement.is_last(op.stage),
             )
+        self._forward_outputs(op, input_tensor, output_tensor, num_tokens)
+
+    def _is_first_microbatch(self, op: Op) -> bool:
+        from megatron.core.pipeline_parallel.schedules import check_first_val_step
+
+        return bool(check_first_val_step(self.first_val_step, self.forward_only, op in self.plan.first_forward))
+
+    def _forward_inputs(self, op: Op) -> tuple[Any, MicrobatchIterator | None]:
+        """The forward's input activation (None on a first stage) and its chunk's iterator, set to its micro-batch."""
+        input_tensor = None
+        if not self.placement.is_first(op.stage):
+            input_tensor = self._take((ACT, op.stage, op.microbatch), op)
+        iterator = self.iterators[self.placement.chunk_of(op.stage)]
+        if iterator is not None:
+            iterator.current = op.microbatch
+        return input_tensor, iterator
+
+    def _forward_outputs(self, op: Op, input_tensor: Any, output_tensor: Any, num_tokens: Any) -> None:
+        """Hand a forward's output on and keep what its backward needs."""
+        iterator = self.iterators[self.placement.chunk_of(op.stage)]
         if iterator is not None:
             iterator.current = None
         self.total_num_tokens += num_tokens
@@ -570,6 +609,19 @@ class _Run:
     def _backward(self, op: Op) -> None:
         from megatron.core.pipeline_parallel.schedules import backward_step
 
+        if self.combined:
+            combined_step(self, None, op)
+            return
+        input_tensor, output_tensor, output_grad = self._backward_inputs(op)
+        chunk = self.placement.chunk_of(op.stage)
+        with self.wgrad.deferring(
+            chunk, op.microbatch, enabled=op.kind == OpKind.B, where=_Where(self, op), model_chunk=self.models[chunk]
+        ):
+            input_grad = backward_step(input_tensor, output_tensor, output_grad, self.config)
+        self._backward_outputs(op, input_grad)
+
+    def _backward_inputs(self, op: Op) -> tuple[Any, Any, Any]:
+        """The saved input and output of the backward's forward, and the gradient of that output."""
         if self.forward_only:
             raise ExecutorError(f"{self._where(op)}: backward op in a forward-only run")
         try:
@@ -579,11 +631,9 @@ class _Run:
         output_grad = None
         if not self.placement.is_last(op.stage):
             output_grad = self._take((GRAD, op.stage, op.microbatch), op)
-        chunk = self.placement.chunk_of(op.stage)
-        with self.wgrad.deferring(
-            chunk, op.microbatch, enabled=op.kind == OpKind.B, where=_Where(self, op), model_chunk=self.models[chunk]
-        ):
-            input_grad = backward_step(input_tensor, output_tensor, output_grad, self.config)
+        return input_tensor, output_tensor, output_grad
+
+    def _backward_outputs(self, op: Op, input_grad: Any) -> None:
         self.tracer.released(op)
         prev = self.placement.prev_stage(op.stage)
         if prev is not None:

@@ -8,7 +8,9 @@ Checks, in the order they run (docs/gpu.md says what each one shows and what is 
   (:mod:`.host_staging`), running ``zb-h1`` and ``v-zb`` with the split; losses and every gradient against
   megatron's own 1F1B on the same two ranks (:func:`pipeline`);
 * ``costs``, ``memory``: one layer's F, B, W, BW and W-store bytes against the planner, and a split stage's
-  peak memory against the memory model (:mod:`.gpu_costs_check`).
+  peak memory against the memory model (:mod:`.gpu_costs_check`);
+* ``moe-overlap``: one overlapped pair of megatron's combined forward-backward step on CUDA streams, the
+  stream of each schedule-plan node recorded (:mod:`.gpu_moe_overlap_check`).
 
 Every check runs in a subprocess of its own (its own process group, killed with its rank processes at its
 time limit), so one failing or hanging check does not stop the others; the whole run keeps within
@@ -44,6 +46,7 @@ CHECKS: dict[str, tuple[str, str, float]] = {
     "costs": ("gpu_costs_check", "costs", 120.0),
     "memory": ("gpu_costs_check", "memory", 90.0),
     "split-te": ("gpu_split_check", "split_te", 90.0),
+    "moe-overlap": ("gpu_moe_overlap_check", "moe_overlap", 90.0),
 }
 DEFAULT_BUDGET_S = 450.0  # the 8 minutes, less the wheel installation and the interpreter starts
 SUMMARY_FILE = "gpu_check.json"

@@ -153,6 +153,7 @@ class _Training:
             fsdp_max_unsharded=spec.fsdp_max_unsharded if spec.fsdp else None,
             fsdp_grad_reduce_unit=spec.fsdp_grad_reduce_unit if spec.fsdp else None,
             replica_sync=replica_sync,
+            overlap_moe=spec.overlap_moe,
         )
 
     def run(self) -> dict[str, Any]:

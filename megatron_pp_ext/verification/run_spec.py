@@ -70,6 +70,9 @@ class RunSpec:
     # MoE (model.num_experts): experts split over this many of the data-parallel ranks (megatron's expert
     # parallelism: the token dispatcher's all-to-all runs among them); must divide dp and num_experts.
     ep: int = 1
+    # MoE: every F, B/BW and overlap pair of our executor through megatron's combined forward-backward step,
+    # the schedule's overlap pairs marked (megatron's --overlap-moe-expert-parallel-comm; runtime/combined_step.py)
+    overlap_moe: bool = False
     distributed_optimizer: bool = False  # megatron's DistributedOptimizer (reduce-scatter + param all-gather)
     # Fully sharded data parallelism per chunk (runtime/fsdp.py) instead of megatron DDP: the executor
     # gathers and frees each chunk's parameters where the collectives pass places it, at most

@@ -341,15 +341,19 @@ def _unwrap(model: Any) -> Any:
     return model
 
 
-def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
-    """megatron-style forward step: data only on chunks with the embedding, the MTP layers or the loss."""
+def forward_step(data_iterator: Any, model: Any, return_schedule_plan: bool = False) -> tuple[Any, Any]:
+    """megatron-style forward step: data only on chunks with the embedding, the MTP layers or the loss. With
+    ``return_schedule_plan`` (megatron's combined step asks) the chunk's schedule plan instead of its output."""
     gpt = _unwrap(model)
     mtp = bool(getattr(gpt, "mtp_process", False))  # MTP layers embed the tokens themselves
     batch = next(data_iterator) if (gpt.pre_process or gpt.post_process or mtp) else None
     tokens = batch["tokens"] if gpt.pre_process or mtp else None
     positions = batch["position_ids"] if gpt.pre_process or mtp else None
     labels = batch["labels"] if gpt.post_process else None
-    output = model(tokens, positions, None, labels=labels)
+    if return_schedule_plan:
+        output = gpt.build_schedule_plan(tokens, positions, None, labels=labels)
+    else:
+        output = model(tokens, positions, None, labels=labels)
     loss_mask = batch["loss_mask"] if gpt.post_process else None
 
     def loss_func(output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -46,6 +46,7 @@ def verify_schedule(
     p2p_tags: bool = True,
     dp: int = 1,
     ep: int = 1,
+    overlap_moe: bool = False,
     distributed_optimizer: bool = False,
     fsdp: bool = False,
     fsdp_max_unsharded: int = 1,
@@ -71,7 +72,8 @@ def verify_schedule(
     (:mod:`.breaks`; tests of the verdict's sharpness).
 
     ``ep``: with a MoE ``model`` (``num_experts``), the experts split over ``ep`` of the ``dp`` data-parallel
-    ranks (:func:`check_moe` says what is accepted).
+    ranks (:func:`check_moe` says what is accepted). ``overlap_moe``: our run puts every forward, backward
+    and overlap pair through megatron's combined forward-backward step (the references do not).
 
     ``device`` (:class:`RunSpec`): ``"cuda"`` runs every rank on GPU 0 (p2p staged through host memory);
     a pool's processes keep the device of their first run, so give a ``"cuda"`` run a pool of its own.
@@ -120,6 +122,7 @@ def verify_schedule(
             num_microbatches=m,
             dp=dp,
             ep=ep,
+            overlap_moe=overlap_moe,
             distributed_optimizer=distributed_optimizer,
             fsdp=fsdp,
             fsdp_max_unsharded=fsdp_max_unsharded,

@@ -90,6 +90,12 @@ def add_verify_parser(subparsers: Any) -> None:
         help="with --num-experts: expert-parallel size, carved out of the --dp ranks as megatron does (default 1)",
     )
     parser.add_argument(
+        "--overlap-moe",
+        action="store_true",
+        help="with --num-experts: run every F, B and overlap pair through megatron's combined forward-backward "
+        "step, the schedule's overlap pairs hiding each other's expert-parallel all-to-alls",
+    )
+    parser.add_argument(
         "--distributed-optimizer",
         action="store_true",
         help="megatron's distributed optimizer (gradient reduce-scatter, parameter all-gather); needs megatron DDP",
@@ -270,6 +276,7 @@ def run_verify(args: argparse.Namespace) -> int:
             tol=args.tolerance,
             dp=args.dp,
             ep=args.ep,
+            overlap_moe=args.overlap_moe,
             distributed_optimizer=args.distributed_optimizer,
             fsdp=args.fsdp,
             fsdp_max_unsharded=args.fsdp_max_unsharded,
@@ -300,12 +307,19 @@ def _moe_problem(args: argparse.Namespace) -> str | None:
                 ("--moe-topk", args.moe_topk, 2),
                 ("--moe-aux-loss-coeff", args.moe_aux_loss_coeff, 1e-2),
                 ("--moe-dispatcher", args.moe_dispatcher, "alltoall"),
+                ("--overlap-moe", args.overlap_moe, False),
             )
             if value != default
         ]
         return f"{given[0]} goes with a MoE model: add --num-experts" if given else None
     if args.post_validation:
         return "--post-validation with --num-experts: not supported for MoE models (drop one of them)"
+    if args.overlap_moe and (args.ep < 2 or args.moe_dispatcher != "alltoall"):
+        return (
+            "--overlap-moe needs --ep 2 or more and --moe-dispatcher alltoall (megatron: "
+            "overlap_moe_expert_parallel_comm is only supported with expert model parallelism, with the "
+            "alltoall/flex token dispatcher)"
+        )
     return moe_problem(args.num_experts, args.moe_topk, args.ep, args.dp, args.tp, args.fsdp)
 
 

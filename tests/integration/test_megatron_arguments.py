@@ -177,9 +177,43 @@ def test_memory_limit_is_refused_by_fixed_memory_schedules() -> None:
     assert "memory_limit" in str(err)
 
 
-def test_combined_1f1b_is_refused() -> None:
-    err = error_of(make_args(["--pipeline-schedule", "1f1b"], overlap_moe_expert_parallel_comm=True))
-    assert err.flag == "--overlap-moe-expert-parallel-comm"
+OVERLAP = {
+    "overlap_moe_expert_parallel_comm": True,
+    "num_experts": 4,
+    "expert_model_parallel_size": 2,
+    "moe_token_dispatcher_type": "alltoall",
+    "bf16": True,
+}
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "zb-h1", "v-zb", "dualpipev"])
+def test_moe_overlap_is_accepted_with_schedules_that_pair_ops(name: str) -> None:
+    validate_arguments(make_args(["--pipeline-schedule", name], **OVERLAP))
+
+
+@pytest.mark.parametrize(
+    ("megatron", "flag", "reason"),
+    [
+        ({"recompute_granularity": "full"}, "--recompute-granularity", "disable full recomputation"),
+        ({"recompute_method": "uniform"}, "--recompute-method", "disable recomputation method"),
+        ({"recompute_num_layers": 1}, "--recompute-num-layers", "recompute_num_layers must be None"),
+        ({"recompute_modules": ["moe"]}, "--recompute-modules", "disable moe in recompute_modules"),
+        ({"mtp_num_layers": 2}, "--mtp-num-layers", "MTP supports at most one layer"),
+        ({"expert_model_parallel_size": 1}, "--expert-model-parallel-size", "only supported with expert model"),
+        ({"moe_token_dispatcher_type": "allgather"}, "--moe-token-dispatcher-type", "alltoall/flex"),
+        ({"moe_shared_expert_overlap": True}, "--moe-shared-expert-overlap", "disable moe_shared_expert_overlap"),
+        ({"bf16": False}, "--overlap-moe-expert-parallel-comm", "only supported with bf16 or fp16"),
+    ],
+)
+def test_moe_overlap_refuses_what_megatron_refuses(megatron: dict, flag: str, reason: str) -> None:
+    err = error_of(make_args(["--pipeline-schedule", "1f1b"], **{**OVERLAP, **megatron}))
+    assert err.flag == flag and "(megatron: " in str(err) and reason in str(err) and "\n" not in str(err)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "bfs"])
+def test_moe_overlap_refuses_schedules_without_pairs(name: str) -> None:
+    err = error_of(make_args(["--pipeline-schedule", name], **OVERLAP))
+    assert err.flag == "--overlap-moe-expert-parallel-comm" and "nothing to overlap" in str(err)
 
 
 def test_megatron_weight_gradient_delay_is_refused_with_a_schedule() -> None:

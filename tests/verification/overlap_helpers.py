@@ -60,3 +60,42 @@ def run_with_moe_overlap(spec: Any, rank: int, init_method: str) -> dict[str, An
     result = run_with_chunks_patched(spec, rank, init_method, lambda chunks: hooks.extend(install_moe_overlap(chunks)))
     result["moe_overlap_events"] = [hook.events for hook in hooks]
     return result
+
+
+def run_with_node_events(spec: Any, rank: int, init_method: str) -> dict[str, Any]:
+    """:func:`~megatron_pp_ext.verification.rank_run.run_on_rank` recording, in the host's order, megatron's
+    combined steps (``("step", forward side?, backward side?)``) and the schedule-plan node events of CPU
+    mode's communication stream (:mod:`megatron_pp_ext.integration.cpu_streams`), and counting the
+    weight-gradient closures queued per ``"chunk.micro-batch"``."""
+    from megatron.core.pipeline_parallel import combined_1f1b
+
+    from megatron_pp_ext.integration import cpu_streams
+    from megatron_pp_ext.runtime.wgrad import WeightGradStore
+    from megatron_pp_ext.verification.rank_run import run_on_rank
+
+    events: list[tuple[Any, ...]] = []
+    original = combined_1f1b.combined_forward_backward_step
+    put = WeightGradStore.put
+    queued: dict[str, int] = {}
+
+    def counting_put(self: Any, closure: Any, held_bytes: int = 0) -> None:
+        key = f"{self._active[0]}.{self._active[1]}"  # (chunk, micro-batch) of the B deferring
+        queued[key] = queued.get(key, 0) + 1
+        put(self, closure, held_bytes)
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        events.append(("step", args[2] is not None, args[6] is not None))  # f_model, b_model
+        return original(*args, **kwargs)
+
+    combined_1f1b.combined_forward_backward_step = step
+    WeightGradStore.put = counting_put  # type: ignore[method-assign]
+    cpu_streams.EVENTS = events
+    try:
+        result = run_on_rank(spec, rank, init_method)
+    finally:
+        combined_1f1b.combined_forward_backward_step = original
+        WeightGradStore.put = put  # type: ignore[method-assign]
+        cpu_streams.EVENTS = None
+    result["node_events"] = events
+    result["wgrad_queued"] = queued  # weight-gradient closures each B queued for its W
+    return result
