@@ -71,7 +71,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from megatron_pp_ext.analysis.plot import draw_rank_busy  # noqa: E402
-from megatron_pp_ext.analysis.results_file import write_block  # noqa: E402
+from megatron_pp_ext.bench.results_file import write_block  # noqa: E402
 from megatron_pp_ext.planner.cost_model import CostModel, get_device  # noqa: E402
 from megatron_pp_ext.planner.layer_costs import MeasuredLayers  # noqa: E402
 from megatron_pp_ext.planner.layer_layouts import layout_text  # noqa: E402

@@ -1,7 +1,7 @@
 """Real CPU runs: megatron-core's own 1F1B and interleaved 1F1B vs ours, same tiny GPT, same data.
 
 Every iteration runs megatron's ``forward_backward_func`` and ours back to back on the same gloo ranks,
-model and data, alternating which goes first (verification/ab_timing.py, mode AB). Reported per case: the median
+model and data, alternating which goes first (bench/ab_timing.py, mode AB). Reported per case: the median
 over iterations of ours / megatron's wall time (slowest rank per iteration, warm-up dropped), the peak
 bytes autograd holds for backward per rank (parameters excluded; one extra iteration of each under
 ``SavedBytesMeter``), and whether every micro-batch loss is equal (bitwise) in every iteration.
@@ -20,9 +20,9 @@ import statistics
 
 from megatron_pp_ext.analysis.plot import draw_plan_vs_measured
 from megatron_pp_ext.analysis.simulate import simulate
+from megatron_pp_ext.bench import torch_pipelining
 from megatron_pp_ext.schedules import generate
 from megatron_pp_ext.schedules.costs import Costs
-from megatron_pp_ext.verification import torch_pipelining
 from megatron_pp_ext.verification.rank_pool import check_errors
 from megatron_pp_ext.verification.rank_run import TrainingRankPool
 from megatron_pp_ext.verification.run_spec import AB, NATIVE, OURS, RunSpec

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from megatron_pp_ext.planner.memory import TrainingSetup, layer_activation_bytes, wgrad_held_bytes
 from megatron_pp_ext.planner.models import ModelSpec
+from megatron_pp_ext.selfcheck.split_check import LayerMemoryCase, layer_memory_probe
 from megatron_pp_ext.verification.rank_pool import check_errors
 from megatron_pp_ext.verification.rank_run import TrainingRankPool
-from megatron_pp_ext.verification.selfcheck import LayerMemoryCase, layer_memory_probe
 
 
 def model_figures(case: LayerMemoryCase) -> tuple[float, float]:

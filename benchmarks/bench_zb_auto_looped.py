@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_pp_ext.analysis import simulate
-from megatron_pp_ext.analysis.results_file import write_block
+from megatron_pp_ext.bench.results_file import write_block
 from megatron_pp_ext.schedules import generate
 from megatron_pp_ext.schedules.costs import Costs
 

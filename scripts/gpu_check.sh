@@ -4,7 +4,7 @@
 # summary and the checks' own output in $OUT (or --out DIR; default out/gpu_check): gpu_check.json, gpu_check.log.
 #
 #   bash scripts/gpu_check.sh                 # on the GPU machine, with the wheels copied there in gpu_wheels/
-#   bash scripts/gpu_check.sh --dry-run       # here, on CPU with tiny shapes (what tests/test_gpu_check.py runs)
+#   bash scripts/gpu_check.sh --dry-run       # here, on CPU with tiny shapes (what tests/selfcheck/test_gpu_check.py runs)
 #
 # Exit status: 0 when every check passed or was skipped, 1 when one failed, 2 for bad arguments, 3 when the
 # wheels could not be installed.
@@ -31,4 +31,4 @@ if [[ $dry == 0 ]] && ! "$PY" -c "import megatron.core" >/dev/null 2>&1; then
     "copy gpu_wheels/ to this machine (docs/gpu.md)" >&2
   exit 3
 fi
-exec "$PY" -m megatron_pp_ext.verification.gpu_check "$@"
+exec "$PY" -m megatron_pp_ext.selfcheck.gpu_check "$@"

@@ -19,12 +19,8 @@ from tests.import_graph import ROOT, cycles, import_graph
 def test_the_graph_sees_the_package() -> None:
     graph = import_graph(top_level=False)
     assert "megatron_pp_ext.schedules.engine" in graph["megatron_pp_ext.schedules.generators.zbv"]
-    assert (
-        "megatron_pp_ext.verification.verify_cli" in graph["megatron_pp_ext.cli.cmd_verify"]
-    )  # a function-level import
-    assert (
-        "megatron_pp_ext.verification.verify_cli" not in import_graph(top_level=True)["megatron_pp_ext.cli.cmd_verify"]
-    )
+    assert "megatron_pp_ext.cli.verify_command" in graph["megatron_pp_ext.cli.cmd_verify"]  # a function-level import
+    assert "megatron_pp_ext.cli.verify_command" not in import_graph(top_level=True)["megatron_pp_ext.cli.cmd_verify"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -55,6 +51,8 @@ def test_one_circle_in_the_whole_package() -> None:
         ("megatron_pp_ext.cli", "megatron_pp_ext.runtime"),
         ("megatron_pp_ext.cli", "megatron_pp_ext.verification"),
         ("megatron_pp_ext.runtime", "megatron_pp_ext.verification"),
+        ("megatron_pp_ext.verification", "megatron_pp_ext.bench"),
+        ("megatron_pp_ext.verification", "megatron_pp_ext.selfcheck"),
         ("megatron_pp_ext.planner.memory", "megatron_pp_ext.planner.models"),
     ],
 )
@@ -71,7 +69,7 @@ def test_no_cycle_between(one: str, other: str) -> None:
     [
         "megatron_pp_ext.cli",
         "megatron_pp_ext.schedule_args",
-        "megatron_pp_ext.verification.verify_cli",
+        "megatron_pp_ext.cli.verify_command",
         "megatron_pp_ext.planner.memory",
         "megatron_pp_ext.planner.models",
     ],
@@ -89,7 +87,7 @@ LAYERS = ("schedules", "analysis", "planner")  # each imports only the ones befo
 @pytest.mark.parametrize("layer", LAYERS)
 def test_no_upward_import(layer: str) -> None:
     """Function-level imports included: a pure layer never imports a later one, ``cli`` or the torch side."""
-    above = [*LAYERS[LAYERS.index(layer) + 1 :], "cli", "runtime", "integration", "verification"]
+    above = [*LAYERS[LAYERS.index(layer) + 1 :], "cli", "runtime", "integration", "verification", "selfcheck", "bench"]
     prefix = f"megatron_pp_ext.{layer}"
     bad = sorted(
         f"{module} -> {dep}"
@@ -110,3 +108,17 @@ def test_nothing_imports_the_cli() -> None:
         if dep.startswith("megatron_pp_ext.cli")
     )
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("job", ["selfcheck", "bench", "cli"])
+def test_verify_does_not_import_the_jobs_built_on_it(job: str) -> None:
+    """``verification`` (the verify job) is below the self-checks, the benchmarks and the CLI: it imports none
+    of them, not even in a function (mode AB's timing module is looked up by name in ``rank_run``)."""
+    bad = sorted(
+        f"{module} -> {dep}"
+        for module, deps in import_graph(top_level=False).items()
+        if module.startswith("megatron_pp_ext.verification")
+        for dep in deps
+        if dep == f"megatron_pp_ext.{job}" or dep.startswith(f"megatron_pp_ext.{job}.")
+    )
+    assert not bad, bad

@@ -13,10 +13,10 @@ PEERS_BLOCK = "peers"  # the results file's block this command's --write replace
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Peer tables: torch.distributed.pipelining's schedules next to ours (imports torch); with --emulate,
-    every schedule on real ranks with emulated compute (verification/emulate_bench.py)."""
+    every schedule on real ranks with emulated compute (bench/emulate_bench.py)."""
     from ..analysis import peers
-    from ..analysis.results_file import write_block
-    from ..verification import emulate_bench, real_peers_bench
+    from ..bench import emulate_bench, real_peers_bench
+    from ..bench.results_file import write_block
 
     real = real_peers_bench.settings_from(args)  # refuses its flags without --real-peers
     if real is not None:
@@ -46,13 +46,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _add_emulate_arguments(bench: argparse.ArgumentParser) -> None:
-    from ..verification.emulate_bench import add_arguments  # argument parsing only: no torch
+    from ..bench.emulate_bench import add_arguments  # argument parsing only: no torch
 
     add_arguments(bench)
 
 
 def _add_real_peers_arguments(bench: argparse.ArgumentParser) -> None:
-    from ..verification.real_peers_bench import add_arguments  # argument parsing only: no torch
+    from ..bench.real_peers_bench import add_arguments  # argument parsing only: no torch
 
     add_arguments(bench)
 

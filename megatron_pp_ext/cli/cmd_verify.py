@@ -1,9 +1,10 @@
 """``megatron-pp verify``: run a schedule on real ranks and compare with a reference (needs the runtime).
 
-The runtime (torch + megatron-core) provides ``megatron_pp_ext.verification.verify_cli`` with
-``add_verify_parser(subparsers) -> None``, which adds the ``verify`` parser and sets ``func`` (a callable
-``(args) -> exit code``) as its default. It is imported only when the command line asks for ``verify``,
-so no other command imports torch; otherwise a stub parser says what is missing when run.
+The command's parser and its run live next to this module, in :mod:`.verify_command`
+(``add_verify_parser(subparsers) -> None`` adds the ``verify`` parser and sets ``func``, a callable
+``(args) -> exit code``, as its default); it reaches the runtime (torch + megatron-core), so it is imported
+only when the command line asks for ``verify`` and no other command imports torch. Where the runtime does
+not import, a stub parser says what is missing when run.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def add_parser(subparsers: Any, load_runtime: bool) -> None:
     reason = "not requested"
     if load_runtime:
         try:
-            from ..verification.verify_cli import add_verify_parser
+            from .verify_command import add_verify_parser
         except ImportError as exc:
             reason = str(exc)
         else:

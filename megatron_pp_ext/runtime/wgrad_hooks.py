@@ -36,7 +36,7 @@ RMSNorm weights and biases, word and position embeddings, ``RowParallelLinear``'
 bias (megatron adds it after the reduction, outside the linear's autograd
 function; so also the experts' second bias), and any parameter owned by neither a
 megatron linear nor the router's gate.
-``tests/verification/test_wgrad_split.py`` checks per layer kind which gradients B
+``tests/selfcheck/test_wgrad_split.py`` checks per layer kind which gradients B
 leaves untouched and that each W computes all the others.
 """
 

@@ -6,7 +6,7 @@ the schedule's placement (:mod:`.rank_model`: megatron DDP, megatron's distribut
 FSDP, and the optimizer), trains ``spec.iterations`` iterations with our executor (``OURS``) or
 megatron-core's own schedule (``NATIVE``), and returns every loss and every parameter gradient (keyed by
 global parameter name, tensor-parallel rank, stage and data-parallel rank) with the trace, timings and
-counters. Mode ``AB`` times megatron's function against ours instead (:mod:`megatron_pp_ext.verification.ab_timing`).
+counters. Mode ``AB`` times megatron's function against ours instead (:mod:`megatron_pp_ext.bench.ab_timing`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ __all__ = ["TrainingRankPool", "run_on_rank"]
 
 # Mode AB's timing loop is a benchmark's, not verify's: imported by name when a spec asks for it, so verify's
 # modules do not import the benchmarks built on them.
-AB_TIMING_MODULE = "megatron_pp_ext.verification.ab_timing"
+AB_TIMING_MODULE = "megatron_pp_ext.bench.ab_timing"
 
 
 def run_on_rank(spec: RunSpec, rank: int, init_method: str) -> dict[str, Any]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.selfcheck.replica_sync_check import replica_sync_check
 from megatron_pp_ext.verification.rank_pool import check_errors
-from megatron_pp_ext.verification.replica_sync_check import replica_sync_check
 
 
 @pytest.mark.parametrize("case", [("bitpipe", 4, 8), ("bitpipe-zb", 2, 4)])

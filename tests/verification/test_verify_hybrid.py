@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_pp_ext.cli.verify_command import hybrid_refusal
 from megatron_pp_ext.runtime.hybrid_pattern import (
     HybridPatternError,
     check_runnable,
@@ -17,7 +18,6 @@ from megatron_pp_ext.schedules import generate
 from megatron_pp_ext.schedules.placement import bidirectional_placement, loop_placement, v_placement
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
 from megatron_pp_ext.verification.verify import verify_schedule
-from megatron_pp_ext.verification.verify_cli import hybrid_refusal
 
 TWO_STAGES = "*-|-*"  # loop placements at p = 2
 FOUR_STAGES = "*|E-|-|*"  # interleaved (v = 2), V-shape and bidirectional placements at p = 2
