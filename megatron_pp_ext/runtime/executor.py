@@ -30,24 +30,15 @@ decides is in its op lists, its placement and the lowering.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..schedules.collectives import (
-    Collective,
-    CollectiveKind,
-    CollectivePolicy,
-    derive_collectives,
-    fsdp_policy,
-)
+from ..schedules.collectives import Collective, CollectiveKind
 from ..schedules.ir import Op, OpKind, ScheduleError
-from ..schedules.lowering import ACT, GRAD, Compute, Exchange, LoweredSchedule, lower
-from ..schedules.pairs import mark_pairs
-from ..schedules.schedule import Schedule
+from ..schedules.lowering import ACT, GRAD, Compute, Exchange
 from . import agreement, p2p
 from .channels import Channels
 from .combined_step import combined_pair, combined_step
@@ -55,47 +46,13 @@ from .data import MicrobatchIterator
 from .embedding_sync import add_local_tied_grads, ends_on_same_rank, local_tied_pairs, without_embedding_groups
 from .errors import ExecutorError
 from .grad_check import GradCheckPolicy, GradWatch, watching
-from .grad_sync import GradSync, grad_sync_funcs, per_chunk
+from .grad_sync import GradSync, per_chunk
 from .overlap import OverlapStep, find_overlap_hook
+from .run_plan import PlanCache, RunPlan, ScheduleSource, next_op
 from .trace import NullTracer, Tracer
 from .wgrad import WeightGradStore, get_weight_grad_store
 
 logger = logging.getLogger(__name__)
-
-ScheduleSource = Callable[[int], Schedule]
-
-
-def forward_only_schedule(schedule: Schedule) -> Schedule:
-    """The forward ops of ``schedule`` in the same per-rank order (evaluation)."""
-    ops = tuple(tuple(op for op in row if op.kind == OpKind.F) for row in schedule.ops)
-    return Schedule(
-        placement=schedule.placement,
-        num_microbatches=schedule.num_microbatches,
-        ops=ops,
-        name=f"{schedule.name}[forward-only]",
-        microbatch_replicas=schedule.microbatch_replicas,
-    )
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """What the executor precomputes once per (schedule, rank)."""
-
-    lowered: LoweredSchedule
-    program: tuple[Compute | Exchange, ...]
-    first_forward: frozenset[Op]  # first F of each local chunk
-    collectives: dict[int, tuple[Collective, ...]]  # gap (index of the next compute op) -> collectives
-
-
-def _plan_for(lowered: LoweredSchedule, rank: int, policy: CollectivePolicy, prefetch: bool) -> _Plan:
-    placement = lowered.schedule.placement
-    program = lowered.program(rank, prefetch)
-    collectives = derive_collectives(lowered.schedule, policy).on_rank(rank)
-    first_forward: dict[int, Op] = {}
-    for ins in program:
-        if isinstance(ins, Compute) and ins.op.kind == OpKind.F:
-            first_forward.setdefault(placement.chunk_of(ins.op.stage), ins.op)
-    return _Plan(lowered, program, frozenset(first_forward.values()), collectives)
 
 
 def make_forward_backward_func(
@@ -126,45 +83,11 @@ def make_forward_backward_func(
     every forward and backward through megatron's combined step (:mod:`.combined_step`).
     Megatron's own ``grad_sync_func`` / ``param_sync_func`` (config) are launched where the
     collectives pass places them.
+    Long because the function it returns restates megatron's keyword signature and hands each keyword on by name.
     """
-    plans: dict[tuple[int, int, bool, CollectivePolicy, bool, bool], tuple[Schedule, _Plan]] = {}
+    plans = PlanCache(schedule_for, fsdp_max_unsharded, fsdp_grad_reduce_unit, replica_sync)
     tracers: dict[int, Tracer] = {}
     grad_checks = GradCheckPolicy(every_iteration=check_grads)
-
-    def plan(
-        num_microbatches: int,
-        rank: int,
-        forward_only: bool,
-        config: Any,
-        models: list[Any],
-        prefetch: bool,
-        combined: bool,
-    ) -> _Plan:
-        schedule = schedule_for(num_microbatches)  # the source caches; it may re-plan between calls
-        training = not forward_only
-        fields = {
-            "reduce_grads": training and grad_sync_funcs(config, models) is not None,
-            "param_sync": training and config.param_sync_func is not None,
-            "replica_sync": training and replica_sync is not None,
-        }
-        if fsdp_max_unsharded is not None or (models and all(hasattr(m, "unshard") for m in models)):
-            # FSDP chunks: the schedule's declared gather limit and gradient reduction unit unless given
-            policy = fsdp_policy(schedule, fsdp_max_unsharded, fsdp_grad_reduce_unit, **fields)
-        else:
-            policy = CollectivePolicy(**fields)
-        key = (num_microbatches, rank, forward_only, policy, prefetch, combined)
-        cached = plans.get(key)
-        if cached is None or cached[0] is not schedule:
-            if schedule.num_microbatches != num_microbatches:
-                raise ExecutorError(
-                    f"schedule {schedule.name!r} is for {schedule.num_microbatches} micro-batches, "
-                    f"megatron asked for {num_microbatches}"
-                )
-            run_schedule = forward_only_schedule(schedule) if forward_only else schedule
-            if combined:
-                run_schedule = mark_pairs(run_schedule)
-            plans[key] = cached = (schedule, _plan_for(lower(run_schedule), rank, policy, prefetch))
-        return cached[1]
 
     def forward_backward_func(
         *,
@@ -193,7 +116,7 @@ def make_forward_backward_func(
         prefetch = p2p.strategy_for(pp_group).prefetches
         config = get_model_config(models[0])
         combined = not forward_only and (overlap_moe or getattr(config, "overlap_moe_expert_parallel_comm", False))
-        the_plan = plan(num_microbatches, rank, forward_only, config, models, prefetch, combined)
+        the_plan = plans.plan(num_microbatches, rank, forward_only, config, models, prefetch, combined)
         agreement.agree_on_schedule(the_plan.lowered.schedule, pp_group, timeout_s=timeout_s)  # once per schedule
         if rank not in tracers:
             tracers[rank] = tracer_factory(rank) if tracer_factory else NullTracer()
@@ -258,7 +181,7 @@ class _Run:
     def __init__(
         self,
         *,
-        plan: _Plan,
+        plan: RunPlan,
         rank: int,
         pp_group: dist.ProcessGroup,
         pg_collection: Any,
@@ -280,8 +203,7 @@ class _Run:
         grad_watch: GradWatch | None = None,
         combined: bool = False,
     ) -> None:
-        """One keyword per argument of megatron's ``forward_backward_func`` call and per executor option, typed
-        (the list is what makes this over 80 lines)."""
+        """One keyword per argument of megatron's ``forward_backward_func`` call and per executor option, typed."""
         from megatron.core.utils import get_model_config
 
         self.plan = plan
@@ -306,21 +228,8 @@ class _Run:
         self.config = get_model_config(self.models[0])
         self.param_sync_func = per_chunk(self.config.param_sync_func, len(self.models))
 
-        if pp_group.size() != self.schedule.num_ranks:
-            raise ExecutorError(
-                f"schedule {self.schedule.name!r} is for {self.schedule.num_ranks} pipeline ranks, "
-                f"the pipeline group has {pp_group.size()}"
-            )
+        self._check_fits()
         self.local_stages = self.placement.stages_on_rank(rank)
-        if len(self.models) != len(self.local_stages):
-            raise ExecutorError(
-                f"rank {rank}: schedule {self.schedule.name!r} places {len(self.local_stages)} model chunk(s) "
-                f"on this rank (stages {list(self.local_stages)}), got {len(self.models)}"
-            )
-        if self.config.variable_seq_lengths:
-            raise ExecutorError("variable_seq_lengths is not supported by megatron_pp_ext schedules yet")
-        if self.config.pipeline_dtype is None:
-            raise ExecutorError("TransformerConfig.pipeline_dtype must be set for pipeline communication")
         self.iterators = self._wrap_iterators(data_iterator)
         self.tensor_shape = self._tensor_shape(seq_length, micro_batch_size, decoder_seq_length)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
@@ -343,16 +252,38 @@ class _Run:
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)  # megatron keeps it on the GPU
         self.wgrad: WeightGradStore = get_weight_grad_store()
         self.wgrad.on_held_bytes = self.tracer.add_held_bytes
+        self.grad_sync = GradSync(self.config, self.models, active=not self.forward_only, expected=self._reductions())
+        self.holds_last_stage = any(self.placement.is_last(s) for s in self.local_stages)
+
+    # ---- set-up helpers ------------------------------------------------------------------
+    def _check_fits(self) -> None:
+        """Refuse a pipeline group, a chunk count or a model config the schedule cannot run on."""
+        if self.pp_group.size() != self.schedule.num_ranks:
+            raise ExecutorError(
+                f"schedule {self.schedule.name!r} is for {self.schedule.num_ranks} pipeline ranks, "
+                f"the pipeline group has {self.pp_group.size()}"
+            )
+        stages = self.placement.stages_on_rank(self.rank)
+        if len(self.models) != len(stages):
+            raise ExecutorError(
+                f"rank {self.rank}: schedule {self.schedule.name!r} places {len(stages)} model chunk(s) "
+                f"on this rank (stages {list(stages)}), got {len(self.models)}"
+            )
+        if self.config.variable_seq_lengths:
+            raise ExecutorError("variable_seq_lengths is not supported by megatron_pp_ext schedules yet")
+        if self.config.pipeline_dtype is None:
+            raise ExecutorError("TransformerConfig.pipeline_dtype must be set for pipeline communication")
+
+    def _reductions(self) -> dict[int, int]:
+        """How many gradient reductions the plan places per local chunk (the gradient sync checks the count)."""
         reductions: dict[int, int] = {}
         for items in self.plan.collectives.values():
             for c in items:
                 if c.kind == CollectiveKind.REDUCE_GRADS:
                     chunk = self.placement.chunk_of(c.stage)
                     reductions[chunk] = reductions.get(chunk, 0) + 1
-        self.grad_sync = GradSync(self.config, self.models, active=not self.forward_only, expected=reductions)
-        self.holds_last_stage = any(self.placement.is_last(s) for s in self.local_stages)
+        return reductions
 
-    # ---- set-up helpers ------------------------------------------------------------------
     def _wrap_iterators(self, data_iterator: Any) -> list[MicrobatchIterator | None]:
         n = len(self.models)
         if isinstance(data_iterator, list):
@@ -433,7 +364,7 @@ class _Run:
                 self._compute(instruction.op)
                 gap += 1
             else:
-                self._exchange(instruction, _next_op(program, index))
+                self._exchange(instruction, next_op(program, index))
         for collective in collectives.get(gap, ()):
             self._collective(collective)
         leftover_receives = self.channels.finish()
@@ -716,11 +647,4 @@ class _ExchangeContext:
         return self.executor._where() + after
 
 
-def _next_op(program: Sequence[Compute | Exchange], index: int) -> Op | None:
-    for ins in program[index + 1 :]:
-        if isinstance(ins, Compute):
-            return ins.op
-    return None
-
-
-__all__ = ["ExecutorError", "ScheduleError", "forward_only_schedule", "make_forward_backward_func"]
+__all__ = ["ExecutorError", "ScheduleError", "make_forward_backward_func"]

@@ -132,7 +132,7 @@ def _dp_reduction_missing() -> contextlib.AbstractContextManager[None]:
 
 
 def _dp_reduction_early() -> contextlib.AbstractContextManager[None]:
-    from ..runtime import executor
+    from ..runtime import run_plan
     from ..schedules.collectives import CollectiveKind
     from ..schedules.ir import OpKind
     from ..schedules.lowering import Compute
@@ -160,7 +160,7 @@ def _dp_reduction_early() -> contextlib.AbstractContextManager[None]:
 
         return plan_for
 
-    return _patched(executor, "_plan_for", make)
+    return _patched(run_plan, "plan_for", make)
 
 
 def _fsdp_stale_shards() -> contextlib.AbstractContextManager[None]:
