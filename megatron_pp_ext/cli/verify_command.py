@@ -182,69 +182,18 @@ def _iteration_stage(text: str) -> tuple[int, int]:
 
 
 def run_verify(args: argparse.Namespace) -> int:
+    """``megatron-pp verify``: refuse a request that cannot run (exit 2) before any rank starts, then run it."""
     from ..schedule_args import PROG
     from ..schedule_args import schedule_from_args as _schedule_from_args
-    from ..verification.rank_budget import check_local_ranks
 
-    if args.dp < 1:
-        print(f"{PROG}: --dp must be an integer >= 1, got {args.dp}", file=sys.stderr)
-        return 2
-    if args.distributed_optimizer and args.no_ddp:
-        print(f"{PROG}: --distributed-optimizer needs megatron DDP (drop --no-ddp)", file=sys.stderr)
-        return 2
-    if args.fsdp and (args.distributed_optimizer or args.no_ddp or not args.untied_embeddings):
-        print(
-            f"{PROG}: --fsdp shards parameters, gradients and optimizer state itself and supports untied "
-            "embeddings only for now: use it with --untied-embeddings, without --distributed-optimizer / --no-ddp",
-            file=sys.stderr,
-        )
-        return 2
-    if args.fsdp_max_unsharded is not None and not args.fsdp:
-        print(f"{PROG}: --fsdp-max-unsharded is an FSDP setting: add --fsdp (or drop it)", file=sys.stderr)
-        return 2
-    if args.fsdp_max_unsharded is not None and args.fsdp_max_unsharded < 1:
-        print(f"{PROG}: --fsdp-max-unsharded must be >= 1, got {args.fsdp_max_unsharded}", file=sys.stderr)
-        return 2
-    if (args.clip_grad or args.inject_inf or args.post_validation_late) and not args.post_validation:
-        flags = "--clip-grad, --inject-inf and --post-validation-late"
-        print(f"{PROG}: {flags} go with --post-validation", file=sys.stderr)
-        return 2
-    if args.post_validation and (args.fsdp or args.no_ddp):
-        print(
-            f"{PROG}: --post-validation wraps megatron's optimizer: use it with megatron DDP, without --fsdp",
-            file=sys.stderr,
-        )
-        return 2
-    moe_problem = _moe_problem(args)
-    if moe_problem:
-        print(f"{PROG}: {moe_problem}", file=sys.stderr)
+    problem = _flag_problem(args)
+    if problem is not None:
+        print(f"{PROG}: {problem}", file=sys.stderr)
         return 2
     schedule = _schedule_from_args(args)
-    if args.hybrid_pattern is not None:
-        refusal = hybrid_refusal(args.hybrid_pattern, schedule, args.tp, mtp=args.mtp_num_layers is not None)
-        if refusal is not None:
-            print(f"{PROG}: {refusal}", file=sys.stderr)
-            return 2
-    too_many = check_local_ranks(
-        schedule.num_ranks * args.tp * args.dp, f"-p {schedule.num_ranks} x --tp {args.tp} x --dp {args.dp}"
-    )
-    if too_many is not None:
-        print(f"{PROG}: {too_many}", file=sys.stderr)
-        return 2
-    from ..verification.rank_pool import VerifyRunError
-    from ..verification.tiny_gpt import (
-        TinyGPTSpec,  # torch and megatron-core: imported once the request is known to fit
-    )
-    from ..verification.verify import verify_schedule
-    from ..verification.verify_report import report_lines
-
-    bad = [f"{i}:{s}" for i, s in args.inject_inf if i >= args.iterations or s >= schedule.num_ranks]
-    if bad:
-        print(
-            f"{PROG}: --inject-inf {bad[0]}: ITER must be < --iterations ({args.iterations}) and STAGE < "
-            f"{schedule.num_ranks}",
-            file=sys.stderr,
-        )
+    problem = _schedule_problem(args, schedule)
+    if problem is not None:
+        print(f"{PROG}: {problem}", file=sys.stderr)
         return 2
     if args.fsdp_max_unsharded is None:
         from ..schedules.collectives import declared_fsdp_limit
@@ -254,6 +203,10 @@ def run_verify(args: argparse.Namespace) -> int:
     if isinstance(split, str):
         print(f"{PROG}: error: {split}", file=sys.stderr)
         return 2
+    from ..verification.tiny_gpt import (
+        TinyGPTSpec,  # torch and megatron-core: imported once the request is known to fit
+    )
+
     model = TinyGPTSpec(
         num_layers=args.num_layers or schedule.placement.stages_per_replica * args.layers_per_stage,
         tied_embeddings=not args.untied_embeddings,
@@ -266,6 +219,63 @@ def run_verify(args: argparse.Namespace) -> int:
         hybrid_pattern=args.hybrid_pattern,
         mtp_num_layers=args.mtp_num_layers,
     )
+    status = _verify_and_report(args, schedule, model)
+    if status == 0 and args.post_validation:
+        return _run_post_validation(args, schedule, model)
+    return status
+
+
+def _flag_problem(args: argparse.Namespace) -> str | None:
+    """One line for flags that do not go together (before the schedule is built), else None."""
+    if args.dp < 1:
+        return f"--dp must be an integer >= 1, got {args.dp}"
+    if args.distributed_optimizer and args.no_ddp:
+        return "--distributed-optimizer needs megatron DDP (drop --no-ddp)"
+    if args.fsdp and (args.distributed_optimizer or args.no_ddp or not args.untied_embeddings):
+        return (
+            "--fsdp shards parameters, gradients and optimizer state itself and supports untied "
+            "embeddings only for now: use it with --untied-embeddings, without --distributed-optimizer / --no-ddp"
+        )
+    if args.fsdp_max_unsharded is not None and not args.fsdp:
+        return "--fsdp-max-unsharded is an FSDP setting: add --fsdp (or drop it)"
+    if args.fsdp_max_unsharded is not None and args.fsdp_max_unsharded < 1:
+        return f"--fsdp-max-unsharded must be >= 1, got {args.fsdp_max_unsharded}"
+    if (args.clip_grad or args.inject_inf or args.post_validation_late) and not args.post_validation:
+        flags = "--clip-grad, --inject-inf and --post-validation-late"
+        return f"{flags} go with --post-validation"
+    if args.post_validation and (args.fsdp or args.no_ddp):
+        return "--post-validation wraps megatron's optimizer: use it with megatron DDP, without --fsdp"
+    return _moe_problem(args) or None
+
+
+def _schedule_problem(args: argparse.Namespace, schedule: Any) -> str | None:
+    """One line for a request the built schedule cannot run (hybrid pattern, local ranks, --inject-inf)."""
+    from ..verification.rank_budget import check_local_ranks
+
+    if args.hybrid_pattern is not None:
+        refusal = hybrid_refusal(args.hybrid_pattern, schedule, args.tp, mtp=args.mtp_num_layers is not None)
+        if refusal is not None:
+            return refusal
+    too_many = check_local_ranks(
+        schedule.num_ranks * args.tp * args.dp, f"-p {schedule.num_ranks} x --tp {args.tp} x --dp {args.dp}"
+    )
+    if too_many is not None:
+        return too_many
+    bad = [f"{i}:{s}" for i, s in args.inject_inf if i >= args.iterations or s >= schedule.num_ranks]
+    if bad:
+        return (
+            f"--inject-inf {bad[0]}: ITER must be < --iterations ({args.iterations}) and STAGE < {schedule.num_ranks}"
+        )
+    return None
+
+
+def _verify_and_report(args: argparse.Namespace, schedule: Any, model: Any) -> int:
+    """Run the verification on ranks and print its report; 0 when it passed, else 1."""
+    from ..schedule_args import PROG
+    from ..verification.rank_pool import VerifyRunError
+    from ..verification.verify import verify_schedule
+    from ..verification.verify_report import report_lines
+
     try:
         report = verify_schedule(
             schedule,
@@ -294,8 +304,6 @@ def run_verify(args: argparse.Namespace) -> int:
     if not report.ok:
         print(f"{PROG}: verify failed for {report.schedule}", file=sys.stderr)
         return 1
-    if args.post_validation:
-        return _run_post_validation(args, schedule, model)
     return 0
 
 

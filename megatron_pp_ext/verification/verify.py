@@ -78,6 +78,60 @@ def verify_schedule(
     ``device`` (:class:`RunSpec`): ``"cuda"`` runs every rank on GPU 0 (p2p staged through host memory);
     a pool's processes keep the device of their first run, so give a ``"cuda"`` run a pool of its own.
     """
+    p, m = schedule.num_ranks, schedule.num_microbatches
+    model, fsdp_grad_reduce_unit = _checked_request(
+        schedule, model, tp, dp, ep, distributed_optimizer, fsdp, fsdp_max_unsharded, fsdp_grad_reduce_unit
+    )
+    ours = RunSpec(
+        pp=p,
+        num_microbatches=m,
+        dp=dp,
+        ep=ep,
+        overlap_moe=overlap_moe,
+        distributed_optimizer=distributed_optimizer,
+        fsdp=fsdp,
+        fsdp_max_unsharded=fsdp_max_unsharded,
+        fsdp_grad_reduce_unit=fsdp_grad_reduce_unit,
+        mode=OURS,
+        schedule_csv=schedule.to_csv(),
+        trace=trace,
+        split_backward=schedule.splits_backward,
+        p2p_tags=p2p_tags,
+        hooks=hooks or RunHooks(),
+        tp=tp,
+        model=model,
+        iterations=iterations,
+        use_ddp=use_ddp,
+        sequence_parallel=sequence_parallel,
+        timeout_s=timeout_s,
+        device=device,
+        adam_eps=criterion.ADAM_EPS,
+        lr=criterion.LR if lr is None else lr,
+    )
+    say = progress or (lambda text: None)
+    exact, ref, run, native = _run_all(schedule, ours, pool, say, bool(progress))
+    say("comparing losses and every gradient with the references")
+    report = compare(schedule.name, p, m, schedule.chunks_per_rank, ref, run, tol, exact)
+    if native is not None:
+        check_bitwise(report, native, run)
+    if fsdp:
+        check_fsdp_collectives(report, schedule, run, fsdp_max_unsharded, fsdp_grad_reduce_unit)
+    return report
+
+
+def _checked_request(
+    schedule: Any,
+    model: TinyGPTSpec | None,
+    tp: int,
+    dp: int,
+    ep: int,
+    distributed_optimizer: bool,
+    fsdp: bool,
+    fsdp_max_unsharded: int,
+    fsdp_grad_reduce_unit: int | None,
+) -> tuple[TinyGPTSpec, int | None]:
+    """Refuse what cannot run (ValueError) and resolve the model (default: one layer a stage) and the FSDP
+    gradient reduction unit (the ranks get the schedule as CSV, without its declarations)."""
     if fsdp and distributed_optimizer:
         raise ValueError("--fsdp shards gradients and optimizer state itself: drop --distributed-optimizer")
     if fsdp and (model is None or model.tied_embeddings):
@@ -85,63 +139,40 @@ def verify_schedule(
     from ..analysis.schedule_check import validate
 
     validate(schedule)
-    p, m = schedule.num_ranks, schedule.num_microbatches
     if fsdp:  # the ranks get the schedule as CSV, without its declarations: pass the policy explicitly
         from ..schedules.collectives import policy_for
 
         resolved = policy_for(
             schedule, fsdp=True, fsdp_max_unsharded=fsdp_max_unsharded, grad_reduce_unit=fsdp_grad_reduce_unit
         ).grad_reduce_unit
-        fsdp_grad_reduce_unit = resolved or m  # a unit of m micro-batches: once per iteration, whatever is declared
+        fsdp_grad_reduce_unit = resolved or schedule.num_microbatches  # once per iteration, whatever is declared
     if model is None:
         model = TinyGPTSpec(num_layers=schedule.placement.stages_per_replica)
     check_moe(model, ep, dp, tp, fsdp)
-    split = schedule.splits_backward
-    common: dict[str, Any] = {
-        "tp": tp,
-        "model": model,
-        "iterations": iterations,
-        "use_ddp": use_ddp,
-        "sequence_parallel": sequence_parallel,
-        "timeout_s": timeout_s,
-        "device": device,
-        "adam_eps": criterion.ADAM_EPS,
-        "lr": criterion.LR if lr is None else lr,
-    }
+    return model, fsdp_grad_reduce_unit
+
+
+def _run_all(
+    schedule: Any, ours: RunSpec, pool: TrainingRankPool | None, say: Any, forward_progress: bool
+) -> tuple[Any, Any, Any, Any]:
+    """The references, our run and (for megatron's own 1F1B order) megatron's 1F1B on the same ranks:
+    ``(exact, ref, ours, native or None)``. A pool not given is started here and closed after."""
+    ranks = ours.pp * ours.tp * ours.dp
     own_pool = pool is None
-    say = progress or (lambda text: None)
     if own_pool:
-        say(f"starting {p * tp * dp} rank process(es) (imports take ~10 s per process)")
-    pool = pool or TrainingRankPool(p * tp * dp)
+        say(f"starting {ranks} rank process(es) (imports take ~10 s per process)")
+    pool = pool or TrainingRankPool(ranks)
     saved = pool.on_progress
     phase = [""]
-    pool.on_progress = lambda text: say(f"{phase[0]}: {text}") if progress else None
+    pool.on_progress = lambda text: say(f"{phase[0]}: {text}") if forward_progress else None
     try:
-        ours = RunSpec(
-            pp=p,
-            num_microbatches=m,
-            dp=dp,
-            ep=ep,
-            overlap_moe=overlap_moe,
-            distributed_optimizer=distributed_optimizer,
-            fsdp=fsdp,
-            fsdp_max_unsharded=fsdp_max_unsharded,
-            fsdp_grad_reduce_unit=fsdp_grad_reduce_unit,
-            mode=OURS,
-            schedule_csv=schedule.to_csv(),
-            trace=trace,
-            split_backward=split,
-            p2p_tags=p2p_tags,
-            hooks=hooks or RunHooks(),
-            **common,
-        )
         exact, ref = reference_runs(pool, ours, lambda text: phase.__setitem__(0, text))
-        phase[0] = f"{schedule.name} on {p * tp * dp} ranks"
+        phase[0] = f"{schedule.name} on {ranks} ranks"
         run = pool.run(ours)
         check_errors(run)
         native = None
-        if not fsdp and is_megatron_1f1b(schedule):  # the same arithmetic as megatron's 1F1B: bit for bit
-            phase[0] = f"megatron's own 1F1B on {p * tp * dp} ranks"
+        if not ours.fsdp and is_megatron_1f1b(schedule):  # the same arithmetic as megatron's 1F1B: bit for bit
+            phase[0] = f"megatron's own 1F1B on {ranks} ranks"
             no_breaks = dataclasses.replace(ours.hooks, breaks=())
             native = pool.run(
                 dataclasses.replace(ours, mode=NATIVE, trace=False, split_backward=False, hooks=no_breaks)
@@ -151,10 +182,4 @@ def verify_schedule(
         pool.on_progress = saved
         if own_pool:
             pool.close()
-    say("comparing losses and every gradient with the references")
-    report = compare(schedule.name, p, m, schedule.chunks_per_rank, ref, run, tol, exact)
-    if native is not None:
-        check_bitwise(report, native, run)
-    if fsdp:
-        check_fsdp_collectives(report, schedule, run, fsdp_max_unsharded, fsdp_grad_reduce_unit)
-    return report
+    return exact, ref, run, native

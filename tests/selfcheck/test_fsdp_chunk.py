@@ -128,7 +128,7 @@ def live_chunks_and_gloo_threads(_payload: object, _rank: int, _init_method: str
 
     from megatron_pp_ext.runtime.fsdp import ShardedChunk
 
-    from .thread_helpers import gloo_threads
+    from tests.verification.thread_helpers import gloo_threads
 
     gc.collect()
     chunks = sum(isinstance(o, ShardedChunk) for o in gc.get_objects())
