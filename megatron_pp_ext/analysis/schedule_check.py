@@ -357,6 +357,7 @@ def check_lowered(lowered: LoweredSchedule) -> None:
     :class:`Exchange` is posted as a whole and completes once each of its messages is matched:
     a send once the receiving rank has reached (is at or past) the exchange holding the
     receive, a receive once the sending rank has reached the exchange holding the send.
+    Long because the matching of exchanges is one loop over the ranks' positions whose state reads best together.
     """
     if lowered.plan is not None:
         # Made by lower(): its channels are FIFO by construction and its repair pass ran the

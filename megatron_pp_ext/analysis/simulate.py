@@ -301,6 +301,7 @@ def simulate(
     :func:`~megatron_pp_ext.schedules.timing.repeat_iterations`): with a global synchronisation
     before every optimizer step, or without it (optimizer post-validation), a rank then starting
     its next iteration as soon as its own ops and its inputs allow. Without data parallelism only.
+    Long because its docstring documents every option; the body checks them and hands on to :func:`_simulate`.
     """
     costs = Costs.unit() if costs is None else costs
     if comm not in COMM_MODELS:
@@ -434,6 +435,10 @@ def _simulate(
     overlap: float = 0.0,
     moe: MoeComm | None = None,
 ) -> SimResult:
+    """One timing of ``schedule`` under resolved costs, sizes and data-parallel set-up.
+
+    Long because it threads durations, MoE pair steps, collectives and memory counting through one timing call in order.
+    """
     num_stages = schedule.num_stages
     durations = _Durations(costs, num_stages, moe)
     per_op, pair_steps = _with_moe(schedule, _op_durations(schedule, _Durations(costs, num_stages)), moe)

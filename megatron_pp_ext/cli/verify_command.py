@@ -12,6 +12,10 @@ from ..verification.moe_check import moe_problem
 
 
 def add_verify_parser(subparsers: Any) -> None:
+    """Add ``megatron-pp verify``'s parser and flags to ``subparsers``.
+
+    Long because it lists the command's flags, one ``add_argument`` each, in the order ``--help`` shows them.
+    """
     from ..schedule_args import add_source_args as _add_source_args
     from ..schedules.layer_split import add_split_arguments
     from ..verification.tiny_gpt import RECOMPUTE

@@ -69,7 +69,9 @@ def planner_for_run(
     ``--pipeline-overlap``. Layers: the run's split (:func:`run_layer_split`), fixed: every candidate is
     simulated and sized with its stages' layers under that split, and one whose placement cannot map it is not
     applicable (the reason in auto's table). A hybrid layer pattern also gives each layer its kind
-    (:func:`_layer_kinds`), so each stage costs its layers."""
+    (:func:`_layer_kinds`), so each stage costs its layers.
+    Long because it maps each megatron argument to the planner's model, device and setup fields in one place.
+    """
     from ..planner.cost_model import CostModel, LayerTimes, get_device
     from ..planner.layer_costs import MeasuredLayers
     from ..planner.memory import TrainingSetup

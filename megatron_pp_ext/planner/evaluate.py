@@ -96,24 +96,7 @@ def evaluate(
     flops = model_flops_per_iteration(planner.model, planner.global_batch)
     peak = planner.costs.device.tflops(planner.setup.precision) * 1e12
     samples = planner.global_batch / iteration
-    config = Config(
-        schedule=var.name,
-        tp=t,
-        pp=p,
-        dp=d,
-        micro_batch=b,
-        num_microbatches=m,
-        chunks=var.chunks,
-        placement=schedule.placement.style,
-        recompute=recompute,
-        split=var.split,
-        v_flag=var.v,
-        memory_limit=var.limit,
-        costs_flag=",".join(f"{x:g}" for x in var.costs_key) if var.costs_key else None,
-        unit_size=var.unit,
-        fsdp=fsdp,
-        layout=None if is_uniform(planner.model.num_layers, var.split) else _layout_shown(planner.model, var.split),
-    )
+    config = _config(planner, var, t, p, d, b, m, recompute, fsdp)
     return PlanRow(
         config=config,
         iteration_time=iteration,
@@ -130,6 +113,31 @@ def evaluate(
         extrapolated=extrapolated,
         approximate=approximate,
         gathers=gathers,
+    )
+
+
+def _config(
+    planner: Planner, var: Variant, t: int, p: int, d: int, b: int, m: int, recompute: str, fsdp: bool
+) -> Config:
+    """The configuration a row shows: the variant's schedule and flags on the ``t x p x d`` grid."""
+    schedule = var.schedule
+    return Config(
+        schedule=var.name,
+        tp=t,
+        pp=p,
+        dp=d,
+        micro_batch=b,
+        num_microbatches=m,
+        chunks=var.chunks,
+        placement=schedule.placement.style,
+        recompute=recompute,
+        split=var.split,
+        v_flag=var.v,
+        memory_limit=var.limit,
+        costs_flag=",".join(f"{x:g}" for x in var.costs_key) if var.costs_key else None,
+        unit_size=var.unit,
+        fsdp=fsdp,
+        layout=None if is_uniform(planner.model.num_layers, var.split) else _layout_shown(planner.model, var.split),
     )
 
 

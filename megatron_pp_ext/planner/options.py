@@ -57,7 +57,9 @@ def _str_list(text: str) -> tuple[str, ...]:
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    """The model / cluster / search flags shared by ``plan``, ``grid`` and ``launch-local``."""
+    """The model / cluster / search flags shared by ``plan``, ``grid`` and ``launch-local``.
+    Long because it lists the flags, one ``add_argument`` each, in the order ``--help`` shows them.
+    """
     g = parser.add_argument_group("model (a preset, or explicit shapes; explicit flags override a preset)")
     g.add_argument("--model", help="model preset (see --list-models)")
     g.add_argument("--list-models", action="store_true", help="print the model presets and exit")
@@ -166,6 +168,10 @@ _FSDP_CHOICES = {"off": (False,), "on": (True,), "both": (False, True)}
 
 
 def planner_from_args(args: argparse.Namespace, memo: PlannerMemo | None = None) -> Planner:
+    """The planner the flags describe: model, device, training setup, budget and search.
+
+    Long because it maps each flag to its field of the model, device and setup in one place.
+    """
     from .cost_model import get_device
     from .models import ModelSpec, get_model
 

@@ -43,7 +43,9 @@ class TimingProgram:
     ) -> None:
         """``starts``: optional per-rank op start times of one simulation of this schedule with
         positive durations (``SimResult.starts``); in the async model they give a topological
-        order directly (checked; Kahn's algorithm otherwise)."""
+        order directly (checked; Kahn's algorithm otherwise).
+        Long because it builds the program's flat arrays in one pass over the ops, the form the retiming loop reads.
+        """
         if comm not in ("async", "blocking"):
             raise ValueError(f"comm must be async or blocking, got {comm!r}")
         blocking = comm == "blocking"

@@ -80,6 +80,7 @@ def time_ops(
     ends at its start.
 
     Raises ``RuntimeError`` if some rank waits for a message that is never sent.
+    Long because it is the timing core's single hot loop: splitting it would add calls on every op timed.
     """
     if (overlap or pair_durations is not None) and any(pairs):
         if collectives is not None:

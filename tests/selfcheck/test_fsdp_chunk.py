@@ -127,7 +127,6 @@ def live_chunks_and_gloo_threads(_payload: object, _rank: int, _init_method: str
     import gc
 
     from megatron_pp_ext.runtime.fsdp import ShardedChunk
-
     from tests.verification.thread_helpers import gloo_threads
 
     gc.collect()

@@ -70,6 +70,7 @@ def _reorder(
     sides (messages in one batch count as simultaneous). The plain repetition has this
     property and every move keeps it: a move is refused when it would put two messages in
     opposite orders on the two ranks.
+    Long because the move loop and the message-order guard keep one invariant and read best together.
     """
     last = 2 * p - 1
     horizon = max(start.values()) + 2

@@ -72,6 +72,7 @@ def greedy_pass(
     A rank whose choice depends on an arrival not known yet (its producer is not scheduled)
     waits until a neighbour schedules something, then decides at its own clock: timings stay
     exact because an op's start only depends on ops scheduled before it.
+    Long because it is the list scheduler's one decision loop, whose branches share the ranks' clocks and queues.
     """
     eng = Engine(loop_placement(p), m, sc, w_memory=w_memory)
     room = limit - 1 + 1e-9  # an F fits while the live activations are at most this

@@ -208,6 +208,7 @@ def zb_auto(
     ``iteration_time`` with post-validation). ``v >= 2``: loop placement with ``v`` chunks per rank, searched by
     :func:`.interleaved_zb.zb_auto_looped` with the same ``objective`` and ``w_memory`` (``variants`` are the
     one-chunk greedy's: not taken there).
+    Long because its docstring documents every option of the search; the body resolves them and tries the variants.
     """
     objective = "makespan" if objective is None else objective
     if objective not in OBJECTIVES:

@@ -62,7 +62,9 @@ def zeropp_order(
     p: int, m: int, v: int, unit: int, costs: object = None, memory_limit: float | None = None
 ) -> list[list[Op]]:
     """Per rank, the interleaved order of the module doc (a list scheduler over the three queues);
-    ``memory_limit``: live activations per rank in ``M_a`` (``v`` looped-stage activations), F to W."""
+    ``memory_limit``: live activations per rank in ``M_a`` (``v`` looped-stage activations), F to W.
+    Long because it is one list-scheduling loop over the three queues, its rules in the module doc's order.
+    """
     units = unit_ranges(m, unit)
     unit_of = [k for k, mbs in enumerate(units) for _ in mbs]
     last = v * p - 1
