@@ -7,8 +7,8 @@ it waited for) is measured, and the tests outside ``gloo`` and ``slow`` that tak
 minutes).
 
 ``pool``: one pool of gloo rank processes for the whole session, used by the real-rank tests of tests/runtime and
-tests/verification alike; warm (``TrainingRankPool(warm_cpu=True)``): its workers are forked from a process that has
-imported torch and megatron once, instead of importing them for ~6 s of CPU each."""
+tests/verification alike; warm (``TrainingRankPool(warm_module=WARM_MODULE)``): its workers are forked from a
+process that has imported torch and megatron once, instead of importing them for ~6 s of CPU each."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import pytest
 from megatron_pp_ext.verification.rank_run import TrainingRankPool
 from tests.tier_guard import rank_guard
 from tests.tiers import SLOW_CPU_S, calls_rank_launcher, fixture_launches_ranks, launches_ranks
+from tests.warm_pool import WARM_MODULE
 
 _CPU_S: dict[str, float] = {}  # node id -> CPU seconds of the quick-tier tests
 
@@ -72,5 +73,5 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 @pytest.fixture(scope="session")
 @launches_ranks
 def pool():
-    with TrainingRankPool(4, warm_cpu=True) as ranks:
+    with TrainingRankPool(4, warm_module=WARM_MODULE) as ranks:
         yield ranks

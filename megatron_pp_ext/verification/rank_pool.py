@@ -19,8 +19,6 @@ from collections.abc import Iterator
 from typing import Any
 
 _PROGRESS: tuple[int, Any] | None = None  # (worker index, outbox) inside a pool worker
-#: What the fork server of a ``warm_cpu`` pool imports: a CPU rank's set-up, done once.
-WARM_MODULE = "megatron_pp_ext.verification.warm_rank"
 
 
 class VerifyRunError(RuntimeError):
@@ -120,10 +118,11 @@ def _run_store() -> Any:
 class RankPool:
     """``size`` spawned rank processes that run jobs; reuse it across runs.
 
-    ``warm_cpu``: the processes are forked from one fork server that has done a CPU rank's set-up and imports
-    once (:mod:`.warm_rank`), instead of each spawned and importing torch and megatron itself (seconds of CPU
-    each). A forked worker starts as a spawned one is after its first CPU run; it keeps the fork server's
-    environment (that of the first warm pool of this process) and runs CPU jobs only. The default spawns.
+    ``warm_module``: the processes are forked from one fork server that imported this module once (the test
+    suite's ``tests/warm_rank.py`` does a CPU rank's set-up and its imports there), instead of each spawned and
+    importing torch and megatron itself (seconds of CPU each). A forked worker starts as a spawned one is after
+    its first CPU run; it keeps the fork server's environment (that of the first warm pool of this process) and
+    runs CPU jobs only. The default spawns.
 
     When a rank fails, the others get ``grace_s`` seconds to finish (a peer of a
     failed rank is usually stuck in a collective with it); ranks still running
@@ -131,9 +130,11 @@ class RankPool:
     the next run.
     """
 
-    def __init__(self, size: int, grace_s: float = 15.0, on_progress: Any = None, warm_cpu: bool = False) -> None:
+    def __init__(
+        self, size: int, grace_s: float = 15.0, on_progress: Any = None, warm_module: str | None = None
+    ) -> None:
         self.size = size
-        self.warm_cpu = warm_cpu
+        self.warm_module = warm_module
         self.grace_s = grace_s
         self.on_progress = on_progress  # callable(text) for the ranks' progress lines, or None
         self.procs: list[Any] = []
@@ -142,9 +143,9 @@ class RankPool:
     def _spawn(self) -> None:
         import torch.multiprocessing as mp
 
-        if self.warm_cpu:
+        if self.warm_module is not None:
             ctx = mp.get_context("forkserver")
-            ctx.set_forkserver_preload([WARM_MODULE])  # no effect once this process's fork server runs
+            ctx.set_forkserver_preload([self.warm_module])  # no effect once this process's fork server runs
         else:
             ctx = mp.get_context("spawn")
         self.outbox = ctx.Queue()

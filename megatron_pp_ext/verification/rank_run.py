@@ -386,8 +386,10 @@ class TrainingRankPool(rank_pool.RankPool):
     (:func:`.reference.reference_runs`): the pool's processes are one machine configuration (kernels,
     threads), so a reference run again on them repeats the same operations in the same order."""
 
-    def __init__(self, size: int, grace_s: float = 15.0, on_progress: Any = None, warm_cpu: bool = False) -> None:
-        super().__init__(size, grace_s, on_progress, warm_cpu)
+    def __init__(
+        self, size: int, grace_s: float = 15.0, on_progress: Any = None, warm_module: str | None = None
+    ) -> None:
+        super().__init__(size, grace_s, on_progress, warm_module)
         self.references: OrderedDict[RunSpec, list[dict[str, Any]]] = OrderedDict()
 
     def run(self, spec: RunSpec, wall_timeout_s: float | None = None) -> list[dict[str, Any]]:

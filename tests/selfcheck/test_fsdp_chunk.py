@@ -8,6 +8,7 @@ from megatron_pp_ext.selfcheck.fsdp_check import FsdpCase, fsdp_check
 from megatron_pp_ext.verification.rank_pool import check_errors
 from megatron_pp_ext.verification.rank_run import TrainingRankPool
 from tests.tiers import launches_ranks
+from tests.warm_pool import WARM_MODULE
 
 pytestmark = pytest.mark.gloo
 
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.gloo
 @launches_ranks
 def pool():
     """Two warm ranks for this module only (the session pool of conftest has four)."""
-    with TrainingRankPool(2, warm_cpu=True) as ranks:
+    with TrainingRankPool(2, warm_module=WARM_MODULE) as ranks:
         yield ranks
 
 

@@ -9,6 +9,7 @@ import pytest
 from megatron_pp_ext.verification.rank_pool import SCHEME, check_errors
 from megatron_pp_ext.verification.rank_run import TrainingRankPool
 from megatron_pp_ext.verification.rank_setup import rank_process_group
+from tests.warm_pool import WARM_MODULE
 
 
 def first_job(_payload: Any, rank: int, init_method: str) -> dict[str, Any]:
@@ -36,7 +37,7 @@ def test_warm_workers_start_set_up_and_meet_at_the_drivers_store():
     """A warm pool's fresh workers have imported megatron and installed the CPU shims before their first job
     (forked from the fork server of warm_rank.py), with those imports out of the cycle collector's way; the
     ranks' group is built through the store server the driver started for the run (``rankpool://``)."""
-    with TrainingRankPool(2, warm_cpu=True) as pool:
+    with TrainingRankPool(2, warm_module=WARM_MODULE) as pool:
         results = pool.run_fn(first_job, None, 2, 120)
     check_errors(results)
     for result in results:

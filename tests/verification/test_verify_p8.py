@@ -12,12 +12,13 @@ from megatron_pp_ext.verification.rank_run import TrainingRankPool
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
 from megatron_pp_ext.verification.verify import verify_schedule
 from tests.tiers import launches_ranks
+from tests.warm_pool import WARM_MODULE
 
 
 @pytest.fixture(scope="module")
 @launches_ranks
 def pool8():
-    with TrainingRankPool(8, warm_cpu=True) as ranks:
+    with TrainingRankPool(8, warm_module=WARM_MODULE) as ranks:
         yield ranks
 
 
