@@ -127,7 +127,7 @@ class Channels:
                 pending = f", with {len(self.sends)} sends pending (bound {self.send_bound})"
                 self._wait_send(self.sends[0], "bound", pending)
 
-    def wait_input(self, key: tuple[str, int, int], for_what: str) -> bool:
+    def wait_input(self, key: tuple[str, int, int], for_what: object) -> bool:
         """Wait for the receive that brings mailbox entry ``key`` (if one is pending); True if one was."""
         recv = self.recvs.pop(key, None)
         if recv is None:
@@ -137,7 +137,7 @@ class Channels:
         self.tracer.protocol("recv-wait", recv.msg, waited_s=waited)
         return True
 
-    def finish_send_of(self, tensor: Any, for_what: str) -> None:
+    def finish_send_of(self, tensor: Any, for_what: object) -> None:
         """Complete the send that reads ``tensor`` (before its buffer is freed)."""
         for send in self.sends:
             if send.tensor is tensor:
@@ -168,7 +168,7 @@ class Channels:
         return "; ".join(parts[:16]) + (f"; ... ({len(parts) - 16} more)" if len(parts) > 16 else "") or "none"
 
     # ---- helpers -----------------------------------------------------------------------------
-    def _wait_send(self, send: _Send, reason: str, for_what: str) -> None:
+    def _wait_send(self, send: _Send, reason: str, for_what: object) -> None:
         waited = self._guarded(send.handle, for_what)
         self._retire(send, reason, waited)
 
@@ -183,7 +183,7 @@ class Channels:
         """Every wait of the rank on a transfer, whoever waits (the trace's guard)."""
         self.tracer.protocol("wait", handle.transfer.what, send=handle.is_send)
 
-    def _guarded(self, handle: p2p.Handle, for_what: str) -> float:
+    def _guarded(self, handle: p2p.Handle, for_what: object) -> float:
         """Wait for ``handle``; the seconds waited. A failure names every transfer still pending on
         the rank."""
         try:

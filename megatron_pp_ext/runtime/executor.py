@@ -580,7 +580,7 @@ class _Run:
     def _take(self, key: tuple[str, int, int], op: Op) -> Any:
         if key not in self.mailbox:
             raise ExecutorError(f"{self._where(op)}: input {key[0]} for stage {key[1]} mb {key[2]} never arrived")
-        self.channels.wait_input(key, f", waited for by {op} (its input)")  # (no-op once awaited)
+        self.channels.wait_input(key, _OpNote((", waited for by ", op, " (its input)")))  # (no-op once awaited)
         return self.mailbox.pop(key)
 
     def _exchange(self, exchange: Exchange, next_op: Op | None) -> None:
@@ -606,10 +606,10 @@ class _Run:
         if op.kind == OpKind.W:
             return
         key = (ACT if op.kind == OpKind.F else GRAD, op.stage, op.microbatch)
-        self.channels.wait_input(key, f", waited for by {op} (its input)")
+        self.channels.wait_input(key, _OpNote((", waited for by ", op, " (its input)")))
         saved = self.saved.get((op.stage, op.microbatch)) if op.kind != OpKind.F else None
         if saved is not None:
-            self.channels.finish_send_of(saved[1], f", before {op} frees the output it sent")
+            self.channels.finish_send_of(saved[1], _OpNote((", before ", op, " frees the output it sent")))
 
     def _free_output(self, output: Any) -> None:
         """Megatron's pseudo-free of a stage output that was handed over or sent (only grad_fn is kept)."""
@@ -617,6 +617,16 @@ class _Run:
 
         if not self.forward_only:
             deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)
+
+
+class _OpNote(tuple):  # type: ignore[type-arg]
+    """``(before, op, after)``: what a wait is for, in a transfer's error message, formatted only when one is
+    written. A tuple, so building it runs no Python-level code on the hot path (waits happen on every op)."""
+
+    __slots__ = ()
+
+    def __str__(self) -> str:
+        return f"{self[0]}{self[1]}{self[2]}"
 
 
 class _Where:

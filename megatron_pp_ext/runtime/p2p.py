@@ -122,14 +122,14 @@ class Handle:
                 self._complete("")
         return self.done
 
-    def wait(self, for_what: str = "") -> None:
+    def wait(self, for_what: object = "") -> None:
         if self.done:
             return
         if self.on_wait is not None:
             self.on_wait(self)
         self._complete(for_what)
 
-    def _complete(self, for_what: str) -> None:
+    def _complete(self, for_what: object) -> None:
         if self.watched is not None:  # the completer waits on the works; never two waits on one work
             outcome = self._outcome if self.watched.wait(self.timeout_s) else False
         else:
@@ -162,7 +162,7 @@ class Handle:
                 return False
         return True
 
-    def _failure(self, for_what: str, exc: BaseException) -> str:
+    def _failure(self, for_what: object, exc: BaseException) -> str:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if "timed out" in first.lower() or "timeout" in first.lower():
             return (
@@ -188,7 +188,7 @@ class Batch:
     def is_completed(self) -> bool:
         return all([h.is_completed() for h in self.handles])
 
-    def wait(self, for_what: str = "") -> None:
+    def wait(self, for_what: object = "") -> None:
         for handle in self.handles:
             handle.wait(for_what)
 
