@@ -50,7 +50,8 @@ def test_overlap_jobs_pad_nodes_and_all_to_alls_where_they_run() -> None:
         costs = emulate_bench.stage_costs(settings, schedule, 1.0)
         (_, _, off), (marked, _, on) = emulate_bench.overlap_variants(settings, [(schedule, costs)])[0]
         assert (off, on) == (False, True) and any(marked.overlap_pairs)
-        plain, overlapped = emulate_bench._job(settings, schedule, costs), emulate_bench._job(settings, marked, costs, on)
+        plain = emulate_bench._job(settings, schedule, costs)
+        overlapped = emulate_bench._job(settings, marked, costs, on)
         for job in (plain, overlapped):  # a MoE model at EP = 2, 2 MoE layers per stage, each all-to-all 3 ms / k
             assert (job.ep, job.world_size, job.model.num_experts) == (2, 4, 4)
             assert job.model.num_layers == 2 * schedule.placement.stages_per_replica

@@ -48,7 +48,8 @@ def test_simulate_moe_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert hidden < serial
     assert main(["simulate", *base, "--moe-a2a", "0.5", "--overlap-moe-expert-parallel-comm"]) == 0
     assert "hidden in" in capsys.readouterr().out
-    assert main(["simulate", "gpipe", "-p", "2", "-m", "4", "--moe-a2a", "1", "--overlap-moe-expert-parallel-comm"]) == 0
+    gpipe = ["simulate", "gpipe", "-p", "2", "-m", "4"]
+    assert main([*gpipe, "--moe-a2a", "1", "--overlap-moe-expert-parallel-comm"]) == 0
     assert "hidden in 1 overlapped F&B pairs" in capsys.readouterr().out  # its one turn from F to B
 
 
