@@ -340,7 +340,7 @@ def fill_measured(row: Row, results: list[dict[str, Any]], warmup: int) -> None:
     ops = [op[1:6] for r in results for op in r["ops"] if op[0] >= warmup]  # (name, kind, real, pad, lasted)
     row.ops = len(ops)
     row.short_ops = sum(1 for *_, pad, lasted in ops if lasted < pad)
-    row.over_pad = sum(1 for *_, real, pad, _ in ops if real > pad)
+    row.over_pad = sum(1 for *_, real, pad, _ in ops if 0 < pad < real)  # unpadded ops (overlap: F, B) not counted
     row.real_ms = _real_ms((kind, real) for _, kind, real, _, _ in ops)
     counts = [(thread, n) for r in results for (_, _, thread), n in r.get("a2a_threads", [])]
     row.a2a_on_worker = (sum(n for t, n in counts if t == COMM_THREAD), sum(n for _, n in counts))
