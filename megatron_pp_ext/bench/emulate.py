@@ -18,6 +18,7 @@ waited for), which :mod:`.emulate_bench` reports per schedule and rank.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import statistics
 import time
@@ -29,29 +30,12 @@ from ..runtime.trace import Tracer
 from ..schedules.ir import Op
 from ..verification.rank_setup import rank_process_group
 from ..verification.tiny_gpt import TinyGPTSpec
+from .emulate_a2a import SPIN_S, sleep_until  # noqa: F401  (SPIN_S: the pads' spin, named here too)
 
 # megatron-core's schedules compared with ours (our schedule name -> what megatron runs)
 NATIVE_1F1B = "1f1b"
 NATIVE_INTERLEAVED = "interleaved-1f1b"
 NATIVE_PEERS = (NATIVE_1F1B, NATIVE_INTERLEAVED)
-
-
-#: the last stretch of a pad, seconds, that :func:`sleep_until` spins instead of sleeping
-SPIN_S = 0.0003
-
-
-def sleep_until(deadline: float) -> None:
-    """Wait until ``time.perf_counter()`` reaches ``deadline``: sleep (the point is an idle CPU) up to
-    :data:`SPIN_S` before it, then spin. A sleep alone wakes ~0.1 ms late on Linux (timer slack and
-    wake-up latency), which would make every padded op that much longer than the cost the simulator
-    is given, and schedules with more, smaller ops pay it more often; the spin meets the deadline to
-    within microseconds for at most 0.3 ms of CPU per op."""
-    remaining = deadline - time.perf_counter()
-    while remaining > SPIN_S:
-        time.sleep(remaining - SPIN_S)
-        remaining = deadline - time.perf_counter()
-    while time.perf_counter() < deadline:
-        pass
 
 
 @dataclass(frozen=True)
@@ -62,6 +46,12 @@ class EmulateJob:
     global stage, seconds. ``native``: also time megatron-core's own schedule for this placement
     (``1f1b`` or ``interleaved-1f1b``), alternating with ours every iteration, padded with
     ``native_pads_s`` = (forward, full backward) seconds per call.
+
+    MoE (``ep`` = 2, the model's MoE layers real, ``pp * ep`` ranks): ``a2a_s`` pads every dispatch and
+    combine all-to-all where it runs (:mod:`.emulate_moe`); ``overlap_moe`` runs every op through megatron's
+    combined step (megatron's own schedule too, with its ``overlap_moe_expert_parallel_comm``), the ops' own
+    compute then padded node by node: ``node_pads_s`` per op kind per global stage (``F``, ``B``, ``BW``) the
+    seconds of each padded compute node, ``native_node_pads_s`` (forward, full backward) for megatron's.
     """
 
     name: str
@@ -75,6 +65,15 @@ class EmulateJob:
     native: str | None = None
     native_pads_s: tuple[float, float] = (0.0, 0.0)
     timeout_s: float = 120.0
+    ep: int = 1
+    a2a_s: float = 0.0
+    overlap_moe: bool = False
+    node_pads_s: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    native_node_pads_s: tuple[float, float] = (0.0, 0.0)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.ep
 
 
 class PaddedTracer(Tracer):
@@ -92,9 +91,19 @@ class PaddedTracer(Tracer):
     ``time.perf_counter``'s clock, which every process of the machine shares: ranks line up).
     """
 
-    def __init__(self, rank: int, pads_s: dict[str, tuple[float, ...]], param_storages: set[int] | None = None):
+    def __init__(
+        self,
+        rank: int,
+        pads_s: dict[str, tuple[float, ...]],
+        param_storages: set[int] | None = None,
+        node_pads: tuple[Any, dict[str, tuple[float, ...]]] | None = None,
+    ):
         super().__init__(rank, param_storages)
         self.pads_s = pads_s
+        # the overlapped run: (NodePads, per kind per stage the node pad) set at every op (emulate_moe.py)
+        self.node_pads = node_pads
+        self._open: list[Op] = []  # ops begun and not ended: two inside an overlapped pair
+        self._pair_ended: list[Op] = []  # the pair's op that ended first
         self.breakdowns: list[dict[str, Any]] = []
         self.ops: list[tuple[int, str, str, float, float, float, float]] = []
         self._cursor = 0.0
@@ -120,24 +129,37 @@ class PaddedTracer(Tracer):
 
     def begin_op(self, op: Op) -> None:
         now = time.perf_counter()
-        gap = now - self._cursor
         kind = str(op.kind)
-        self._current["wait"][kind] = self._current["wait"].get(kind, 0.0) + gap
-        self._current["waits"].append((gap, str(op)))
+        if self.node_pads is not None and kind in self.node_pads[1]:
+            pads, per_kind = self.node_pads
+            pads.current["F" if kind == "F" else "B"] = per_kind[kind][op.stage]
+        if not self._open:  # the second op of a pair starts with the first
+            gap = now - self._cursor
+            self._current["wait"][kind] = self._current["wait"].get(kind, 0.0) + gap
+            self._current["waits"].append((gap, str(op)))
+            self._op_started = now  # the op's share starts where the wait ends: the parts add up to the span
+        self._open.append(op)
         super().begin_op(op)
-        self._op_started = now  # the op's share starts where the wait ends: the parts add up to the span
 
     def end_op(self, op: Op) -> None:
-        real = time.perf_counter() - self._op_started
-        kind = str(op.kind)
-        pad = self.pads_s[kind][op.stage]
-        sleep_until(self._op_started + pad)
+        """Pad the op (a pair: both ops together, to the sum of their pads) and account for it; each op of a
+        pair is listed with the pair's times."""
+        self._open.remove(op)
         super().end_op(op)
+        if self._open:  # the pair's first op to end: the other ends the pair
+            self._pair_ended = [op]
+            return
+        ended = [*self._pair_ended, op]
+        self._pair_ended = []
+        real = time.perf_counter() - self._op_started
+        pads = [self.pads_s[str(o.kind)][o.stage] for o in ended]
+        sleep_until(self._op_started + sum(pads))
         self._cursor = time.perf_counter()
         lasted = self._cursor - self._op_started
         self._current["compute"] += lasted
         self._current["real_compute"] += real
-        self.ops.append((len(self.breakdowns), str(op), kind, real, pad, lasted, self._op_started))
+        for o, p in zip(ended, pads, strict=True):
+            self.ops.append((len(self.breakdowns), str(o), str(o.kind), real, p, lasted, self._op_started))
 
     def begin_comm(self) -> None:
         super().begin_comm()
@@ -247,7 +269,8 @@ def run_job(job: EmulateJob, rank: int, init_method: str) -> dict[str, Any]:
     """Time ``job`` on this rank: ``warmup + iterations`` iterations of our executor (and of megatron's own
     schedule, alternating which goes first, with ``job.native``), each started after a barrier. Returns the
     per-iteration wall times of the forward-backward call, the tracer's breakdowns and every op's pad."""
-    with rank_process_group(rank, job.pp, init_method, timeout_s=max(30.0, job.timeout_s), tp=1, pp=job.pp) as dist:
+    timeout_s = max(30.0, job.timeout_s)
+    with rank_process_group(rank, job.world_size, init_method, timeout_s=timeout_s, tp=1, pp=job.pp, ep=job.ep) as dist:
         from megatron.core import parallel_state as ps
 
         return _run(job, dist, ps)
@@ -263,7 +286,8 @@ def _build(job: EmulateJob, ps: Any, schedule: Any) -> tuple[list[Any], Any]:
 
     # pool workers are reused: the linear layers split their backward only for schedules with W ops
     (install_wgrad_hooks if schedule.splits_backward else uninstall_wgrad_hooks)()
-    config = tiny_gpt.make_config(job.model)
+    config = tiny_gpt.make_config(job.model, ep=job.ep)
+    config.overlap_moe_expert_parallel_comm = job.overlap_moe  # megatron's own schedule reads it (ours too)
     chunks, _ = tiny_gpt.build_chunks(config, job.model, schedule.placement, ps.get_pipeline_model_parallel_rank())
     ddp_config = DistributedDataParallelConfig()
     chunks = [
@@ -294,7 +318,7 @@ def _native_func(job: EmulateJob, ps: Any, config: Any, schedule: Any, num_chunk
 def _run(job: EmulateJob, dist: Any, ps: Any) -> dict[str, Any]:
     from ..runtime.executor import make_forward_backward_func
     from ..schedules.schedule import Schedule
-    from ..verification import tiny_gpt
+    from .emulate_moe import NodePads, padded_all_to_alls, padded_nodes
 
     schedule = Schedule.from_csv(job.schedule_csv)
     placement = schedule.placement
@@ -305,9 +329,19 @@ def _run(job: EmulateJob, dist: Any, ps: Any) -> dict[str, Any]:
         from ..runtime.replica_sync import ReplicaSync, new_replica_group
 
         replica_sync = ReplicaSync(chunks, new_replica_group(ps.get_pipeline_model_parallel_group()))
-    tracer = PaddedTracer(pp_rank, job.pads_s, {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()})
+    node_pads = NodePads()
+    tracer = PaddedTracer(
+        pp_rank,
+        job.pads_s,
+        {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()},
+        node_pads=(node_pads, job.node_pads_s) if job.overlap_moe else None,
+    )
     ours = make_forward_backward_func(
-        lambda m: schedule, tracer_factory=lambda r: tracer, timeout_s=job.timeout_s, replica_sync=replica_sync
+        lambda m: schedule,
+        tracer_factory=lambda r: tracer,
+        timeout_s=job.timeout_s,
+        replica_sync=replica_sync,
+        overlap_moe=job.overlap_moe,
     )
     funcs: list[tuple[str, Any]] = [("ours", ours)]
     native_record = NativePads()
@@ -315,10 +349,41 @@ def _run(job: EmulateJob, dist: Any, ps: Any) -> dict[str, Any]:
         native = _native_func(job, ps, config, schedule, len(chunks))
 
         def padded_native(**kwargs: Any) -> Any:
+            node_pads.current = dict(zip(("F", "B"), job.native_node_pads_s, strict=True))
             with padded_megatron(*job.native_pads_s, native_record):
                 return native(**kwargs)
 
         funcs.append(("megatron", padded_native))
+    with contextlib.ExitStack() as stack:
+        if job.a2a_s > 0:
+            stack.enter_context(padded_all_to_alls(job.a2a_s, recorded := []))
+        if job.overlap_moe:
+            stack.enter_context(padded_nodes(node_pads))
+        times, iteration_calls = _iterations(job, dist, chunks, funcs, native_record)
+    breakdowns = tracer.breakdowns
+    for breakdown, (started, ended) in zip(breakdowns, iteration_calls, strict=True):
+        # outside the executor's loop: schedule agreement (first call), megatron's finalize_model_grads
+        # (the tied embedding's all-reduce), the replica sync's finish
+        breakdown["outside"] = (ended - started) - breakdown["span"]
+    return {
+        "pp_rank": pp_rank,
+        "times": times,
+        "breakdowns": breakdowns,
+        "ops": tracer.ops,
+        "native_ops": native_record.ops,
+        "peak_activation_bytes": tracer.peak_bytes,
+        # per padded all-to-all: (direction, dispatch | combine, the thread it ran on), counted
+        "a2a_threads": sorted(collections.Counter(recorded).items()) if job.a2a_s > 0 else [],
+    }
+
+
+def _iterations(
+    job: EmulateJob, dist: Any, chunks: list[Any], funcs: list[tuple[str, Any]], native_record: NativePads
+) -> tuple[dict[str, list[float]], list[tuple[float, float]]]:
+    """``warmup + iterations`` iterations of each function, alternating which goes first, each started after
+    a barrier: per function the wall time of each call, and ours' (start, end) per iteration."""
+    from ..verification import tiny_gpt
+
     times: dict[str, list[float]] = {name: [] for name, _ in funcs}
     iteration_calls: list[tuple[float, float]] = []  # ours: (call start, call end) per iteration
     for iteration in range(job.warmup + job.iterations):
@@ -335,16 +400,4 @@ def _run(job: EmulateJob, dist: Any, ps: Any) -> dict[str, Any]:
             times[name].append(ended - started)
             if name == "ours":
                 iteration_calls.append((started, ended))
-    breakdowns = tracer.breakdowns
-    for breakdown, (started, ended) in zip(breakdowns, iteration_calls, strict=True):
-        # outside the executor's loop: schedule agreement (first call), megatron's finalize_model_grads
-        # (the tied embedding's all-reduce), the replica sync's finish
-        breakdown["outside"] = (ended - started) - breakdown["span"]
-    return {
-        "pp_rank": pp_rank,
-        "times": times,
-        "breakdowns": breakdowns,
-        "ops": tracer.ops,
-        "native_ops": native_record.ops,
-        "peak_activation_bytes": tracer.peak_bytes,
-    }
+    return times, iteration_calls

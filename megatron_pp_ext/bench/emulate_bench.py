@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from .. import argtypes
-from .emulate_results import BASELINE, P2P_ROUNDS, SECTION, Outcome, Row, Settings
+from .emulate_results import BASELINE, COMM_THREAD, P2P_ROUNDS, SECTION, Outcome, Row, Settings
 
 DEFAULT_ITERATIONS, DEFAULT_WARMUP = 5, 2
 KINDS = ("F", "B", "W", "BW")
@@ -93,9 +93,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="MoE layers per 1F1B stage for --a2a-ms (default 1)",
     )
+    group.add_argument(
+        "--overlap-moe-expert-parallel-comm",
+        dest="overlap_moe",
+        action="store_true",
+        default=None,
+        help="with --a2a-ms: a tiny MoE GPT at EP = 2 (2p ranks), every schedule run twice, without and with "
+        "megatron's all-to-all overlap (its combined step), each dispatch and combine padded by --a2a-ms where "
+        "it runs; megatron's interleaved 1F1B with its combined 1F1B beside interleaved-1f1b (docs/moe.md)",
+    )
 
 
-EMULATE_ONLY = ("m", "schedules", "costs", "iterations", "warmup", "a2a_ms", "moe_layers")
+EMULATE_ONLY = ("m", "schedules", "costs", "iterations", "warmup", "a2a_ms", "moe_layers", "overlap_moe")
+FLAG_NAMES = {"overlap_moe": "--overlap-moe-expert-parallel-comm"}
+OVERLAP_P_MAX = 4  # 2p ranks with the overlap (EP = 2)
+OVERLAP_EP, OVERLAP_EXPERTS = 2, 4
 
 
 def settings_from(args: argparse.Namespace) -> Settings | None:
@@ -106,7 +118,7 @@ def settings_from(args: argparse.Namespace) -> Settings | None:
 
     if not args.emulate:
         given = [
-            ("--" if len(name) > 1 else "-") + name.replace("_", "-")
+            FLAG_NAMES.get(name) or ("--" if len(name) > 1 else "-") + name.replace("_", "-")
             for name in EMULATE_ONLY
             if getattr(args, name) is not None
         ]
@@ -152,6 +164,14 @@ def settings_from(args: argparse.Namespace) -> Settings | None:
         raise EmulateError(
             f"--a2a-ms x 2 x --moe-layers must be in [0, {MAX_PAD_MS:g}] ms, got {a2a_ms:g} x {moe_layers}"
         )
+    overlap = bool(args.overlap_moe)
+    if overlap and args.a2a_ms is None:
+        raise EmulateError("--overlap-moe-expert-parallel-comm: only with --a2a-ms (the time of one all-to-all)")
+    if overlap and p > OVERLAP_P_MAX:
+        raise EmulateError(
+            f"-p with --overlap-moe-expert-parallel-comm must be in {P_RANGE[0]}..{OVERLAP_P_MAX} "
+            f"(EP = {OVERLAP_EP}: 2p ranks), got {p}"
+        )
     if args.plots:
         try:
             import matplotlib  # noqa: F401
@@ -161,6 +181,7 @@ def settings_from(args: argparse.Namespace) -> Settings | None:
     command += f" --schedules {','.join(wanted)}" if args.schedules else ""
     command += f" --iterations {iterations} --warmup {warmup} --costs {costs_text}"
     command += f" --a2a-ms {a2a_ms:g} --moe-layers {moe_layers}" if args.a2a_ms is not None else ""
+    command += " --overlap-moe-expert-parallel-comm" if overlap else ""
     command += (f" --write {args.write}" if args.write else "") + (f" --plots {args.plots}" if args.plots else "")
     return Settings(
         p=p,
@@ -174,6 +195,7 @@ def settings_from(args: argparse.Namespace) -> Settings | None:
         comm_ms=costs.t_comm if comm_given else None,
         a2a_ms=a2a_ms,
         moe_layers=moe_layers,
+        overlap=overlap,
         write=args.write,
         plots=args.plots,
         command=command,
@@ -192,44 +214,90 @@ def stage_costs(settings: Settings, schedule: Any, comm_ms: float) -> Any:
     return Costs(settings.t_f / k, settings.t_b / k, settings.t_w / k, None, comm_ms)
 
 
-def moe_comm(settings: Settings, schedule: Any) -> Any:
+def moe_comm(settings: Settings, schedule: Any, overlap: bool = False) -> Any:
     """The simulator's all-to-all model of the emulated run (None without ``--a2a-ms``): a rank holding ``k``
-    stages per replica pays 1/k of a 1F1B stage's all-to-all time per op, launched by the host (CPU)."""
+    stages per replica pays 1/k of a 1F1B stage's all-to-all time per op, launched by the host (CPU);
+    ``overlap``: the schedule's marked pairs on two streams."""
     from ..analysis.moe_comm import MoeComm
 
     if not settings.moe_layers:
         return None
     k = schedule.placement.stages_per_rank_per_replica
-    return MoeComm(settings.a2a_ms / k, settings.moe_layers, host_launch=True)
+    return MoeComm(settings.a2a_ms / k, settings.moe_layers, overlap=overlap, host_launch=True)
 
 
-def _job(settings: Settings, schedule: Any, costs: Any) -> Any:
-    from ..verification.tiny_gpt import TinyGPTSpec
-    from .emulate import NATIVE_PEERS, EmulateJob
+def overlap_variants(settings: Settings, built: list[tuple[Any, Any]]) -> tuple[list[tuple[Any, Any, bool]], dict]:
+    """Each built schedule without overlap and, with ``settings.overlap``, with its pairs marked
+    (:func:`~megatron_pp_ext.schedules.pairs.mark_pairs`, what the executor runs) where some rank has a
+    steady state of pairs (what the driver's flag check accepts); the others skipped, with why."""
+    from ..schedules.pairs import mark_pairs
+
+    out: list[tuple[Any, Any, bool]] = []
+    skipped: dict[str, str] = {}
+    for schedule, costs in built:
+        out.append((schedule, costs, False))
+        if not settings.overlap:
+            continue
+        marked = mark_pairs(schedule)
+        if max((len(row) for row in marked.overlap_pairs), default=0) < 2:
+            skipped[f"{schedule.name} + overlap"] = "no steady state of F&B pairs (the flag is refused with it)"
+            continue
+        out.append((marked, costs, True))
+    return out, skipped
+
+
+def _job(settings: Settings, schedule: Any, costs: Any, overlap: bool = False) -> Any:
+    """The ranks' job. Without ``settings.overlap`` (a dense model): every all-to-all padded onto its op.
+    With it (a MoE model at EP = 2, emulate_moe.py): each all-to-all padded where it runs; each op's
+    floor is its compute plus its all-to-alls one after the other (they run inline) or, ``overlap``, its
+    compute split over its nodes (the op itself unpadded but for W)."""
+    from .emulate import NATIVE_INTERLEAVED, NATIVE_PEERS, EmulateJob
     from .emulate_a2a import A2APads
 
     t_f, t_b, t_w, t_bw = costs.per_stage(schedule.num_stages)
     moe = moe_comm(settings, schedule)
-    if moe is not None:  # not overlapped: every all-to-all padded onto its op (emulate_a2a.py)
+    layers = max(settings.moe_layers, 1)
+    node_pads = {kind: tuple(x / 2 / layers / 1000 for x in t) for kind, t in (("F", t_f), ("B", t_b), ("BW", t_bw))}
+    native_node_pads = (t_f[0] / 2 / layers / 1000, t_bw[0] / 2 / layers / 1000)
+    if moe is not None:  # every all-to-all one after the other with its op (emulate_a2a.py)
         a2a = A2APads(moe.a2a, tuple(moe.per_stage(schedule.num_stages)))
         t_f, t_b, t_bw = (
             [x + a2a.serial_s(kind, stage) for stage, x in enumerate(t)]
             for kind, t in zip(("F", "B", "BW"), (t_f, t_b, t_bw), strict=True)
         )
     pads = {kind: tuple(x / 1000 for x in values) for kind, values in zip(KINDS, (t_f, t_b, t_w, t_bw), strict=True)}
+    if overlap:  # the compute is padded node by node; the all-to-alls where they run
+        pads = {kind: pads[kind] if kind == "W" else tuple(0.0 for _ in values) for kind, values in pads.items()}
     native = schedule.name if schedule.name in NATIVE_PEERS else None
+    if overlap and native != NATIVE_INTERLEAVED:  # megatron's combined 1F1B runs only in its interleaved 1F1B
+        native = None
     return EmulateJob(
         name=schedule.name,
         pp=settings.p,
         num_microbatches=settings.m,
         schedule_csv=schedule.to_csv(),
         pads_s=pads,
-        model=TinyGPTSpec(num_layers=schedule.placement.stages_per_replica),
+        model=_model(settings, schedule),
         warmup=settings.warmup,
         iterations=settings.iterations,
         native=native,
         native_pads_s=(t_f[0] / 1000, t_bw[0] / 1000),
+        ep=OVERLAP_EP if settings.overlap else 1,
+        a2a_s=moe.a2a / 1000 if settings.overlap and moe is not None else 0.0,
+        overlap_moe=overlap,
+        node_pads_s=node_pads,
+        native_node_pads_s=native_node_pads,
     )
+
+
+def _model(settings: Settings, schedule: Any) -> Any:
+    """The tiny GPT: one layer per stage; with the overlap ``--moe-layers`` MoE layers per stage."""
+    from ..verification.tiny_gpt import TinyGPTSpec
+
+    stages = schedule.placement.stages_per_replica
+    if not settings.overlap:
+        return TinyGPTSpec(num_layers=stages)
+    return TinyGPTSpec(num_layers=stages * settings.moe_layers, num_experts=OVERLAP_EXPERTS)
 
 
 def _median_per_iteration(results: list[dict[str, Any]], name: str, warmup: int) -> list[float]:
@@ -272,8 +340,10 @@ def fill_measured(row: Row, results: list[dict[str, Any]], warmup: int) -> None:
     ops = [op[1:6] for r in results for op in r["ops"] if op[0] >= warmup]  # (name, kind, real, pad, lasted)
     row.ops = len(ops)
     row.short_ops = sum(1 for *_, pad, lasted in ops if lasted < pad)
-    row.over_pad = sum(1 for *_, real, pad, _ in ops if real > pad)
+    row.over_pad = sum(1 for *_, real, pad, _ in ops if 0 < pad < real)  # unpadded ops (overlap: F, B) not counted
     row.real_ms = _real_ms((kind, real) for _, kind, real, _, _ in ops)
+    counts = [(thread, n) for r in results for (_, _, thread), n in r.get("a2a_threads", [])]
+    row.a2a_on_worker = (sum(n for t, n in counts if t == COMM_THREAD), sum(n for _, n in counts))
     native_ops = [op[1:] for r in results for op in r["native_ops"] if op[0] >= warmup]  # (kind, real, pad, lasted)
     if row.native is not None:
         native = _median_per_iteration(results, "megatron", warmup)
@@ -366,8 +436,8 @@ def run_emulation(settings: Settings, pool: Any = None, say: Any = print) -> Out
     load_start = os.getloadavg()[0]
     own = pool is None
     if own:
-        say(f"starting {settings.p} rank processes (imports take ~10 s per process)")
-        pool = RankPool(settings.p)
+        say(f"starting {settings.ranks} rank processes (imports take ~10 s per process)")
+        pool = RankPool(settings.ranks)
     try:
         model = TinyGPTSpec()
         shape = (model.seq_length, model.micro_batch_size, model.hidden_size)
@@ -381,30 +451,33 @@ def run_emulation(settings: Settings, pool: Any = None, say: Any = print) -> Out
                 f"fastest {fastest_ms:.3f} ms)"
             )
         built, skipped = build_schedules(settings, comm_ms)  # the generators that take costs get the hop time
+        variants, no_pairs = overlap_variants(settings, built)
+        skipped.update(no_pairs)
         rows = []
         lowered = []  # per schedule, for the second simulation
         paid: tuple[float, int] | None = None
-        for schedule, costs in built:
+        for schedule, costs, overlap in variants:
             lowered.append(validate(schedule))
-            sim = simulate(schedule, costs, lowered=lowered[-1], moe=moe_comm(settings, schedule)).makespan
-            job = _job(settings, schedule, costs)
-            row = Row(schedule.name, schedule.chunks_per_rank, sim, native=job.native)
-            say(f"{schedule.name}: running {settings.warmup} + {settings.iterations} iterations")
-            results = pool.run_fn(run_job, job, settings.p, wall_timeout_s=job.timeout_s * 4 + 120)
+            moe = moe_comm(settings, schedule, overlap)
+            sim = simulate(schedule, costs, lowered=lowered[-1], moe=moe).makespan
+            job = _job(settings, schedule, costs, overlap)
+            row = Row(schedule.name, schedule.chunks_per_rank, sim, overlap=overlap, native=job.native)
+            say(f"{row.label}: running {settings.warmup} + {settings.iterations} iterations")
+            results = pool.run_fn(run_job, job, job.world_size, wall_timeout_s=job.timeout_s * 4 + 120)
             check_errors(results)
             fill_measured(row, results, settings.warmup)
-            if schedule.name == BASELINE:
+            if schedule.name == BASELINE and not overlap:
                 paid = paid_hop_ms(schedule, results, settings.warmup)
             rows.append(row)
         if paid is not None:  # every schedule again, with the hop the baseline's run paid
-            for row, (schedule, costs), low in zip(rows, built, lowered, strict=True):
+            for row, (schedule, costs, overlap), low in zip(rows, variants, lowered, strict=True):
                 repriced = dataclasses.replace(costs, t_comm=paid[0])
-                moe = moe_comm(settings, schedule)
+                moe = moe_comm(settings, schedule, overlap)
                 row.simulated_paid_hop = simulate(schedule, repriced, lowered=low, moe=moe).makespan
     finally:
         if own:
             pool.close()
-    base = next((r for r in rows if r.name == BASELINE), None)
+    base = next((r for r in rows if r.name == BASELINE and not r.overlap), None)
     for row in rows:
         if base is not None:
             row.sim_gain = base.simulated / row.simulated

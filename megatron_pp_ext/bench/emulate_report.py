@@ -74,7 +74,7 @@ def report(outcome: Outcome, figure_link: str | None = None) -> str:
     ]
     rows = [
         [
-            r.name,
+            r.label,
             str(r.v),
             _f(r.simulated, 1),
             _f(r.measured, 1),
@@ -101,7 +101,7 @@ def report(outcome: Outcome, figure_link: str | None = None) -> str:
         ]
         rows = [
             [
-                r.name,
+                r.label,
                 _f(r.native_measured, 1),
                 _f(r.measured, 1),
                 _f(r.ours_vs_native),
@@ -111,6 +111,7 @@ def report(outcome: Outcome, figure_link: str | None = None) -> str:
             for r in natives
         ]
         lines += _table(header, rows)
+    lines += overlap_lines(outcome.rows)
     lines += ["", *pad_lines(outcome.rows)]
     if figure_link:
         lines += ["", f"![measured vs simulated gain, p={s.p} m={s.m}]({figure_link})"]
@@ -118,6 +119,37 @@ def report(outcome: Outcome, figure_link: str | None = None) -> str:
     if outcome.skipped:
         lines += ["", "Not applicable at this (p, m): " + "; ".join(f"{k} ({v})" for k, v in outcome.skipped.items())]
     return "\n".join(lines)
+
+
+def overlap_lines(rows: list[Row]) -> list[str]:
+    """Each schedule without and with the all-to-all overlap side by side, and where the padded all-to-alls
+    ran (empty without the overlap run)."""
+    without = {r.name: r for r in rows if not r.overlap}
+    pairs = [(without[r.name], r) for r in rows if r.overlap and r.name in without]
+    if not pairs:
+        return []
+    header = ["schedule", "without ms", "with ms", "measured gain", "simulated gain", "measured / simulated gain"]
+    table = [
+        [
+            off.name,
+            _f(off.measured, 1),
+            _f(on.measured, 1),
+            _f(off.measured / on.measured),
+            _f(off.simulated / on.simulated),
+            _f((off.measured / on.measured) / (off.simulated / on.simulated)),
+        ]
+        for off, on in pairs
+    ]
+    where = ", ".join(f"{r.label} {r.a2a_on_worker[0]}/{r.a2a_on_worker[1]}" for r in rows if r.a2a_on_worker[1])
+    return [
+        "",
+        "All-to-all overlap (megatron's combined step; gain = time without / time with):",
+        "",
+        *_table(header, table),
+        "",
+        f"Padded all-to-alls that ran on the CPU communication stream's worker, of all (all ranks and iterations): "
+        f"{where}.",
+    ]
 
 
 def pad_lines(rows: list[Row]) -> list[str]:
@@ -143,7 +175,7 @@ def pad_lines(rows: list[Row]) -> list[str]:
         count = sum(r.over_pad + r.native_over_pad for r in over)
         lines.append(
             f"**WARNING** the real compute of {count} of {ops + native_ops} ops exceeded their pad ("
-            + ", ".join(r.name for r in over)
+            + ", ".join(r.label for r in over)
             + "; column 'ops over pad'): those ops measured the CPU, not the emulated costs; rerun on a quieter "
             "machine or with larger --costs."
         )
@@ -175,7 +207,7 @@ def breakdown_lines(rows: list[Row]) -> list[str]:
     keys = ["compute", "real_compute", "wait_F", "wait_B", "wait_BW", "wait_W", "post", "recv_wait", "send_wait"]
     keys += ["between", "drain", "outside"]
     table = [
-        [r.name, str(b["rank"]), *(_f(b[k], 1) for k in keys), _f(b["idle"], 1), b["longest_wait"]]
+        [r.label, str(b["rank"]), *(_f(b[k], 1) for k in keys), _f(b["idle"], 1), b["longest_wait"]]
         for r in rows
         for b in r.ranks
     ]
@@ -204,7 +236,7 @@ def draw(outcome: Outcome, directory: str) -> Path:
     rows = [r for r in outcome.rows if r.sim_gain == r.sim_gain]
     s = outcome.settings
     return draw_gain_comparison(
-        [r.name for r in rows],
+        [r.label for r in rows],
         [r.sim_gain for r in rows],
         [r.measured_gain for r in rows],
         Path(directory) / f"emulated_gain_p{s.p}_m{s.m}.png",
@@ -214,8 +246,15 @@ def draw(outcome: Outcome, directory: str) -> Path:
 
 
 def block_name(settings: Settings) -> str:
-    """The results file's block of one pipeline shape, nested in the section's block."""
-    return f"{BLOCK} p={settings.p} m={settings.m}"
+    """The results file's block of one pipeline shape and all-to-all setting, nested in the section's block."""
+    return f"{BLOCK} p={settings.p} m={settings.m}{_a2a_tag(settings)}"
+
+
+def _a2a_tag(settings: Settings) -> str:
+    """The all-to-all settings in a block's name and heading (empty without ``--a2a-ms``)."""
+    if not settings.moe_layers:
+        return ""
+    return f" a2a={settings.a2a_ms:g}ms x{settings.moe_layers}" + (" overlap" if settings.overlap else "")
 
 
 def write_block(path: str, settings: Settings, text: str) -> None:
@@ -225,7 +264,7 @@ def write_block(path: str, settings: Settings, text: str) -> None:
     old = target.read_text() if target.exists() else ""
     if block_markers(BLOCK)[0] not in old:
         old = replace_block(old, BLOCK, f"## {SECTION}\n\n{INTRO}")
-    body = f"### p = {settings.p}, m = {settings.m}\n\n{text}"
+    body = f"### p = {settings.p}, m = {settings.m}{_a2a_tag(settings).replace(' a2a=', ', a2a = ')}\n\n{text}"
     target.write_text(replace_block(old, block_name(settings), body, inside=BLOCK))
 
 
@@ -234,6 +273,14 @@ def _a2a_text(settings: Settings) -> str:
     if not settings.moe_layers:
         return ""
     t, n = settings.a2a_ms, settings.moe_layers
+    if settings.overlap:
+        return (
+            f"; MoE all-to-alls: a tiny MoE GPT ({n} MoE layer(s) per 1F1B stage) at EP = 2 on {settings.ranks} "
+            f"ranks, every dispatch and combine all-to-all padded to at least {t:g} ms (1/k on a rank holding k "
+            "stages) where it runs: inline without overlap (F, B and BW floors include them), on the CPU "
+            "communication stream's worker with overlap (compute then padded node by node, each attention and "
+            "experts node to its op's compute / 2 per layer); simulated with the CPU launch model"
+        )
     return (
         f"; MoE all-to-alls: {t:g} ms each, {n} MoE layer(s) per 1F1B stage, not overlapped: F, B and BW "
         f"padded {2 * n * t:g} ms longer, and simulated so"

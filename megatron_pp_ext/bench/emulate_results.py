@@ -10,6 +10,7 @@ from typing import Any
 BASELINE = "1f1b"  # the schedule every gain is over
 P2P_ROUNDS = 50  # round trips timed for the measured p2p time
 SECTION = "Emulated compute on real ranks"
+COMM_THREAD = "megatron-pp-comm-stream"  # the CPU communication stream's worker (integration/cpu_streams.py)
 BLOCK = "emulated"  # the results file's block holding the section; one nested block per (p, m)
 
 
@@ -28,6 +29,14 @@ class Settings:
     comm_ms: float | None  # None: measured
     a2a_ms: float = 0.0  # one all-to-all of one MoE layer (emulate_a2a.py); 0: none
     moe_layers: int = 0  # MoE layers per 1F1B stage
+    # a MoE model at EP = 2, every schedule without and with megatron's all-to-all overlap (emulate_moe.py)
+    overlap: bool = False
+
+    @property
+    def ranks(self) -> int:
+        """Rank processes: ``p``, twice that with the overlap (EP = 2)."""
+        return 2 * self.p if self.overlap else self.p
+
     write: str | None = None
     plots: str | None = None
     command: str = ""
@@ -40,6 +49,7 @@ class Row:
     name: str
     v: int
     simulated: float
+    overlap: bool = False  # run with megatron's all-to-all overlap (its combined step)
     measured: float = float("nan")
     sim_gain: float = float("nan")
     measured_gain: float = float("nan")
@@ -55,8 +65,15 @@ class Row:
     native_short_ops: int = 0
     native_over_pad: int = 0
     native_real_ms: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # padded all-to-alls of the timed and warm-up iterations, all ranks: (on the communication-stream worker, all)
+    a2a_on_worker: tuple[int, int] = (0, 0)
     # simulated again with the hop time the baseline's run paid (Outcome.paid_hop_ms)
     simulated_paid_hop: float = float("nan")
+
+    @property
+    def label(self) -> str:
+        """The schedule's name in a table, marked when the overlap is on."""
+        return f"{self.name} + overlap" if self.overlap else self.name
 
     @property
     def ratio(self) -> float:

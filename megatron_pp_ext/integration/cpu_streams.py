@@ -41,7 +41,7 @@ from typing import Any
 
 from ..runtime.errors import CommStreamError
 
-__all__ = ["EVENTS", "CommStreamError", "patch_schedule_nodes", "resolve"]
+__all__ = ["EVENTS", "CommStreamError", "patch_schedule_nodes", "resolve", "resolved"]
 
 EVENTS: list[tuple[str, str, str, int]] | None = None
 
@@ -112,7 +112,7 @@ def _worker(thread_setup: Callable[[], Any]) -> _Worker:
         return _WORKER
 
 
-def _resolved(values: tuple) -> tuple:
+def resolved(values: tuple) -> tuple:
     """``values`` with pending outputs waited for; one pending tuple stands for the values it holds
     (megatron's node ``forward`` / ``backward`` wrap a single non-tuple argument in a tuple)."""
     if len(values) == 1 and isinstance(values[0], _PendingComm):
@@ -148,7 +148,7 @@ def patch_schedule_nodes(thread_setup: Any) -> None:
         original = originals[side]
 
         def run(self: Any, *values: Any) -> Any:
-            values = _resolved(values)
+            values = resolved(values)
             stream = self.stream() if callable(self.stream) else self.stream
             if stream is None or stream is not utils.get_comm_stream():
                 if EVENTS is not None:

@@ -24,7 +24,8 @@ Per schedule and EP size the pipeline is simulated (:func:`~megatron_pp_ext.anal
 with :class:`~megatron_pp_ext.analysis.moe_comm.MoeComm`) with each MoE layer's all-to-alls added to
 its ops (no overlap) and, where the schedule carries overlap pairs, with those pairs on two streams
 (overlap). ``mark_pairs`` turns a generated schedule into the one whose pairs the executor overlaps
-(default: the schedule's own ``overlap_pairs``, today those of dualpipev). The times are the pipeline's
+(default: :func:`~megatron_pp_ext.schedules.pairs.mark_pairs`, which the executor applies; dualpipev keeps
+its own); the time without overlap is the unmarked schedule's. The times are the pipeline's
 makespan (no data-parallel reduction, no optimizer step). Pure Python.
 """
 
@@ -38,6 +39,7 @@ from ..analysis.simulate import simulate
 from ..schedules import registry
 from ..schedules.costs import Costs
 from ..schedules.ir import ScheduleError
+from ..schedules.pairs import mark_pairs as mark_overlap_pairs
 from ..schedules.placement import loop_placement
 from ..schedules.schedule import Schedule
 from .cost_model import CostModel
@@ -187,7 +189,7 @@ def moe_rows(
     schedules: Sequence[str],
     eps: Sequence[int] | None = None,
     budget_bytes: float | None = None,
-    mark_pairs: Callable[[Schedule], Schedule] = lambda s: s,
+    mark_pairs: Callable[[Schedule], Schedule] = mark_overlap_pairs,
 ) -> tuple[list[MoeRow], dict[str, str], dict[int, str]]:
     """Every schedule at every EP size that divides and fits; with the schedules that did not build (why)
     and the EP sizes dropped (why)."""
@@ -216,12 +218,12 @@ def moe_rows(
             skipped[name] = built
             continue
         schedule, costs, layers = built
-        schedule = mark_pairs(schedule)
-        pairs = sum(len(row) for row in schedule.overlap_pairs)
+        marked = mark_pairs(schedule)
+        pairs = sum(len(row) for row in marked.overlap_pairs)
         for ep in kept:
             a2a = a2a_seconds(model, cost, shape.micro_batch, shape.tp, ep)
             off = simulate(schedule, costs, moe=MoeComm(a2a, layers)).makespan
-            on = simulate(schedule, costs, moe=MoeComm(a2a, layers, overlap=True)).makespan if pairs else None
+            on = simulate(marked, costs, moe=MoeComm(a2a, layers, overlap=True)).makespan if pairs else None
             rows.append(MoeRow(name, schedule.chunks_per_rank, ep, a2a, off, on, pairs))
     return rows, skipped, dropped
 

@@ -4,6 +4,7 @@ refusals naming the flag."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -47,8 +48,20 @@ def test_simulate_moe_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert hidden < serial
     assert main(["simulate", *base, "--moe-a2a", "0.5", "--overlap-moe-expert-parallel-comm"]) == 0
     assert "hidden in" in capsys.readouterr().out
-    assert main(["simulate", "1f1b", "-p", "2", "-m", "4", "--moe-a2a", "1", "--overlap-moe-expert-parallel-comm"]) == 0
-    assert "carries no overlap pairs" in capsys.readouterr().out
+    gpipe = ["simulate", "gpipe", "-p", "2", "-m", "4"]
+    assert main([*gpipe, "--moe-a2a", "1", "--overlap-moe-expert-parallel-comm"]) == 0
+    assert "hidden in 1 overlapped F&B pairs" in capsys.readouterr().out  # its one turn from F to B
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "v-zb"])
+def test_simulate_overlap_marks_the_executors_pairs(capsys: pytest.CaptureFixture[str], name: str) -> None:
+    """Schedules that carry no pairs of their own get the executor's (schedules/pairs.py), timed on two
+    streams (whether that is faster depends on the pair's later sends: docs/moe.md)."""
+    base = [name, "-p", "4", "-m", "8", "--costs", "1,1,1", "--moe-a2a", "0.5", "--moe-layers", "2"]
+    serial = _makespan(capsys, *base)
+    assert _makespan(capsys, *base, "--overlap-moe-expert-parallel-comm") != serial
+    assert main(["simulate", *base, "--overlap-moe-expert-parallel-comm"]) == 0
+    assert re.search(r"hidden in \d+ overlapped F&B pairs", capsys.readouterr().out)
 
 
 @pytest.mark.parametrize(

@@ -85,7 +85,7 @@ def test_plan_moe_report(capsys: pytest.CaptureFixture[str]) -> None:
     assert {(name, int(ep)) for name, ep, *_ in rows} == {("1f1b", 2), ("1f1b", 8), ("dualpipev", 2), ("dualpipev", 8)}
     table = {(name, int(ep)): (float(off), None if on == "-" else float(on)) for name, ep, _, off, on in rows}
     assert re.search(r"^EP 1 dropped: parameters and optimizer state need [\d.]+ GiB per rank$", out, re.MULTILINE)
-    assert table[("1f1b", 8)][1] is None  # 1f1b carries no overlap pairs (yet)
+    assert table[("1f1b", 8)][1] is not None  # 1f1b gets the executor's pairs (schedules/pairs.py)
     off8, on8 = table[("dualpipev", 8)]
     assert on8 is not None and on8 < off8  # inter-node all-to-alls: the overlap hides them
     best = min(min(off, on or off) for off, on in table.values())
