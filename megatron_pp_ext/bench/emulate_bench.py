@@ -112,7 +112,8 @@ OVERLAP_EP, OVERLAP_EXPERTS = 2, 4
 
 def settings_from(args: argparse.Namespace) -> Settings | None:
     """Check every ``--emulate`` flag before anything is spawned; EmulateError names the flag and range.
-    Without ``--emulate``: None, or EmulateError if one of its own flags was given."""
+    Without ``--emulate``: None, or EmulateError if one of its own flags was given. Long because it checks
+    each flag in turn, in the order a user reads them, each with its own one-line refusal."""
     from ..schedule_args import parse_cli_costs
     from ..schedules import registry
 

@@ -31,7 +31,8 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def report(outcome: Outcome, figure_link: str | None = None) -> str:
     """Markdown: the settings, one row per schedule, megatron-core's schedules, the pad check and the
-    per-rank breakdown of where the time went."""
+    per-rank breakdown of where the time went. Long because the report reads top to bottom as printed: each
+    section is a few lines of formatting in the order of the output."""
     s = outcome.settings
     comm = (
         f"{outcome.comm_ms:.3f} ms one way (measured: median of {P2P_ROUNDS} round trips; fastest "

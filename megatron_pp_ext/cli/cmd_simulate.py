@@ -150,7 +150,8 @@ def uneven_costs(args: argparse.Namespace, schedule: Schedule) -> Costs | None:
 
 
 def add_parser(subparsers: Any) -> None:
-    """Adds ``simulate`` to ``megatron-pp``'s sub-commands (its parser, with ``func`` set)."""
+    """Adds ``simulate`` to ``megatron-pp``'s sub-commands (its parser, with ``func`` set). Long because it
+    lists the command's flags, one call each."""
     sim = subparsers.add_parser("simulate", help="generate (or load), validate and simulate a schedule")
     add_source_args(sim)
     sim.add_argument("--json", action="store_true", help="print the result as JSON")
