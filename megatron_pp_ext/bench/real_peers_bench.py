@@ -110,7 +110,7 @@ def main(settings: RealPeersSettings) -> int:
 
 def run(settings: RealPeersSettings, say: Any = print) -> str:
     """Every case of ``settings`` on real ranks; the report's text (also written with ``--write``)."""
-    from ..verification.rank_run import RankPool
+    from ..verification.rank_run import TrainingRankPool as RankPool
     from .real_peers_report import report
     from .results_file import block_markers, write_block
 

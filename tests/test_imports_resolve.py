@@ -1,0 +1,47 @@
+"""Every ``from megatron_pp_ext... import name`` in the package, the tests, the scripts and the benchmarks names a
+module or a name that exists, function-level imports included (those run only when their path does: a rename
+that leaves one behind fails here instead of in a user's run). Read with :mod:`ast`, resolved as
+:mod:`tests.doc_references` resolves docstring references."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.doc_references import PACKAGE, ROOT, Resolver, module_name
+
+
+def _importing_files() -> list[Path]:
+    folders = (PACKAGE, "tests", "scripts", "benchmarks")
+    return sorted(p for folder in folders for p in (ROOT / folder).rglob("*.py"))
+
+
+def _absolute(path: Path, node: ast.ImportFrom) -> str | None:
+    if not node.level:
+        return node.module
+    if not path.is_relative_to(ROOT / PACKAGE):
+        return None
+    parts = module_name(path).split(".")
+    base = parts if path.name == "__init__.py" else parts[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def unresolved_imports(resolver: Resolver) -> list[str]:
+    missing = []
+    for path in _importing_files():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            module = _absolute(path, node)
+            if module is None or not module.startswith(PACKAGE):
+                continue
+            for alias in node.names:
+                if alias.name != "*" and not resolver.exists(f"{module}.{alias.name}"):
+                    missing.append(f"{path.relative_to(ROOT)}:{node.lineno}: from {module} import {alias.name}")
+    return missing
+
+
+def test_every_import_of_the_package_resolves() -> None:
+    missing = unresolved_imports(Resolver())
+    assert not missing, "imports of names that do not exist:\n" + "\n".join(missing)
