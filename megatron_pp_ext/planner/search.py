@@ -185,29 +185,38 @@ class Planner:
         """``(builds, evaluations)`` in weighted schedule ops. ``builds``: every distinct build of
         :func:`builds_at` (schedule, p, micro-batches, chunks, memory limit, unit size; the shapes that share one
         share it, as :class:`.memo.PlannerMemo` does) once, its ops times its generator's factor (generation,
-        validation, lowering, buffer counts and compiled timing are per build). ``evaluations``: per shape (TP,
-        micro-batch, DP) that uses the build, :data:`EVALUATION_WEIGHT` x its ops for each evaluation there
-        (:meth:`evaluations_per_shape`: recompute settings x FSDP settings x layouts), each timing and sizing it
-        with its own costs; an extrapolated build counts its anchors' short runs, never ``m``."""
-        per_shape = self.evaluations_per_shape()
-        uses: dict[tuple[Any, ...], set[tuple[int, int, int]]] = {}  # (memory limit, *build) -> its shapes
-        for t, p, d, b, m in self.shapes():
+        validation, lowering, buffer counts and compiled timing are per build). ``evaluations``: at every shape
+        (TP, micro-batch, DP) that uses the build, its ops times :meth:`shape_evaluations` (each evaluation times
+        and sizes it with that shape's costs); an extrapolated build counts its anchors' short runs, never ``m``."""
+        uses: dict[tuple[Any, ...], float] = {}  # (memory limit, *build) -> its evaluations' weight over its shapes
+        for t, p, d, _, m in self.shapes():
             for name in self.schedules_at(p):
                 feasible = feasible_chunks(self, registry.get(name).placement, p)
+                weight = self.shape_evaluations(name, t, d)
                 for limit in self.limits_at(p):
                     for key in builds_at(name, p, m, self.space, feasible):
-                        uses.setdefault((limit, *key), set()).add((t, b, d))
-        builds = sum(key[-1] for key in uses)
-        evaluations = round(sum(key[-2] * EVALUATION_WEIGHT * per_shape * len(shapes) for key, shapes in uses.items()))
+                        uses[(limit, *key)] = uses.get((limit, *key), 0.0) + weight
+        builds = sum(int(key[-1]) for key in uses)
+        evaluations = round(sum(int(key[-2]) * weight for key, weight in uses.items()))
         return builds, evaluations
 
-    def evaluations_per_shape(self) -> int:
-        """At most how often one variant is evaluated at one shape: per recompute setting, per FSDP setting,
-        per layout (the uniform split and up to :data:`.layout.MAX_CANDIDATES` planned ones with
-        ``--layer-split search``)."""
-        layouts = 1 + MAX_CANDIDATES if self.space.layer_split == "search" and self.space.layout is None else 1
-        fsdp = len(dict.fromkeys(self.space.fsdp or (False,)))
-        return len(self.space.recompute) * fsdp * layouts
+    def shape_evaluations(self, name: str, t: int, d: int) -> float:
+        """The weight of one variant's evaluations at one shape, per op of its build: per recompute setting, per
+        layout (:meth:`layouts_per_candidate`) and per FSDP setting the candidate runs (:func:`.fsdp_axis.
+        fsdp_options`; none where it refuses them all), :data:`FSDP_EVALUATION_WEIGHT` with FSDP (its
+        data-parallel stream simulated), else :data:`EVALUATION_WEIGHT`, or :data:`PER_LAYER_EVALUATION_WEIGHT`
+        with per-layer costs (each layout's stages sized from their layer kinds, its activation profile anew)."""
+        shards = fsdp_options(name, t, d, self.model, self.space.fsdp or (False,))
+        if isinstance(shards, str):
+            return 0.0
+        plain = PER_LAYER_EVALUATION_WEIGHT if self.per_layer else EVALUATION_WEIGHT
+        per_candidate = sum(FSDP_EVALUATION_WEIGHT if fsdp else plain for fsdp in shards)
+        return per_candidate * len(self.space.recompute) * self.layouts_per_candidate()
+
+    def layouts_per_candidate(self) -> int:
+        """The layouts one candidate is evaluated under: the uniform split and up to
+        :data:`.layout.MAX_CANDIDATES` planned ones with ``--layer-split search``, else one."""
+        return 1 + MAX_CANDIDATES if self.space.layer_split == "search" and self.space.layout is None else 1
 
     def check_search(self) -> None:
         """Refuse, before any schedule is built, a search with no shape or one too large to finish in minutes."""
@@ -401,6 +410,8 @@ class Planner:
 MAX_SEARCH_OPS = 3_000_000
 LIMIT_COST = "at most about 40 s of CPU and 800 MB, measured on 2 cores"
 EVALUATION_WEIGHT = 0.03
+PER_LAYER_EVALUATION_WEIGHT = 0.06
+FSDP_EVALUATION_WEIGHT = 0.3
 # zeropp's list scheduler picks, at every op, among the p ranks and the ceil(p / U) open units: per op about
 # 6 + 0.14 p + 1.2 p / U us against about 6 us for a linear generator (single builds: p=8, m=256: U=1 16 us per op,
 # U=64 6 us; p=64, m=512: U=1 93 us, U=256 15 us), i.e. a factor 1 + p / UNIT_RANKS + p / (UNIT_WINDOW x U)

@@ -5,6 +5,7 @@ refused before any schedule is built, and the plan examples of README.md and doc
 from __future__ import annotations
 
 import shlex
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from megatron_pp_ext.planner.models import get_model
 from megatron_pp_ext.planner.options import planner_from_args
 
 ROOT = Path(__file__).resolve().parents[2]
-W = search.EVALUATION_WEIGHT
+W = search.EVALUATION_WEIGHT  # the tiny model has equal dense layers: no per-layer costs
 
 
 def _tiny(gpus: int, batch: int, **space: object) -> Planner:
@@ -38,11 +39,29 @@ def test_a_build_shared_by_two_shapes_is_built_once_and_evaluated_twice() -> Non
 
 def test_an_extrapolated_build_counts_its_anchors_not_m() -> None:
     """p = 2, m = 128: the anchors are m0 = 2p = 4, 6 and 8, so 6 x (4 + 6 + 8) = 108 ops of builds, not 6 x 128;
-    each is evaluated per recompute setting (2) and FSDP setting (2) at its one shape: 4 x 108."""
+    each evaluated per recompute setting (2) at its one shape (1f1b has no FSDP: --fsdp both adds nothing)."""
     space = {"tp": (1,), "pp": (2,), "micro_batch": (1,), "recompute": ("none", "full"), "fsdp": (False, True)}
     planner = _tiny(2, 128, schedules=("1f1b",), **space)
-    assert planner.evaluations_per_shape() == 4
-    assert planner.search_cost() == (108, round(W * 4 * 108))
+    assert planner.search_cost() == (108, round(W * 2 * 108))
+
+
+def test_fsdp_evaluations_weigh_their_data_parallel_stream() -> None:
+    """The tiny model untied, 4 GPUs at global batch 8, PP 2, TP 1, DP 2, m = 4: bfs at v = 1 and 2 (24 + 48 ops)
+    is evaluated without and with FSDP (0.03 + 0.3 per op), 1f1b (24 ops) without only: 72 x 0.33 + 24 x 0.03."""
+    spec = replace(get_model("tiny"), untie_embeddings_and_output_weights=True)
+    cost = CostModel(spec, get_device("A100-80GB"), TrainingSetup())
+    space = SearchSpace(
+        schedules=("bfs", "1f1b"),
+        tp=(1,),
+        pp=(2,),
+        micro_batch=(1,),
+        recompute=("none",),
+        virtual=(2,),
+        fsdp=(False, True),
+    )
+    planner = Planner(spec, 4, 8, cost, space=space)
+    assert (search.EVALUATION_WEIGHT, search.FSDP_EVALUATION_WEIGHT) == (0.03, 0.3)
+    assert planner.search_cost() == (72 + 24, round(72 * 0.33 + 24 * 0.03))
 
 
 def test_zeropp_unit_builds_weigh_their_scan() -> None:
@@ -58,9 +77,13 @@ def test_zeropp_unit_builds_weigh_their_scan() -> None:
 
 
 def test_layer_split_search_counts_every_layout() -> None:
-    """With ``--layer-split search`` a candidate is evaluated under the uniform split and up to 4 planned layouts."""
-    planner = _tiny(2, 8, schedules=("1f1b",), recompute=("none", "full"), layer_split="search")
-    assert planner.evaluations_per_shape() == 2 * 5
+    """With ``--layer-split search`` a candidate is evaluated under the uniform split and up to 4 planned layouts,
+    each sized and timed from per-layer costs (the heavier evaluation weight): 1f1b at p = 2, m = 8 is one build of
+    48 ops, evaluated 2 (recompute) x 5 (layouts) times."""
+    space = {"tp": (1,), "pp": (2,), "micro_batch": (1,), "recompute": ("none", "full"), "layer_split": "search"}
+    planner = _tiny(2, 8, schedules=("1f1b",), **space)
+    assert planner.layouts_per_candidate() == 5
+    assert planner.search_cost() == (48, round(search.PER_LAYER_EVALUATION_WEIGHT * 10 * 48))
 
 
 def test_an_over_limit_search_is_refused_before_any_schedule_is_built(
