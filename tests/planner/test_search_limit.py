@@ -20,6 +20,7 @@ from megatron_pp_ext.planner.options import planner_from_args
 
 ROOT = Path(__file__).resolve().parents[2]
 W = search.EVALUATION_WEIGHT  # the tiny model has equal dense layers: no per-layer costs
+OVERHEAD = search.BUILD_OVERHEAD
 
 
 def _tiny(gpus: int, batch: int, **space: object) -> Planner:
@@ -30,11 +31,13 @@ def _tiny(gpus: int, batch: int, **space: object) -> Planner:
 
 def test_a_build_shared_by_two_shapes_is_built_once_and_evaluated_twice() -> None:
     """1f1b on 4 GPUs at global batch 8, PP 2, TP 1 or 2, micro-batch 1 or 2: shapes (TP, DP, b, m) = (1, 2, 1, 4),
-    (1, 2, 2, 2), (2, 1, 1, 8), (2, 1, 2, 4). A 1f1b build is 3 x p x m = 6m ops: builds at m = 4 (shared), 2 and 8
-    are 24 + 12 + 48 = 84 ops; evaluations count the m = 4 build at both its shapes: 2 x 24 + 12 + 48 = 108."""
+    (1, 2, 2, 2), (2, 1, 1, 8), (2, 1, 2, 4). A 1f1b build is 3 x p x m = 6m ops, times 1 + p / 40 = 1.05, plus the
+    per-build overhead: builds at m = 4 (shared), 2 and 8 count once each; evaluations count the m = 4 build at both
+    its shapes: 2 x 24 + 12 + 48 = 108 ops."""
     planner = _tiny(4, 8, schedules=("1f1b",), tp=(1, 2), pp=(2,), micro_batch=(1, 2), recompute=("none",))
     assert [s[:4] for s in planner.shapes()] == [(1, 2, 2, 1), (1, 2, 2, 2), (2, 2, 1, 1), (2, 2, 1, 2)]
-    assert planner.search_cost() == (84, round(W * 108))
+    builds = round(24 * 1.05) + round(12 * 1.05) + round(48 * 1.05) + 3 * OVERHEAD
+    assert planner.search_cost() == (builds, round(W * 108))
 
 
 def test_an_extrapolated_build_counts_its_anchors_not_m() -> None:
@@ -42,12 +45,13 @@ def test_an_extrapolated_build_counts_its_anchors_not_m() -> None:
     each evaluated per recompute setting (2) at its one shape (1f1b has no FSDP: --fsdp both adds nothing)."""
     space = {"tp": (1,), "pp": (2,), "micro_batch": (1,), "recompute": ("none", "full"), "fsdp": (False, True)}
     planner = _tiny(2, 128, schedules=("1f1b",), **space)
-    assert planner.search_cost() == (108, round(W * 2 * 108))
+    builds = round(24 * 1.05) + round(36 * 1.05) + round(48 * 1.05) + 3 * OVERHEAD
+    assert planner.search_cost() == (builds, round(W * 2 * 108))
 
 
 def test_fsdp_evaluations_weigh_their_data_parallel_stream() -> None:
     """The tiny model untied, 4 GPUs at global batch 8, PP 2, TP 1, DP 2, m = 4: bfs at v = 1 and 2 (24 + 48 ops)
-    is evaluated without and with FSDP (0.03 + 0.3 per op), 1f1b (24 ops) without only: 72 x 0.33 + 24 x 0.03."""
+    is evaluated without and with FSDP (0.06 + 0.6 per op), 1f1b (24 ops) without only: 72 x 0.66 + 24 x 0.06."""
     spec = replace(get_model("tiny"), untie_embeddings_and_output_weights=True)
     cost = CostModel(spec, get_device("A100-80GB"), TrainingSetup())
     space = SearchSpace(
@@ -60,20 +64,22 @@ def test_fsdp_evaluations_weigh_their_data_parallel_stream() -> None:
         fsdp=(False, True),
     )
     planner = Planner(spec, 4, 8, cost, space=space)
-    assert (search.EVALUATION_WEIGHT, search.FSDP_EVALUATION_WEIGHT) == (0.03, 0.3)
-    assert planner.search_cost() == (72 + 24, round(72 * 0.33 + 24 * 0.03))
+    assert (search.EVALUATION_WEIGHT, search.FSDP_EVALUATION_WEIGHT) == (0.06, 0.6)
+    builds = round(24 * 1.05) + round(48 * 1.05) + round(24 * 1.05) + 3 * OVERHEAD
+    assert planner.search_cost() == (builds, round(72 * 0.66 + 24 * 0.06))
 
 
 def test_zeropp_unit_builds_weigh_their_scan() -> None:
     """zeropp, p = 2, m = 4, chunks 1 and 2 (the tiny model's 4 layers split over 2 x v stages for v <= 2), unit
     sizes 1 and 2 besides its default U = m = 4: a build is 3 x 2 x v x 4 = 24v ops, weighted by
     1 + p / 40 + p / (5U) = 1.15 (U = 4), 1.45 (U = 1), 1.25 (U = 2): round(27.6) + round(34.8) + 30 = 93 for v = 1,
-    round(55.2) + round(69.6) + 60 = 185 for v = 2; evaluations count the plain ops, 24 x 3 + 48 x 3 = 216."""
+    round(55.2) + round(69.6) + 60 = 185 for v = 2, and six per-build overheads; evaluations count the plain ops,
+    24 x 3 + 48 x 3 = 216."""
     assert (search.UNIT_RANKS, search.UNIT_WINDOW) == (40, 5)
     planner = _tiny(
         2, 4, schedules=("zeropp",), tp=(1,), pp=(2,), micro_batch=(1,), recompute=("none",), unit_sizes=(1, 2)
     )
-    assert planner.search_cost() == (93 + 185, round(W * 216))
+    assert planner.search_cost() == (93 + 185 + 6 * OVERHEAD, round(W * 216))
 
 
 def test_layer_split_search_counts_every_layout() -> None:
@@ -83,7 +89,7 @@ def test_layer_split_search_counts_every_layout() -> None:
     space = {"tp": (1,), "pp": (2,), "micro_batch": (1,), "recompute": ("none", "full"), "layer_split": "search"}
     planner = _tiny(2, 8, schedules=("1f1b",), **space)
     assert planner.layouts_per_candidate() == 5
-    assert planner.search_cost() == (48, round(search.PER_LAYER_EVALUATION_WEIGHT * 10 * 48))
+    assert planner.search_cost() == (round(48 * 1.05) + OVERHEAD, round(search.PER_LAYER_EVALUATION_WEIGHT * 10 * 48))
 
 
 def test_an_over_limit_search_is_refused_before_any_schedule_is_built(
