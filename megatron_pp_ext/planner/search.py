@@ -399,16 +399,32 @@ class Planner:
 
 
 # Work one search may do (:meth:`Planner.search_ops`): its distinct builds' ops, each times its generator's factor
-# (:func:`build_factor`), plus EVALUATION_WEIGHT x each build's ops for every evaluation at every shape that uses it.
-# Measured on the shared 2-core development machine (user CPU time and peak memory of the whole command; `OMP_NUM_
-# THREADS=1 /usr/bin/time -f "%U user %M KB" megatron-pp plan ARGS --no-cache --top 1`, the limit lifted for the
-# refused ones); ARGS, estimate (builds + weighted evaluations), user time, peak memory:
-# TABLE
-# A fit gives about 4 s + 9 s per M build ops + 0.27 s per M evaluation ops (hence the weight 0.03: most
-# evaluations re-time a kept build with new costs, and many hit the simulation memo), and about 250 MB per M build
-# ops (the memo keeps every build; evaluations keep little): a search at the limit takes LIMIT_COST.
-MAX_SEARCH_OPS = 3_500_000
-LIMIT_COST = "at most about 50 s of CPU and 1 GB, measured on 2 cores"
+# (:func:`build_factor`) plus BUILD_OVERHEAD, and each build's ops times the weight of its evaluations at every shape
+# that uses it (:meth:`Planner.shape_evaluations`). Measured on the shared 2-core development machine, one run each
+# (`OMP_NUM_THREADS=1 /usr/bin/time -f "%U user %M KB" megatron-pp plan ARGS --no-cache --top 1`, the limit lifted
+# for the refused ones; 48x6144 = --num-layers 48 --hidden-size 6144 --num-attention-heads 48 --seq-length 2048):
+#   estimate  user  peak MB  ARGS
+#     0.17 M   2.0 s    56   --model tiny --gpus 8 --global-batch 64 --fsdp both
+#     0.32 M   4.0 s    66   --model zb-6.2b --untie... --gpus 16 --global-batch 64 --tp 1 --schedules bfs,zeropp,1f1b
+#                            --fsdp both --unit-sizes 1,2,4,8,32 (README)
+#     0.96 M  14.1 s   128   --model llama3-70b --gpus 64 --global-batch 64 --device H100-80GB
+#     1.55 M  13.9 s   230   --model zb-6.2b --gpus 8 --global-batch 96 --device A100-80GB (README)
+#     1.74 M  25.9 s   253   --model llama3-70b --gpus 256 --global-batch 512 --device H100-80GB
+#     1.92 M  28.9 s   557   --model zb-6.2b --gpus 16 --global-batch 1024 --schedules zeropp,1f1b,zb-h1
+#                            --unit-sizes 4,16
+#     2.44 M  24.6 s   328   --model zb-6.2b --gpus 16 --global-batch 512 --device A100-80GB --fsdp both --tp 1
+#     2.49 M  25.5 s   394   --model llama3-70b --gpus 256 --global-batch 2048 --device H100-80GB --tp 8 --micro-batch 1
+#     2.75 M  13.0 s   208   --model llama3-70b --gpus 64 --global-batch 512 ... --layer-split search (README)
+#     3.47 M  36.4 s   772   --model zb-6.2b --gpus 8 --global-batch 512 --device A100-80GB
+#     3.64 M  33.5 s   607   48x6144 --gpus 64 --global-batch 512 --device H100-80GB --distributed-optimizer
+#                            --tp 8 (README)
+#     4.36 M  38.6 s   588   --model llama3-70b --gpus 128 --global-batch 1024 --device H100-80GB --tp 8 (refused)
+#     4.47 M  26.3 s   332   --model llama3-8b --gpus 8 --global-batch 128 --layer-split search (refused)
+#     6.57 M  55.7 s  1492   --model zb-6.2b --gpus 32 --global-batch 2048 --device A100-80GB --tp 8 (refused)
+# (more rows and the commands in benchmarks/RESULTS.md). From 9 to 15 s of CPU and at most 290 MB per M of estimate
+# (the memo keeps every build; evaluations keep little): a search at the limit takes LIMIT_COST.
+MAX_SEARCH_OPS = 3_700_000
+LIMIT_COST = "at most about 1 minute of CPU and 1.1 GB, measured on 2 cores"
 BUILD_OVERHEAD = 300
 EVALUATION_WEIGHT = 0.06
 PER_LAYER_EVALUATION_WEIGHT = 0.12
@@ -418,6 +434,10 @@ FSDP_EVALUATION_WEIGHT = 0.6
 # U=64 6 us; p=64, m=512: U=1 93 us, U=256 15 us), i.e. a factor 1 + p / UNIT_RANKS + p / (UNIT_WINDOW x U)
 UNIT_RANKS = 40
 UNIT_WINDOW = 5
+# greedy and searching generators per op against a linear one's ~5 us (single builds at p = 8 and 32, m = 3p, with
+# validation and buffer counts: interleaved-zb 49-66 us, v-half 19-23, v-min 10-21, bitpipe-zb 9-20, zb-auto 13;
+# 1f1b, interleaved-1f1b, zb-h1/h2, bfs, v-zb, dualpipev 2-7)
+GENERATOR_FACTOR = {"interleaved-zb": 12.0, "v-half": 5.0, "v-min": 4.0, "bitpipe-zb": 4.0, "zb-auto": 3.0}
 
 
 def builds_at(
@@ -443,20 +463,20 @@ def builds_at(
     for v in chunk_counts:
         for mm in counts:
             ops = OPS_PER_PAIR * p * v * mm
-            out.add((name, p, mm, v, None, ops, round(ops * build_factor(p, mm if scans else None))))
+            out.add((name, p, mm, v, None, ops, round(ops * build_factor(name, p, mm if scans else None))))
         for u in units:
             ops = OPS_PER_PAIR * p * v * m
-            out.add((name, p, m, v, u, ops, round(ops * build_factor(p, u))))
+            out.add((name, p, m, v, u, ops, round(ops * build_factor(name, p, u))))
     return out
 
 
-def build_factor(p: int, unit: int | None) -> float:
-    """A build's cost per op relative to a linear generator's at one rank (generation, validation, lowering,
-    buffer counts, compiled timing): ``1 + p / UNIT_RANKS``, since list-scheduling generators (the engine's
-    greedy ones, zeropp) pick among the ``p`` ranks at every op, plus for zeropp at unit size ``unit`` (``m`` by
-    default) ``p / (UNIT_WINDOW x unit)`` for the ``ceil(p / unit)`` open units it scans. An upper figure for the
-    fixed-pattern generators (1f1b, interleaved, ...), whose builds are a small share of any search."""
-    return 1.0 + p / UNIT_RANKS + (0.0 if unit is None else p / (UNIT_WINDOW * unit))
+def build_factor(name: str, p: int, unit: int | None) -> float:
+    """A build's cost per op relative to a linear generator's (generation, validation, lowering, buffer counts,
+    compiled timing): the generator's own factor (:data:`GENERATOR_FACTOR`, 1 if not listed), and for zeropp at
+    unit size ``unit`` (``m`` by default) ``1 + p / UNIT_RANKS + p / (UNIT_WINDOW x unit)``, since its list
+    scheduler picks among the ``p`` ranks and the ``ceil(p / unit)`` open units at every op."""
+    scan = 1.0 if unit is None else 1.0 + p / UNIT_RANKS + p / (UNIT_WINDOW * unit)
+    return GENERATOR_FACTOR.get(name, 1.0) * scan
 
 
 def no_shape_reason(planner: Planner) -> str:
