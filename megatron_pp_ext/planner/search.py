@@ -202,8 +202,8 @@ class Planner:
 
     def shape_evaluations(self, name: str, t: int, d: int) -> float:
         """The weight of one variant's evaluations at one shape, per op of its build: per recompute setting, per
-        layout (:meth:`layouts_per_candidate`) and per FSDP setting the candidate runs (:func:`.fsdp_axis.
-        fsdp_options`; none where it refuses them all), :data:`FSDP_EVALUATION_WEIGHT` with FSDP (its
+        layout (:meth:`layouts_per_candidate`) and per FSDP setting the candidate runs
+        (:func:`.fsdp_axis.fsdp_options`; none where it refuses them all), :data:`FSDP_EVALUATION_WEIGHT` with FSDP (its
         data-parallel stream simulated), else :data:`EVALUATION_WEIGHT`, or :data:`PER_LAYER_EVALUATION_WEIGHT`
         with per-layer costs (each layout's stages sized from their layer kinds, its activation profile anew)."""
         shards = fsdp_options(name, t, d, self.model, self.space.fsdp or (False,))
