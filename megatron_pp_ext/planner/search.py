@@ -26,10 +26,11 @@ from ..schedules.limits import OPS_PER_PAIR
 from ..schedules.placement import Placement
 from ..schedules.schedule import Schedule
 from .cost_model import CostModel
-from .extrapolate import EXACT_FALLBACK, anchor_counts
+from .extrapolate import anchor_counts
 from .fsdp_axis import FsdpSimulator, fsdp_options
 from .layer_costs import LayerCostTable, MeasuredLayers, kind_layout, layer_cost_table
 from .layer_costs import stage_costs as layer_stage_costs
+from .layer_layouts import MAX_CANDIDATES
 from .layout_search import evaluate_layouts
 from .memo import (
     POST_VALIDATION_ITERATIONS,
@@ -175,19 +176,48 @@ class Planner:
         return sum(len(self.schedules_at(p)) * len(self.limits_at(p)) for _, p, *_ in self.shapes())
 
     def search_ops(self) -> int:
-        """An upper estimate of the schedule ops the search builds, cheap to compute: every distinct build
-        (schedule, p, micro-batches, chunks, memory limit, unit size; shapes that share one share the build,
-        as the memo does) of :func:`builds_at`, weighted by its op count, plus :data:`RESIMULATE` times that
-        count for every further shape (TP, micro-batch, DP) timing and sizing the same build with its own
-        costs. :meth:`check_search` refuses a search over :data:`MAX_SEARCH_OPS` up front."""
-        uses: dict[tuple[Any, ...], set[tuple[int, int, int]]] = {}  # (memory limit, *build) -> its shapes
-        for t, p, d, b, m in self.shapes():
+        """An upper estimate of the search's work in schedule ops, cheap to compute (no schedule is built):
+        :meth:`search_cost`'s builds plus its evaluations. :meth:`check_search` refuses a search over
+        :data:`MAX_SEARCH_OPS` up front."""
+        builds, evaluations = self.search_cost()
+        return round(builds + evaluations)
+
+    def search_cost(self) -> tuple[int, int]:
+        """``(builds, evaluations)`` in weighted schedule ops. ``builds``: every distinct build of
+        :func:`builds_at` (schedule, p, micro-batches, chunks, memory limit, unit size; the shapes that share one
+        share it, as :class:`.memo.PlannerMemo` does) once, its ops times its generator's factor (generation,
+        validation, lowering, buffer counts and compiled timing are per build). ``evaluations``: at every shape
+        (TP, micro-batch, DP) that uses the build, its ops times :meth:`shape_evaluations` (each evaluation times
+        and sizes it with that shape's costs); an extrapolated build counts its anchors' short runs, never ``m``."""
+        uses: dict[tuple[Any, ...], float] = {}  # (memory limit, *build) -> its evaluations' weight over its shapes
+        for t, p, d, _, m in self.shapes():
             for name in self.schedules_at(p):
+                feasible = feasible_chunks(self, registry.get(name).placement, p)
+                weight = self.shape_evaluations(name, t, d)
                 for limit in self.limits_at(p):
-                    feasible = feasible_chunks(self, registry.get(name).placement, p)
                     for key in builds_at(name, p, m, self.space, feasible):
-                        uses.setdefault((limit, *key), set()).add((t, b, d))
-        return sum(key[-1] * (1 + RESIMULATE * (len(shapes) - 1)) for key, shapes in uses.items())
+                        uses[(limit, *key)] = uses.get((limit, *key), 0.0) + weight
+        builds = sum(int(key[-1]) + BUILD_OVERHEAD for key in uses)
+        evaluations = round(sum(int(key[-2]) * weight for key, weight in uses.items()))
+        return builds, evaluations
+
+    def shape_evaluations(self, name: str, t: int, d: int) -> float:
+        """The weight of one variant's evaluations at one shape, per op of its build: per recompute setting, per
+        layout (:meth:`layouts_per_candidate`) and per FSDP setting the candidate runs
+        (:func:`.fsdp_axis.fsdp_options`; none where it refuses them all), :data:`FSDP_EVALUATION_WEIGHT` with FSDP (its
+        data-parallel stream simulated), else :data:`EVALUATION_WEIGHT`, or :data:`PER_LAYER_EVALUATION_WEIGHT`
+        with per-layer costs (each layout's stages sized from their layer kinds, its activation profile anew)."""
+        shards = fsdp_options(name, t, d, self.model, self.space.fsdp or (False,))
+        if isinstance(shards, str):
+            return 0.0
+        plain = PER_LAYER_EVALUATION_WEIGHT if self.per_layer else EVALUATION_WEIGHT
+        per_candidate = sum(FSDP_EVALUATION_WEIGHT if fsdp else plain for fsdp in shards)
+        return per_candidate * len(self.space.recompute) * self.layouts_per_candidate()
+
+    def layouts_per_candidate(self) -> int:
+        """The layouts one candidate is evaluated under: the uniform split and up to
+        :data:`.layer_layouts.MAX_CANDIDATES` planned ones with ``--layer-split search``, else one."""
+        return 1 + MAX_CANDIDATES if self.space.layer_split == "search" and self.space.layout is None else 1
 
     def check_search(self) -> None:
         """Refuse, before any schedule is built, a search with no shape or one too large to finish in minutes."""
@@ -196,8 +226,8 @@ class Planner:
         ops = self.search_ops()
         if ops > MAX_SEARCH_OPS:
             raise ValueError(
-                f"the search would build about {ops:,} schedule ops ({self.num_gpus} GPUs, global batch "
-                f"{self.global_batch}); the limit is {MAX_SEARCH_OPS:,} (about 10 s and 350 MB of search): narrow "
+                f"the search would cost about {ops:,} schedule ops ({self.num_gpus} GPUs, global batch "
+                f"{self.global_batch}); the limit is {MAX_SEARCH_OPS:,} ({LIMIT_COST}): narrow "
                 "it with --pp, --tp, --micro-batch, --schedules, --virtual or --unit-sizes, "
                 "or a smaller --global-batch"
             )
@@ -369,33 +399,56 @@ class Planner:
         )
 
 
-# Schedule ops one search may build and time (:meth:`Planner.search_ops`): the distinct builds of
-# :func:`builds_at` (shapes that share a build share it, as the memo does), in linear-generator equivalents
-# (zeropp's unit sizes weighted, see UNIT_SCAN), plus RESIMULATE x the build's ops for each further shape that
-# simulates and sizes it with other costs. Measured on the shared 2-core development machine (user CPU time of the
-# whole command, peak memory; `/usr/bin/time -f "%U user %M KB" megatron-pp plan ... --top 1`):
-#   --model tiny --global-batch 1024             builds 3.60 M, further shapes 0.01 M:  7.8 s, 335 MB
-#   --model tiny --gpus 16 --global-batch 1024   builds 3.37 M, further shapes 1.22 M: 14.8 s, 550 MB
-#   --model tiny --gpus 32 --global-batch 1024   builds 0.91 M, further shapes 0.39 M:  5.9 s, 272 MB
-# about 2 s + 1.6 s per M build ops + 6.2 s per M further-shape ops, and 154 MB + 50 MB / 187 MB per M: a further
-# shape costs about 4 times a build per op (its simulation, retiming and memory model). At 4 M the search takes
-# at most about 8 s of CPU and 350 MB; the builds-only estimate admitted the 16-GPU search above (15 s, 550 MB).
-# The estimate grows about 4x per doubling of the batch (``--global-batch 2048``: 14 M).
-MAX_SEARCH_OPS = 4_000_000
-RESIMULATE = 4
-# zeropp at a unit size U < m scans its units: a build at m takes about (1 + m / (15 U)) times as long per op
-# as a linear generator (single builds at p=2 and 8, m=1024: U=1 80 us per op, U=4 25, U=256 10)
-UNIT_SCAN = 15
+# Work one search may do (:meth:`Planner.search_ops`): its distinct builds' ops, each times its generator's factor
+# (:func:`build_factor`) plus BUILD_OVERHEAD, and each build's ops times the weight of its evaluations at every shape
+# that uses it (:meth:`Planner.shape_evaluations`). Measured on the shared 2-core development machine, one run each
+# (`OMP_NUM_THREADS=1 /usr/bin/time -f "%U user %M KB" megatron-pp plan ARGS --no-cache --top 1`, the limit lifted
+# for the refused ones; 48x6144 = --num-layers 48 --hidden-size 6144 --num-attention-heads 48 --seq-length 2048):
+#   estimate  user  peak MB  ARGS
+#     0.17 M   2.0 s    56   --model tiny --gpus 8 --global-batch 64 --fsdp both
+#     0.32 M   4.0 s    66   --model zb-6.2b --untie... --gpus 16 --global-batch 64 --tp 1 --schedules bfs,zeropp,1f1b
+#                            --fsdp both --unit-sizes 1,2,4,8,32 (README)
+#     0.96 M  14.1 s   128   --model llama3-70b --gpus 64 --global-batch 64 --device H100-80GB
+#     1.55 M  13.9 s   230   --model zb-6.2b --gpus 8 --global-batch 96 --device A100-80GB (README)
+#     1.74 M  25.9 s   253   --model llama3-70b --gpus 256 --global-batch 512 --device H100-80GB
+#     1.92 M  28.9 s   557   --model zb-6.2b --gpus 16 --global-batch 1024 --schedules zeropp,1f1b,zb-h1
+#                            --unit-sizes 4,16
+#     2.44 M  24.6 s   328   --model zb-6.2b --gpus 16 --global-batch 512 --device A100-80GB --fsdp both --tp 1
+#     2.49 M  25.5 s   394   --model llama3-70b --gpus 256 --global-batch 2048 --device H100-80GB --tp 8 --micro-batch 1
+#     2.75 M  13.0 s   208   --model llama3-70b --gpus 64 --global-batch 512 ... --layer-split search (README)
+#     3.47 M  36.4 s   772   --model zb-6.2b --gpus 8 --global-batch 512 --device A100-80GB
+#     3.64 M  33.5 s   607   48x6144 --gpus 64 --global-batch 512 --device H100-80GB --distributed-optimizer
+#                            --tp 8 (README)
+#     4.36 M  38.6 s   588   --model llama3-70b --gpus 128 --global-batch 1024 --device H100-80GB --tp 8 (refused)
+#     4.47 M  26.3 s   332   --model llama3-8b --gpus 8 --global-batch 128 --layer-split search (refused)
+#     6.57 M  55.7 s  1492   --model zb-6.2b --gpus 32 --global-batch 2048 --device A100-80GB --tp 8 (refused)
+# (more rows and the commands in benchmarks/RESULTS.md). From 9 to 15 s of CPU and at most 290 MB per M of estimate
+# (the memo keeps every build; evaluations keep little): a search at the limit takes LIMIT_COST.
+MAX_SEARCH_OPS = 3_700_000
+LIMIT_COST = "at most about 1 minute of CPU and 1.1 GB, measured on 2 cores"
+BUILD_OVERHEAD = 300
+EVALUATION_WEIGHT = 0.06
+PER_LAYER_EVALUATION_WEIGHT = 0.12
+FSDP_EVALUATION_WEIGHT = 0.6
+# zeropp's list scheduler picks, at every op, among the p ranks and the ceil(p / U) open units: per op about
+# 6 + 0.14 p + 1.2 p / U us against about 6 us for a linear generator (single builds: p=8, m=256: U=1 16 us per op,
+# U=64 6 us; p=64, m=512: U=1 93 us, U=256 15 us), i.e. a factor 1 + p / UNIT_RANKS + p / (UNIT_WINDOW x U)
+UNIT_RANKS = 40
+UNIT_WINDOW = 5
+# greedy and searching generators per op against a linear one's ~5 us (single builds at p = 8 and 32, m = 3p, with
+# validation and buffer counts: interleaved-zb 49-66 us, v-half 19-23, v-min 10-21, bitpipe-zb 9-20, zb-auto 13;
+# 1f1b, interleaved-1f1b, zb-h1/h2, bfs, v-zb, dualpipev 2-7)
+GENERATOR_FACTOR = {"interleaved-zb": 12.0, "v-half": 5.0, "v-min": 4.0, "bitpipe-zb": 4.0, "zb-auto": 3.0}
 
 
 def builds_at(
     name: str, p: int, m: int, space: SearchSpace, feasible: list[int] | None = None
 ) -> set[tuple[object, ...]]:
     """At most the builds :func:`.variants.schedule_variants` makes for schedule ``name`` at ``(p, m)``, as
-    ``(name, p, micro-batches, chunks, unit size, weight)``: per chunk count tried, the extrapolation anchors
-    (and ``m`` itself, up to ``EXACT_FALLBACK x p``, when the anchors are not affine), and for a schedule with
-    unit sizes one build at ``m`` per unit size; only the chunk counts in ``feasible`` when given (those the
-    layers split over). The weight is the op count, times :data:`UNIT_SCAN`'s factor for a unit size."""
+    ``(name, p, micro-batches, chunks, unit size, ops, weight)``: per chunk count tried, the extrapolation
+    anchors (``m`` itself when not extrapolated), and for a schedule with unit sizes one build at ``m`` per unit
+    size; only the chunk counts in ``feasible`` when given (those the layers split over). The weight is the op
+    count times the generator's factor per op (:func:`build_factor`)."""
     info = registry.get(name)
     caps = info.capabilities
     if info.placement == "loop" and (caps is None or not caps.chunks.fixed):
@@ -404,14 +457,27 @@ def builds_at(
         chunk_counts = {caps.chunks.default if caps is not None else 2}
     if feasible is not None:
         chunk_counts &= set(feasible)
-    anchors = anchor_counts(p, m)
-    counts = set(anchors) | ({m} if len(anchors) > 1 and m <= EXACT_FALLBACK * p else set())
-    units = [u for u in (space.unit_sizes or divisors(m)) if u < m and m % u == 0] if info.takes("unit_size") else []
+    counts = anchor_counts(p, m)
+    scans = info.takes("unit_size")
+    units = [u for u in (space.unit_sizes or divisors(m)) if u < m and m % u == 0] if scans else []
     out: set[tuple[object, ...]] = set()
     for v in chunk_counts:
-        out.update((name, p, mm, v, None, OPS_PER_PAIR * p * v * mm) for mm in counts)
-        out.update((name, p, m, v, u, OPS_PER_PAIR * p * v * m * (1 + m // (UNIT_SCAN * u))) for u in units)
+        for mm in counts:
+            ops = OPS_PER_PAIR * p * v * mm
+            out.add((name, p, mm, v, None, ops, round(ops * build_factor(name, p, mm if scans else None))))
+        for u in units:
+            ops = OPS_PER_PAIR * p * v * m
+            out.add((name, p, m, v, u, ops, round(ops * build_factor(name, p, u))))
     return out
+
+
+def build_factor(name: str, p: int, unit: int | None) -> float:
+    """A build's cost per op relative to a linear generator's (generation, validation, lowering, buffer counts,
+    compiled timing): the generator's own factor (:data:`GENERATOR_FACTOR`, 1 if not listed), and for zeropp at
+    unit size ``unit`` (``m`` by default) ``1 + p / UNIT_RANKS + p / (UNIT_WINDOW x unit)``, since its list
+    scheduler picks among the ``p`` ranks and the ``ceil(p / unit)`` open units at every op."""
+    scan = 1.0 if unit is None else 1.0 + p / UNIT_RANKS + p / (UNIT_WINDOW * unit)
+    return GENERATOR_FACTOR.get(name, 1.0) * scan
 
 
 def no_shape_reason(planner: Planner) -> str:

@@ -184,6 +184,23 @@ class CommPlan:
                 rows[rank][k].append(mid)
         return rows
 
+    def receive_buffer_peaks(self) -> list[int]:
+        """Per rank, the most receive buffers of :attr:`receive_buffers` held at the end of one op, counted
+        without listing them per op (a planner sizes thousands of schedules and keeps none of those lists)."""
+        deltas = [[0] * (self.offsets[r + 1] - self.offsets[r] + 1) for r in range(self.num_ranks)]
+        for rank, gap, at in zip(self.dst_rank, self.post_gap, self.consumer, strict=True):
+            if gap < at:
+                deltas[rank][gap] += 1
+                deltas[rank][at] -= 1
+        peaks = []
+        for row in deltas:
+            held = peak = 0
+            for step in row[:-1]:
+                held += step
+                peak = max(peak, held)
+            peaks.append(peak)
+        return peaks
+
     def _groups(self, gaps: list[int]) -> list[list[tuple[int, ...] | None]]:
         groups: list[dict[int, list[int]]] = [{} for _ in range(self.num_ranks)]
         for mid, (rank, gap) in enumerate(zip(self.dst_rank, gaps, strict=True)):
@@ -344,10 +361,10 @@ class LoweredSchedule:
         for src in plan.src_rank:
             sends[src] += 1
         out = []
-        for rank, row in enumerate(plan.receive_buffers):
+        for rank, held in enumerate(plan.receive_buffer_peaks()):
             bound = self.send_bounds[rank]
             pending = sends[rank] if bound is None else min(bound, sends[rank])
-            out.append(max((len(mids) for mids in row), default=0) + pending)
+            out.append(held + pending)
         return tuple(out)
 
     def program(self, rank: int, prefetch: bool = False) -> tuple[Instruction, ...]:

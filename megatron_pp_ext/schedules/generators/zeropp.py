@@ -97,8 +97,24 @@ def zeropp_order(
         cost = (sc.f if prev.kind == OpKind.F else sc.b)[prev.stage]
         return clock[prev.stage % p] + cost + hop + 1e-9  # it cannot start before its rank is free
 
+    # queues are only ever popped, so each rank's earliest unit with backwards (forwards) left only moves on:
+    # kept per rank, it spares rescanning the emptied units at every step (O(m / U) each)
+    b_first = [0] * p
+    f_first = [0] * p
+
     def b_unit(r: int) -> int:  # the earliest unit with backwards left on rank r
-        return next((k for k, q in enumerate(backwards[r]) if q), len(units))
+        k, queues = b_first[r], backwards[r]
+        while k < len(queues) and not queues[k]:
+            k += 1
+        b_first[r] = k
+        return k
+
+    def f_unit(r: int) -> int:  # the earliest unit with forwards left on rank r
+        k, queues = f_first[r], forwards[r]
+        while k < len(queues) and not queues[k]:
+            k += 1
+        f_first[r] = k
+        return k
 
     def candidates(r: int) -> list[deque[Op]]:
         """The queues whose front may run next, in priority order: backwards, then forwards, each of the
@@ -108,7 +124,7 @@ def zeropp_order(
         # a started micro-batch always runs on; a new one needs room for itself and for every micro-batch of
         # an earlier unit not started yet (a later unit never takes the memory an earlier one needs)
         before = 0
-        for q in forwards[r][: k + window + 1]:
+        for q in forwards[r][min(f_unit(r), k + window + 1) : k + window + 1]:  # emptied units count nothing
             if q and (q[0].stage >= p or cap is None or reserved[r] + v * (before + 1) <= cap):
                 fronts.append(q)
             if cap is not None:
