@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +52,13 @@ def _imports(tree: ast.Module, top_level: bool) -> list[ast.Import | ast.ImportF
 
 def import_graph(top_level: bool) -> dict[str, set[str]]:
     """Module -> the package modules it imports (``from pkg import name`` counts ``pkg.name`` when that
-    is a module, else ``pkg``)."""
+    is a module, else ``pkg``). Read once per test session (the sources do not change during it); each
+    caller gets its own copy."""
+    return {name: set(deps) for name, deps in _graph(top_level).items()}
+
+
+@functools.lru_cache(maxsize=2)
+def _graph(top_level: bool) -> dict[str, set[str]]:
     modules = _modules()
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
