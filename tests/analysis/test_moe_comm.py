@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from megatron_pp_ext.analysis.moe_comm import MoeComm, pair_nodes, pair_time, timed_nodes
+from megatron_pp_ext.analysis.moe_comm import MoeComm, pair_nodes, pair_step, pair_time, timed_nodes
 from megatron_pp_ext.analysis.schedule_check import validate
 from megatron_pp_ext.analysis.simulate import simulate
 from megatron_pp_ext.schedules import registry
@@ -34,6 +34,13 @@ def test_pair_nodes_by_hand() -> None:
         ("B", "attn", 10, 14),
     ]
     assert pair_time(4, 1, 8, 1, 3) == 14
+
+
+def test_a_pair_sends_each_output_when_its_side_ends() -> None:
+    # (above) the forward's last node (combine) ends at 13, the backward's (attention) at 14
+    assert pair_step(4, 1, 8, 1, 3) == (14, 13, 14)
+    # CPU launch: the host calls post_forward after the compute it issued before (B attention, to 17)
+    assert pair_step(4, 1, 8, 1, 3, host_launch=True) == (17, 17, 17)
 
 
 def test_tiny_schedule_makespan_by_hand() -> None:
