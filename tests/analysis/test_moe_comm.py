@@ -112,8 +112,8 @@ def test_zero_all_to_all_time_is_the_old_model(name: str, p: int, m: int) -> Non
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
 def test_overlap_never_makes_the_simulated_time_worse(p: int, m: int) -> None:
     """Against the same pairs run as steps with their ops one after the other (what the executor does without
-    the overlap): hiding all-to-alls never delays anything. (Against no pairs at all it can: a pair sends
-    its forward's output at the pair's end, docs/moe.md.)"""
+    the overlap): hiding all-to-alls never delays anything. (Against no pairs at all it can: a pair starts
+    once both its inputs are there and its forward ends with its last node, docs/moe.md.)"""
     schedule = registry.generate("dualpipev", p, m)
     lowered = validate(schedule)
     rng = random.Random(p * 100 + m)
