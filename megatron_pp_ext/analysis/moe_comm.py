@@ -25,7 +25,9 @@ has finished the compute issued before it, and starts no earlier than that.
 
 With ``a = 0`` a pair takes ``C_f + C_b`` (both on the compute stream): the old model without overlap.
 A pair never takes longer than its two ops one after the other (every node starts no later than the
-end of the node issued before it).
+end of the node issued before it). A pair's outputs do not wait for its end: the forward's leaves when
+the forward's last node has ended, the backward's when the backward's has (:func:`pair_step`), as the
+executor posts the forward's send from inside megatron's combined step.
 
 Pure Python.
 """
@@ -39,7 +41,7 @@ from typing import NamedTuple
 from ..schedules.costs import expand_cost
 from ..schedules.ir import Op, OpKind
 
-__all__ = ["MoeComm", "Node", "pair_nodes", "pair_time", "serial_time", "timed_nodes"]
+__all__ = ["MoeComm", "Node", "pair_nodes", "pair_step", "pair_time", "serial_time", "timed_nodes"]
 
 COMPUTE, COMM = "compute", "comm"
 FORWARD, BACKWARD = "F", "B"
@@ -148,25 +150,46 @@ def pair_time(
     f_compute: float, f_layers: int, b_compute: float, b_layers: int, a2a: float, host_launch: bool = False
 ) -> float:
     """Duration of an overlapped F&B pair: the end of its last node."""
+    return pair_step(f_compute, f_layers, b_compute, b_layers, a2a, host_launch)[0]
+
+
+def pair_step(
+    f_compute: float, f_layers: int, b_compute: float, b_layers: int, a2a: float, host_launch: bool = False
+) -> tuple[float, float, float]:
+    """``(duration, forward out, backward out)`` of an overlapped F&B pair, from its start: the end of its
+    last node, and when each side's output leaves. The forward's output is sent from inside the step
+    (megatron's ``post_forward``) once the forward's last node has ended; on the CPU launch model the host
+    calls it only after the compute it issued before (every compute node of the pair). The backward's
+    input gradient leaves when its last node ends."""
     timed = timed_nodes(pair_nodes(f_compute, f_layers, b_compute, b_layers, a2a), host_launch)
-    return max((end for _, _, end in timed), default=0.0)
+    end = {FORWARD: 0.0, BACKWARD: 0.0, COMPUTE: 0.0}
+    for node, _, stop in timed:
+        end[node.side] = max(end[node.side], stop)
+        if node.stream == COMPUTE:
+            end[COMPUTE] = max(end[COMPUTE], stop)
+    f_out = max(end[FORWARD], end[COMPUTE]) if host_launch else end[FORWARD]
+    return max(end[FORWARD], end[BACKWARD]), f_out, end[BACKWARD]
 
 
 def op_times(
     ops: Sequence[Op], compute: Sequence[float], pairs: Sequence[int], layers: Sequence[int], moe: MoeComm
-) -> tuple[list[float], dict[int, float]]:
-    """One rank's op durations with the all-to-alls, and the duration of each overlapped pair (by the
-    index of its first op; empty without ``moe.overlap``). A pair that is not one forward and one
-    backward (``B`` or ``BW``) hides nothing: its two ops one after the other."""
+) -> tuple[list[float], dict[int, float], dict[int, tuple[float, float]]]:
+    """One rank's op durations with the all-to-alls, the duration of each overlapped pair (by the
+    index of its first op; empty without ``moe.overlap``) and when, from the pair's start, the outputs
+    of its first and second op leave (:func:`pair_step`). A pair that is not one forward and one
+    backward (``B`` or ``BW``) hides nothing: its two ops one after the other, both sent at its end."""
     serial = [serial_time(op.kind, c, layers[op.stage], moe.a2a) for op, c in zip(ops, compute, strict=True)]
     steps: dict[int, float] = {}
+    sends: dict[int, tuple[float, float]] = {}
     if not moe.overlap:
-        return serial, steps
+        return serial, steps, sends
     for i in pairs:
         f, bwd = (i, i + 1) if ops[i].kind is OpKind.F else (i + 1, i)
         if ops[f].kind is not OpKind.F or ops[bwd].kind not in (OpKind.B, OpKind.BW):
             steps[i] = serial[i] + serial[i + 1]
+            sends[i] = (steps[i], steps[i])
             continue
         lf, lb = layers[ops[f].stage], layers[ops[bwd].stage]
-        steps[i] = pair_time(compute[f], lf, compute[bwd], lb, moe.a2a, moe.host_launch)
-    return serial, steps
+        steps[i], f_out, b_out = pair_step(compute[f], lf, compute[bwd], lb, moe.a2a, moe.host_launch)
+        sends[i] = (f_out, b_out) if f == i else (b_out, f_out)
+    return serial, steps, sends

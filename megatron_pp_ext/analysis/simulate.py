@@ -40,6 +40,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 
@@ -384,7 +385,14 @@ def _repeat(
     def run_once(start: list[float]) -> list[float]:
         blocking = comm == "blocking"
         return op_start_times(
-            lowered, per_op, t_comm, blocking=blocking, overlap=overlap, pair_durations=pair_steps, start=start
+            lowered,
+            per_op,
+            t_comm,
+            blocking=blocking,
+            overlap=overlap,
+            pair_durations=pair_steps.durations if pair_steps else None,
+            pair_sends=pair_steps.sends if pair_steps else None,
+            start=start,
         )[1]
 
     out = repeat_iterations(run_once, schedule.num_ranks, iterations, post_validation=post_validation, step=steps)
@@ -451,7 +459,8 @@ def _simulate(
                 float(costs.t_comm),
                 blocking=comm == "blocking",
                 overlap=overlap,
-                pair_durations=pair_steps,
+                pair_durations=pair_steps.durations if pair_steps else None,
+                pair_sends=pair_steps.sends if pair_steps else None,
             )
         else:
             starts, last_end, data_parallel = _simulate_dp(schedule, lowered, per_op, float(costs.t_comm), dp_setup)
@@ -465,7 +474,7 @@ def _simulate(
         for rank, pair_starts in enumerate(schedule.overlap_pairs):
             busy[rank] -= overlap * sum(min(per_op[rank][i], per_op[rank][i + 1]) for i in pair_starts)
     if pair_steps is not None:  # a pair is busy for its step
-        for rank, steps in enumerate(pair_steps):
+        for rank, steps in enumerate(pair_steps.durations):
             busy[rank] -= sum(per_op[rank][i] + per_op[rank][i + 1] - step for i, step in steps.items())
     c_max = max(span, default=0.0)
     w_max = max(busy, default=0.0)
@@ -600,21 +609,29 @@ def _op_durations(schedule: Schedule, durations: _Durations) -> list[list[float]
     return [flat[arrays.slice(rank)].tolist() for rank in range(schedule.num_ranks)]
 
 
+class _PairSteps(NamedTuple):
+    """Per rank, the step of each overlapped pair (by its first op) and when its two outputs leave."""
+
+    durations: list[dict[int, float]]
+    sends: list[dict[int, tuple[float, float]]]
+
+
 def _with_moe(
     schedule: Schedule, per_op: list[list[float]], moe: MoeComm | None
-) -> tuple[list[list[float]], list[dict[int, float]] | None]:
-    """Op durations with the all-to-alls, and per rank the step of each overlapped pair (None: no pair
-    is timed by the two-stream model)."""
+) -> tuple[list[list[float]], _PairSteps | None]:
+    """Op durations with the all-to-alls, and the overlapped pairs' steps (None: no pair is timed by the
+    two-stream model)."""
     if moe is None:
         return per_op, None
     layers = moe.per_stage(schedule.num_stages)
     pairs = schedule.overlap_pairs or tuple(() for _ in schedule.ops)
-    out, steps = [], []
+    out, steps, sends = [], [], []
     for ops, compute, firsts in zip(schedule.ops, per_op, pairs, strict=True):
-        serial, pair_steps = op_times(ops, compute, firsts, layers, moe)
+        serial, pair_steps, pair_sends = op_times(ops, compute, firsts, layers, moe)
         out.append(serial)
         steps.append(pair_steps)
-    return out, steps if moe.overlap and schedule.overlap_pairs else None
+        sends.append(pair_sends)
+    return out, _PairSteps(steps, sends) if moe.overlap and schedule.overlap_pairs else None
 
 
 def _receive_buffer_bytes(plan: CommPlan, message: list[float]) -> list[np.ndarray]:

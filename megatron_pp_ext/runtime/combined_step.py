@@ -28,16 +28,19 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..schedules.ir import Op, OpKind
-from .errors import CommStreamError
+from ..schedules.lowering import Exchange, Message
+from .errors import CommStreamError, ExecutorError
 from .grad_check import watching
 
-__all__ = ["combined_pair", "combined_step"]
+__all__ = ["combined_pair", "combined_step", "early_sends"]
 
 
-def combined_step(run: Any, forward: Op | None, backward: Op | None) -> None:
+def combined_step(run: Any, forward: Op | None, backward: Op | None, early_sends: Sequence[Message] = ()) -> None:
     """Run ``forward`` and ``backward`` (either may be None) as one megatron combined step on the
     executor state ``run`` (its ``_forward_inputs`` / ``_forward_outputs`` / ``_backward_inputs`` /
-    ``_backward_outputs`` move the tensors)."""
+    ``_backward_outputs`` move the tensors). ``early_sends``: the messages that carry the forward's
+    output, posted from megatron's ``post_forward`` callback, once the plan has run the forward's last
+    layer, instead of after the step."""
     from megatron.core.pipeline_parallel.combined_1f1b import combined_forward_backward_step
     from megatron.core.pipeline_parallel.utils import set_streams
 
@@ -64,6 +67,17 @@ def combined_step(run: Any, forward: Op | None, backward: Op | None) -> None:
         )
     saving = run.tracer.saving(forward) if forward is not None else contextlib.nullcontext()
     last = placement.is_last(forward.stage) if forward is not None else False
+    sent: list[Any] = []  # the output tensor posted from post_forward
+    post_forward = None
+    if forward is not None and early_sends:
+
+        def post_forward(f_output: Any, vp_stage: Any) -> None:
+            for msg in early_sends:
+                run.mailbox[msg.key] = f_output
+            run._exchange(Exchange(tuple(early_sends), ()), backward)
+            run.sent_early.update(early_sends)
+            sent.append(f_output)
+
     try:
         with deferral, saving, _loss_where_placed(last, run.cp_size):
             output, num_tokens, input_grad = combined_forward_backward_step(
@@ -83,12 +97,15 @@ def combined_step(run: Any, forward: Op | None, backward: Op | None) -> None:
                 checkpoint_activations_microbatch=None,
                 is_first_microbatch=run._is_first_microbatch(forward) if forward is not None else False,
                 current_microbatch=forward.microbatch if forward is not None else None,
+                post_forward=post_forward,
             )
     except CommStreamError as exc:  # name this rank and the op(s), as a failed pipeline message does
         ops = "+".join(str(op) for op in (forward, backward) if op is not None)
         raise CommStreamError(f"{run._where()} in combined step {ops}: {exc}") from exc
     if forward is not None:
-        run._forward_outputs(forward, f_input, output, num_tokens)
+        if early_sends and (not sent or sent[0] is not output):  # the plan's output is what was sent
+            raise ExecutorError(f"{run._where(forward)}: megatron's post_forward did not get the forward's output")
+        run._forward_outputs(forward, f_input, output, num_tokens, deposited=bool(sent))
     if backward is not None:
         run._backward_outputs(backward, input_grad)
 
@@ -114,20 +131,45 @@ def _loss_where_placed(is_last_stage: bool, cp_size: int) -> Iterator[None]:
         schedules.forward_step_calc_loss = original
 
 
-def combined_pair(run: Any, first: Op, second: Op, between: Sequence[Any], gap: int) -> None:
+def combined_pair(
+    run: Any, first: Op, second: Op, between: Sequence[Exchange], after: Exchange | None, gap: int
+) -> None:
     """The overlap pair ``first``+``second`` (op ``gap`` of the rank and the next) as one combined step,
     then what the program does between its two ops (``between``: exchanges; the collectives of the gap
-    between them). The lowering has received both inputs before the pair."""
+    between them). The lowering has received both inputs before the pair. ``after``: the exchange that
+    follows the pair (it sends the second op's output).
+
+    The forward's output is sent from inside the step (:func:`early_sends`); everything else the
+    exchanges post keeps its place after the step."""
     forward, backward = (first, second) if first.kind == OpKind.F else (second, first)
+    early = early_sends(forward, first, between, after)
     run._await_inputs(first)
     run._await_inputs(second)
     run.tracer.begin_op(first)
     run.tracer.begin_op(second)
     with watching(run.grad_watch, run.placement.chunk_of(backward.stage), backward.microbatch):
-        combined_step(run, forward, backward)
+        combined_step(run, forward, backward, early)
     run.tracer.end_op(second)
     run.tracer.end_op(first)
     for ins in between:
         run._exchange(ins, second)
     for collective in run.plan.collectives.get(gap + 1, ()):
         run._collective(collective)
+
+
+def early_sends(forward: Op, first: Op, between: Sequence[Exchange], after: Exchange | None) -> tuple[Message, ...]:
+    """The sends of ``forward``'s output that may leave as soon as the forward has run: in program
+    order, the pair's sends are those of ``between`` (the first op's output) then those of ``after`` (the
+    second's); a send of the forward leaves early unless an earlier send of the pair, which waits for
+    the backward, goes to the same rank (sends to one peer keep their program order)."""
+    ordered = [(first, m) for ex in between for m in ex.sends]
+    if after is not None:
+        ordered += [(forward if first is not forward else None, m) for m in after.sends]
+    out: list[Message] = []
+    held: set[int] = set()  # ranks an earlier, later-posted send goes to
+    for op, msg in ordered:
+        if op is forward and msg.dst_rank not in held:
+            out.append(msg)
+        else:
+            held.add(msg.dst_rank)
+    return tuple(out)

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from ..schedules.collectives import Collective, CollectiveKind
 from ..schedules.ir import Op, OpKind, ScheduleError
-from ..schedules.lowering import ACT, GRAD, Compute, Exchange
+from ..schedules.lowering import ACT, GRAD, Compute, Exchange, Message
 from . import agreement, p2p
 from .channels import Channels
 from .combined_step import combined_pair, combined_step
@@ -238,6 +238,8 @@ class _Run:
         self.tp_group = getattr(pg_collection, "tp", None)
 
         self.mailbox: dict[tuple[str, int, int], torch.Tensor | None] = {}
+        # sends posted ahead of their exchange (a combined step's forward output): the exchange skips them
+        self.sent_early: set[Message] = set()
         self.saved: dict[tuple[int, int], tuple[Any, Any]] = {}
         self.channels = Channels(
             group=pp_group,
@@ -452,7 +454,9 @@ class _Run:
         # (the lowering receives both inputs before the pair; in between the program may only post)
         forward = first if first.kind == OpKind.F else second
         if self.combined:
-            combined_pair(self, first, second, program[index + 1 : end], gap)  # type: ignore[arg-type]
+            after = program[end + 1] if end + 1 < len(program) else None
+            after = after if isinstance(after, Exchange) else None
+            combined_pair(self, first, second, program[index + 1 : end], after, gap)  # type: ignore[arg-type]
             return end + 1
         hook = find_overlap_hook(self.models[self.placement.chunk_of(forward.stage)])
         if hook is None:
@@ -522,15 +526,17 @@ class _Run:
             iterator.current = op.microbatch
         return input_tensor, iterator
 
-    def _forward_outputs(self, op: Op, input_tensor: Any, output_tensor: Any, num_tokens: Any) -> None:
-        """Hand a forward's output on and keep what its backward needs."""
+    def _forward_outputs(
+        self, op: Op, input_tensor: Any, output_tensor: Any, num_tokens: Any, deposited: bool = False
+    ) -> None:
+        """Hand a forward's output on (``deposited``: already sent) and keep what its backward needs."""
         iterator = self.iterators[self.placement.chunk_of(op.stage)]
         if iterator is not None:
             iterator.current = None
         self.total_num_tokens += num_tokens
         nxt = self.placement.next_stage(op.stage)
         local = nxt is not None and self.placement.rank_of(nxt) == self.rank
-        if nxt is not None:
+        if nxt is not None and not deposited:
             self._deposit((ACT, nxt, op.microbatch), output_tensor, local=local)
         if not self.forward_only:
             self.saved[(op.stage, op.microbatch)] = (input_tensor, output_tensor)
@@ -586,6 +592,9 @@ class _Run:
     def _exchange(self, exchange: Exchange, next_op: Op | None) -> None:
         sends = []
         for msg in exchange.sends:
+            if self.sent_early and msg in self.sent_early:
+                self.sent_early.remove(msg)
+                continue
             tensor = self.mailbox.pop(msg.key, None)
             if tensor is None:
                 raise ExecutorError(f"{self._where(next_op)}: nothing to send for {msg}")

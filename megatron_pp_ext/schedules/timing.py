@@ -60,6 +60,7 @@ def time_ops(
     pairs: Sequence[Sequence[int]] = (),
     overlap: float = 0.0,
     pair_durations: Sequence[Mapping[int, float]] | None = None,
+    pair_sends: Sequence[Mapping[int, tuple[float, float]]] | None = None,
     collectives: Sequence[Sequence[tuple[int, float]]] | None = None,
     gates: Sequence[Sequence[int]] | None = None,
     start: Sequence[float] | None = None,
@@ -72,7 +73,9 @@ def time_ops(
     after it. ``dst[mid]``: the rank receiving message ``mid``; ``latency[mid]``: from its send to
     its arrival. ``pairs[r]``: the first op of each overlap pair of rank ``r``, run as one step with
     ``overlap`` (0..1) of the shorter op hidden under the longer (:func:`_pair_steps`), or lasting
-    ``pair_durations[r][i]`` when given (``i``: the pair's first op).
+    ``pair_durations[r][i]`` when given (``i``: the pair's first op); a pair sends both outputs at its
+    end, or, with ``pair_sends[r][i]`` (times from the pair's start), its first op's output and its
+    second's each at its own time, a send never leaving before an earlier one to the same rank.
     ``collectives[r]``: ``(gap, duration)`` in issue order (gap ``i`` = just before op ``i``), issued
     when the rank reaches the gap and run one after another on the rank's stream, overlapping
     compute; ``gates[r][k]``: index in ``collectives[r]`` of the one op ``k`` waits for, -1 for none.
@@ -86,6 +89,8 @@ def time_ops(
         if collectives is not None:
             raise ValueError("overlap pairs are not timed with a collective stream")
         steps = _pair_steps(durations, waits, sends, groups, pairs, overlap, pair_durations)
+        if pair_sends is not None and pair_durations is not None:
+            latency = _early_sends(latency, sends, groups, pair_durations, pair_sends, dst)
         times = time_ops(*steps, dst, latency, groups=True, start=start)
         return times._replace(starts=[_unpair(row, firsts) for row, firsts in zip(times.starts, pairs, strict=True)])
     p = len(durations)
@@ -183,7 +188,8 @@ def _pair_steps(
 ) -> tuple[list[list[float]], list[list[tuple[int, ...]]], list[list[tuple[int, ...]]]]:
     """Per rank, its ops as steps: an overlap pair (ops ``i``, ``i+1``) is one step that starts once
     both inputs are there, takes ``max + (1 - overlap) * min`` of the two durations (or
-    ``pair_durations[rank][i]``) and sends both outputs at its end; other ops are steps of their own.
+    ``pair_durations[rank][i]``) and sends both outputs at its end (unless :func:`_early_sends` moves
+    them); other ops are steps of their own.
     Waits and sends as groups."""
     out_d: list[list[float]] = []
     out_w: list[list[tuple[int, ...]]] = []
@@ -212,6 +218,30 @@ def _pair_steps(
     return out_d, out_w, out_s
 
 
+def _early_sends(
+    latency: Sequence[float],
+    sends: Sequence[Sequence[int]] | Groups,
+    groups: bool,
+    pair_durations: Sequence[Mapping[int, float]],
+    pair_sends: Sequence[Mapping[int, tuple[float, float]]],
+    dst: Sequence[int],
+) -> list[float]:
+    """Latencies counted from the end of each message's step: a pair's output that leaves before the
+    pair's end arrives that much sooner. The second op's output to a rank the first op also sends to
+    leaves no earlier than the first's (one channel keeps its order)."""
+    out = list(latency)
+    for rank, pairs in enumerate(pair_sends):
+        for i, (first_out, second_out) in pairs.items():
+            duration = pair_durations[rank][i]
+            firsts = _as_group(sends[rank][i], groups)
+            for mid in firsts:
+                out[mid] -= duration - first_out
+            to = {dst[mid] for mid in firsts}
+            for mid in _as_group(sends[rank][i + 1], groups):
+                out[mid] -= duration - (max(first_out, second_out) if dst[mid] in to else second_out)
+    return out
+
+
 def _unpair(step_starts: list[float], firsts: Sequence[int]) -> list[float]:
     """Op starts from step starts: both ops of a pair start with their step."""
     out: list[float] = []
@@ -231,6 +261,7 @@ def op_start_times(
     blocking: bool = False,
     overlap: float = 0.0,
     pair_durations: Sequence[Mapping[int, float]] | None = None,
+    pair_sends: Sequence[Mapping[int, tuple[float, float]]] | None = None,
     start: Sequence[float] | None = None,
 ) -> tuple[list[list[float]], list[float]]:
     """``(starts, last_end)`` of a lowered schedule (:func:`time_ops`): per rank the start of each
@@ -238,7 +269,8 @@ def op_start_times(
     the executor does): an op waits only for its own input; ``blocking=True``: a rank waits at each
     batch of receives the lowering placed (possibly early, see :mod:`.lowering`) until all arrived.
     ``overlap`` (0..1, non-blocking only): the schedule's overlap pairs run as one step each.
-    ``pair_durations`` (non-blocking only): the duration of each pair instead (:func:`time_ops`).
+    ``pair_durations`` (non-blocking only): the duration of each pair instead, ``pair_sends`` when its
+    outputs leave (:func:`time_ops`).
     ``start[r]``: when rank ``r`` is free to begin (default 0: one iteration alone).
 
     Raises ``RuntimeError`` if some rank waits for a message that never comes (a lowering that
@@ -262,6 +294,7 @@ def op_start_times(
             pairs=pairs,
             overlap=overlap,
             pair_durations=pair_durations,
+            pair_sends=pair_sends,
             start=start,
         )
     return times.starts, times.last_end

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from megatron_pp_ext.analysis.moe_comm import MoeComm, pair_nodes, pair_time, timed_nodes
+from megatron_pp_ext.analysis.moe_comm import MoeComm, pair_nodes, pair_step, pair_time, timed_nodes
 from megatron_pp_ext.analysis.schedule_check import validate
 from megatron_pp_ext.analysis.simulate import simulate
 from megatron_pp_ext.schedules import registry
@@ -34,6 +34,13 @@ def test_pair_nodes_by_hand() -> None:
         ("B", "attn", 10, 14),
     ]
     assert pair_time(4, 1, 8, 1, 3) == 14
+
+
+def test_a_pair_sends_each_output_when_its_side_ends() -> None:
+    # (above) the forward's last node (combine) ends at 13, the backward's (attention) at 14
+    assert pair_step(4, 1, 8, 1, 3) == (14, 13, 14)
+    # CPU launch: the host calls post_forward after the compute it issued before (B attention, to 17)
+    assert pair_step(4, 1, 8, 1, 3, host_launch=True) == (17, 17, 17)
 
 
 def test_tiny_schedule_makespan_by_hand() -> None:
@@ -105,8 +112,8 @@ def test_zero_all_to_all_time_is_the_old_model(name: str, p: int, m: int) -> Non
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
 def test_overlap_never_makes_the_simulated_time_worse(p: int, m: int) -> None:
     """Against the same pairs run as steps with their ops one after the other (what the executor does without
-    the overlap): hiding all-to-alls never delays anything. (Against no pairs at all it can: a pair sends
-    its forward's output at the pair's end, docs/moe.md.)"""
+    the overlap): hiding all-to-alls never delays anything. (Against no pairs at all it can: a pair starts
+    once both its inputs are there and its forward ends with its last node, docs/moe.md.)"""
     schedule = registry.generate("dualpipev", p, m)
     lowered = validate(schedule)
     rng = random.Random(p * 100 + m)

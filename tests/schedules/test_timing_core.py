@@ -39,3 +39,23 @@ def test_a_collective_runs_on_the_stream_and_gates_the_op_that_needs_it() -> Non
 def test_a_message_never_sent_is_reported() -> None:
     with pytest.raises(RuntimeError, match="ranks \\[1\\]"):
         time_ops([[1.0], [1.0]], [[-1], [0]], [[-1], [-1]], [1], [0.0])
+
+
+def test_a_pair_sends_each_output_at_its_own_time_in_channel_order() -> None:
+    # rank 0: pair of ops 0 and 1 lasting 5; op 0's output leaves at 2, op 1's at 1; both go to rank 1
+    # (latency 1), whose ops wait for message 1 then message 0. Message 0 arrives at 3; message 1 may not
+    # overtake message 0 on their channel: it leaves at 2 too, arrives at 3 (not 2).
+    durations = [[1.0, 1.0], [1.0, 1.0]]
+    waits = [[-1, -1], [1, 0]]
+    sends = [[0, 1], [-1, -1]]
+    kwargs = {"pairs": [[0], []], "pair_durations": [{0: 5.0}, {}], "pair_sends": [{0: (2.0, 1.0)}, {}]}
+    t = time_ops(durations, waits, sends, [1, 1], [1.0, 1.0], **kwargs)  # type: ignore[arg-type]
+    assert t.starts == [[0.0, 0.0], [3.0, 4.0]] and t.last_end == [5.0, 5.0]
+    # to another rank, op 1's output keeps its own time (leaves at 1, arrives at 2 on rank 2)
+    durations, waits, sends = [[1.0, 1.0], [1.0], [1.0]], [[-1, -1], [0], [1]], [[0, 1], [-1], [-1]]
+    t = time_ops(durations, waits, sends, [1, 2], [1.0, 1.0], **kwargs | {"pairs": [[0], [], []]})  # type: ignore[arg-type]
+    assert t.starts == [[0.0, 0.0], [3.0], [2.0]]
+    # without pair_sends both leave at the pair's end
+    steps = [{0: 5.0}, {}, {}]
+    plain = time_ops(durations, waits, sends, [1, 2], [1.0, 1.0], pairs=[[0], [], []], pair_durations=steps)
+    assert plain.starts == [[0.0, 0.0], [6.0], [6.0]]

@@ -99,3 +99,23 @@ def run_with_node_events(spec: Any, rank: int, init_method: str) -> dict[str, An
     result["node_events"] = events
     result["wgrad_queued"] = queued  # weight-gradient closures each B queued for its W
     return result
+
+
+def run_with_node_and_send_events(spec: Any, rank: int, init_method: str) -> dict[str, Any]:
+    """:func:`run_with_node_events` that also records, among the node events, every pipeline send the
+    executor posts: ``("send", kind, source stage, micro-batch)``."""
+    from megatron_pp_ext.integration import cpu_streams
+    from megatron_pp_ext.runtime.channels import Channels
+
+    post = Channels.post
+
+    def recording_post(self: Any, sends: Any, recvs: Any, where: object) -> None:
+        if cpu_streams.EVENTS is not None:
+            cpu_streams.EVENTS.extend(("send", m.kind, m.src_stage, m.microbatch) for m, _, _ in sends)
+        post(self, sends, recvs, where)
+
+    Channels.post = recording_post  # type: ignore[method-assign]
+    try:
+        return run_with_node_events(spec, rank, init_method)
+    finally:
+        Channels.post = post  # type: ignore[method-assign]

@@ -23,7 +23,7 @@ from megatron_pp_ext.verification.run_spec import OURS, RunSpec
 from megatron_pp_ext.verification.tiny_gpt import TinyGPTSpec
 from megatron_pp_ext.verification.verify import verify_schedule
 
-from .overlap_helpers import run_with_node_events
+from .overlap_helpers import run_with_node_and_send_events, run_with_node_events
 
 P, M = 2, 4
 COMM_NODES = ("moe_dispatch", "moe_combine")
@@ -102,3 +102,38 @@ def test_v_zb_pairs_hide_each_all_to_all_behind_the_other_micro_batch(pool) -> N
     report = compare(name, P, M, 2, ref, run, exact=exact)
     assert report.problems == []
     assert report.ok, report.describe()
+
+
+def test_a_pair_sends_its_forward_output_before_its_backward_ends(pool) -> None:
+    """1f1b: in every combined step of a forward and a backward on the rank whose forward output goes to
+    the other rank, that output's send is posted from inside the step (megatron's ``post_forward``):
+    after the forward's last node and before the backward's last node."""
+    name = "1f1b"
+    schedule = generate(name, P, M)
+    spec = RunSpec(
+        pp=P,
+        num_microbatches=M,
+        dp=2,
+        ep=2,
+        overlap_moe=True,
+        mode=OURS,
+        schedule_csv=schedule.to_csv(),
+        model=moe_model(name),
+        iterations=1,
+    )
+    run = pool.run_fn(run_with_node_and_send_events, spec, spec.world_size, 300)
+    check_errors(run)
+    checked = 0
+    for result in run:
+        if result["pp_rank"] != 0:  # the last stage sends no forward output
+            continue
+        for step in [s for s in _steps(result["node_events"]) if s[0][1] and s[0][2]]:
+            sent = [k for k, e in enumerate(step) if e[0] == "send" and e[1] == "act"]
+            assert len(sent) == 1, step
+            # the forward's last node: its last all-to-all (combine), done at its first wait
+            combine = max(e[3] for e in step if e[0] == "launch" and e[2] == "F")
+            forward_end = next(k for k, e in enumerate(step) if e[0] == "wait" and e[3] == combine)
+            backward_end = max(k for k, e in enumerate(step) if e[0] == "compute" and e[2] == "B")
+            assert forward_end < sent[0] < backward_end, step
+            checked += 1
+    assert checked == 2 * (M - 1)  # every steady-state pair of both data-parallel replicas
