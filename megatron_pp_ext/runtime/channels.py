@@ -61,8 +61,10 @@ class Channels:
         send_bound: int | None,
         tracer: NullTracer,
         free: Callable[[torch.Tensor], None],
+        check_messages: bool = False,
     ) -> None:
         self.group = group
+        self.check_messages = check_messages  # a header with every message, checked on arrival
         self.global_ranks = list(global_ranks)
         self.timeout_s = timeout_s
         self.use_tags = use_tags
@@ -87,7 +89,7 @@ class Channels:
     ) -> None:
         """Post ``(message, tensor, free once sent)`` sends and ``(message, buffer)`` receives. ``where``: the
         error context (formatted only if an error needs it)."""
-        checks = p2p.checks_messages()  # a header per message only when they are checked
+        checks = self.check_messages  # a header per message only when they are checked
         transfers = [
             p2p.Transfer(t, self.global_ranks[m.dst_rank], m.seq, m, header(m) if checks else ()) for m, t, _ in sends
         ]

@@ -66,6 +66,7 @@ def make_forward_backward_func(
     replica_sync: Any = None,
     check_grads: bool = False,
     overlap_moe: bool = False,
+    check_messages: bool = False,
 ) -> Callable[..., list[Any]]:
     """Build megatron's ``forward_backward_func`` for schedules from ``schedule_for(num_microbatches)``.
 
@@ -81,6 +82,7 @@ def make_forward_backward_func(
     ``overlap_moe`` (or megatron's ``overlap_moe_expert_parallel_comm`` in the model's config): a training
     pass marks the schedule's overlap pairs (:func:`~megatron_pp_ext.schedules.pairs.mark_pairs`) and runs
     every forward and backward through megatron's combined step (:mod:`.combined_step`).
+    ``check_messages`` (``--pipeline-check-messages``): every message carries a header, checked on arrival.
     Megatron's own ``grad_sync_func`` / ``param_sync_func`` (config) are launched where the
     collectives pass places them.
     Long because the function it returns restates megatron's keyword signature and hands each keyword on by name.
@@ -142,6 +144,7 @@ def make_forward_backward_func(
             replica_sync=replica_sync,
             grad_watch=grad_checks.watcher(models, forward_only),
             combined=combined,
+            check_messages=check_messages,
         )
         return run.execute()
 
@@ -202,6 +205,7 @@ class _Run:
         replica_sync: Any,
         grad_watch: GradWatch | None = None,
         combined: bool = False,
+        check_messages: bool = False,
     ) -> None:
         """One keyword per argument of megatron's ``forward_backward_func`` call and per executor option, typed."""
         from megatron.core.utils import get_model_config
@@ -249,6 +253,7 @@ class _Run:
             send_bound=plan.lowered.send_bounds[rank],
             tracer=self.tracer,
             free=self._free_output,
+            check_messages=check_messages,
         )
         self.forward_data_store: list[Any] = []
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)  # megatron keeps it on the GPU

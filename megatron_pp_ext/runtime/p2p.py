@@ -22,8 +22,8 @@ What is and is not checked here:
   sequence numbers (gloo; NCCL ignores tags), so an activation and a gradient of the
   same shape that cross between two ranks would NOT be noticed here. Ranks that run
   different schedules are caught before the first iteration instead
-  (:mod:`.agreement`); with :func:`set_check_messages` (``--pipeline-check-messages``)
-  each message is preceded by a small header (kind, stages, micro-batch, sequence)
+  (:mod:`.agreement`); with ``--pipeline-check-messages`` (the executor's ``check_messages``, which gives
+  each :class:`Transfer` a header) each message is preceded by a small header (kind, stages, micro-batch, sequence)
   that the receiver compares with what it expects when it completes, so a crossed
   message fails where it lands.
 """
@@ -43,7 +43,6 @@ import torch.distributed as dist
 
 TIMEOUT_ENV = "MEGATRON_PP_P2P_TIMEOUT"
 _DEFAULT_S = 300.0
-_check_messages = False
 
 
 def timeout_from_env() -> float:
@@ -52,17 +51,6 @@ def timeout_from_env() -> float:
 
     text = os.environ.get(TIMEOUT_ENV)
     return _DEFAULT_S if text is None else parse_timeout(text, TIMEOUT_ENV)
-
-
-def set_check_messages(enabled: bool) -> None:
-    """``--pipeline-check-messages``: send a header with every message and check it on arrival."""
-    global _check_messages
-    _check_messages = enabled
-
-
-def checks_messages() -> bool:
-    """Whether messages carry a header (:func:`set_check_messages`): callers build headers only then."""
-    return _check_messages
 
 
 class PipelineCommError(RuntimeError):
@@ -314,7 +302,7 @@ def post_transfers(
     headers: dict[int, torch.Tensor] = {}
     for index, (op_kind, t) in enumerate([(dist.isend, t) for t in sends] + [(dist.irecv, t) for t in recvs]):
         tag = t.tag if use_tags else 0
-        if _check_messages and t.header:
+        if t.header:  # a transfer carries one only where messages are checked
             values = t.header if op_kind is dist.isend else (-1,) * len(t.header)
             header = torch.tensor(values, dtype=torch.int64, device=t.tensor.device)
             if op_kind is dist.irecv:

@@ -34,7 +34,7 @@ AB_TIMING_MODULE = "megatron_pp_ext.bench.ab_timing"
 
 def run_on_rank(spec: RunSpec, rank: int, init_method: str) -> dict[str, Any]:
     """The rank job of a verification run (``RankPool.run_fn``): set up, train, tear down."""
-    from ..runtime import agreement, p2p
+    from ..runtime import agreement
     from .host_staging import to_cpu
 
     with rank_process_group(
@@ -48,7 +48,6 @@ def run_on_rank(spec: RunSpec, rank: int, init_method: str) -> dict[str, Any]:
         device=spec.device,
         stage_p2p_through_host=spec.hooks.stage_p2p_through_host,
     ):
-        p2p.set_check_messages(spec.check_messages)  # pool workers are reused: set it every run
         agreement.set_enabled(spec.hooks.check_agreement)
         report_progress(f"rank {rank} of {spec.world_size} started")
         from . import tiny_gpt
@@ -154,6 +153,7 @@ class _Training:
             fsdp_grad_reduce_unit=spec.fsdp_grad_reduce_unit if spec.fsdp else None,
             replica_sync=replica_sync,
             overlap_moe=spec.overlap_moe,
+            check_messages=spec.check_messages,
         )
 
     def run(self) -> dict[str, Any]:

@@ -12,7 +12,6 @@ from megatron_args_helpers import make_args
 from megatron_pp_ext.integration import install as inst
 from megatron_pp_ext.integration.arguments import validate_arguments
 from megatron_pp_ext.integration.features.config_agreement import config_text
-from megatron_pp_ext.runtime import p2p
 from megatron_pp_ext.schedules import generate
 
 PS = "megatron.core.parallel_state"
@@ -21,18 +20,27 @@ PS = "megatron.core.parallel_state"
 @pytest.fixture
 def clean(megatron: Any) -> Any:
     inst.uninstall()
-    p2p.set_check_messages(False)
     yield megatron
     inst.uninstall()
-    p2p.set_check_messages(False)
 
 
 @pytest.mark.parametrize("flag", [True, False])
-def test_check_messages_flag_reaches_p2p(clean: Any, flag: bool) -> None:
+def test_check_messages_flag_reaches_the_executor(clean: Any, flag: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--pipeline-check-messages`` is an option of the executor install() builds (no process-wide state)."""
+    from megatron_pp_ext.runtime import executor
+
+    seen: dict[str, Any] = {}
+    original = executor.make_forward_backward_func
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        seen.update(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(executor, "make_forward_backward_func", recording)
     args = make_args(["--pipeline-schedule", "1f1b", *(["--pipeline-check-messages"] if flag else [])],
                      pipeline_model_parallel_size=2)  # fmt: skip
     inst.install(args)
-    assert p2p._check_messages is flag
+    assert seen["check_messages"] is flag
 
 
 def test_agreement_wraps_megatrons_group_setup_and_is_undone(clean: Any) -> None:

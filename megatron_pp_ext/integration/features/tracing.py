@@ -147,9 +147,7 @@ class Tracing(Feature):
         if config.replan_iterations > 0:
             wiring.source, wiring.tracer_factory = replanning(config, wiring.tracer_factory, wiring.megatron_args())
         wiring.executor_options["check_grads"] = config.check_grads
-        from ...runtime import p2p
-
-        p2p.set_check_messages(config.check_messages)
+        wiring.executor_options["check_messages"] = config.check_messages
 
 
 register(Tracing())
