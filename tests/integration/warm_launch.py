@@ -18,6 +18,7 @@ import atexit
 import itertools
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -37,9 +38,17 @@ SERVER_ENV = {"OMP_NUM_THREADS": "1"}
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port for a run's rendezvous store, free now and below Linux's ephemeral range (32768 and up): a port the
+    kernel handed out for ``bind(0)`` can be taken by another process's outgoing connection (gloo's) before the
+    store listens on it (seen once as EADDRINUSE in a full run)."""
+    for port in random.sample(range(20000, 32000), 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-31999 for the rendezvous store")
 
 
 def run_env(**extra: str) -> dict[str, str]:
