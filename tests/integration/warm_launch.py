@@ -18,15 +18,14 @@ import atexit
 import itertools
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+from tests.integration.rendezvous_port import rendezvous_port
 from tests.tiers import launches_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,17 +37,8 @@ SERVER_ENV = {"OMP_NUM_THREADS": "1"}
 
 
 def free_port() -> int:
-    """A port for a run's rendezvous store, free now and below Linux's ephemeral range (32768 and up): a port the
-    kernel handed out for ``bind(0)`` can be taken by another process's outgoing connection (gloo's) before the
-    store listens on it (seen once as EADDRINUSE in a full run)."""
-    for port in random.sample(range(20000, 32000), 64):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-31999 for the rendezvous store")
+    """A port for torchrun's rendezvous (:func:`tests.integration.rendezvous_port.rendezvous_port`)."""
+    return rendezvous_port()
 
 
 def run_env(**extra: str) -> dict[str, str]:

@@ -88,17 +88,9 @@ def _job(request: dict) -> None:
     os.setsid()
     code = 1
     try:
-        import random
-        import socket
+        from rendezvous_port import rendezvous_port  # this script's neighbour
 
-        port = 0  # below the ephemeral range, as warm_launch.free_port (a bind(0) port can be taken by gloo)
-        for port in random.sample(range(20000, 32000), 64):
-            try:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-                break
-            except OSError:
-                continue
+        port = rendezvous_port()
         ranks = []
         for rank in range(request["nproc"]):
             pid = os.fork()
