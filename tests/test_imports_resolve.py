@@ -9,7 +9,7 @@ import ast
 import re
 from pathlib import Path
 
-from tests.doc_references import PACKAGE, ROOT, Resolver, module_name
+from tests.doc_references import PACKAGE, ROOT, Resolver, _absolute, module_name
 
 
 def _importing_files() -> list[Path]:
@@ -17,15 +17,13 @@ def _importing_files() -> list[Path]:
     return sorted(p for folder in folders for p in (ROOT / folder).rglob("*.py"))
 
 
-def _absolute(path: Path, node: ast.ImportFrom) -> str | None:
+def _source_module(path: Path, node: ast.ImportFrom) -> str | None:
+    """The module a ``from`` import reads (relative ones resolved as docstring references are)."""
     if not node.level:
         return node.module
     if not path.is_relative_to(ROOT / PACKAGE):
         return None
-    parts = module_name(path).split(".")
-    base = parts if path.name == "__init__.py" else parts[:-1]
-    base = base[: len(base) - (node.level - 1)]
-    return ".".join([*base, *([node.module] if node.module else [])])
+    return _absolute(module_name(path), path.name == "__init__.py", node.level, node.module)
 
 
 # A ``from ... import ...`` statement, one line or parenthesised: parsing only these is ten times faster than
@@ -49,7 +47,7 @@ def unresolved_imports(resolver: Resolver) -> list[str]:
     missing = []
     for path in _importing_files():
         for lineno, node in _from_imports(path.read_text(encoding="utf-8")):
-            module = _absolute(path, node)
+            module = _source_module(path, node)
             if module is None or not module.startswith(PACKAGE):
                 continue
             for alias in node.names:

@@ -110,13 +110,13 @@ def main(settings: RealPeersSettings) -> int:
 
 def run(settings: RealPeersSettings, say: Any = print) -> str:
     """Every case of ``settings`` on real ranks; the report's text (also written with ``--write``)."""
-    from ..verification.rank_run import TrainingRankPool as RankPool
+    from ..verification.rank_run import TrainingRankPool
     from .real_peers_report import report
     from .results_file import block_markers, write_block
 
     cases: list[dict[str, Any]] = []
     split: dict[str, dict[str, Any]] = {}
-    with RankPool(max(settings.ps)) as pool:
+    with TrainingRankPool(max(settings.ps)) as pool:
         for size in settings.sizes:
             split[size] = split_cost(pool, size, min(settings.ps))
             say(f"split cost, {size}: {split[size]}")

@@ -301,14 +301,7 @@ def _verify_and_report(args: argparse.Namespace, schedule: Any, model: Any) -> i
     except (VerifyRunError, TimeoutError) as exc:
         print(f"{PROG}: verify of {schedule.name} failed on a rank: {exc}", file=sys.stderr)
         return 1
-    if args.json:
-        print(json.dumps(report.to_json_dict()))
-    else:
-        print("\n".join(report_lines(report)))
-    if not report.ok:
-        print(f"{PROG}: verify failed for {report.schedule}", file=sys.stderr)
-        return 1
-    return 0
+    return _verdict(report, report_lines, args.json, f"verify failed for {report.schedule}")
 
 
 def _moe_problem(args: argparse.Namespace) -> str | None:
@@ -386,11 +379,18 @@ def _run_post_validation(args: argparse.Namespace, schedule: Any, model: Any) ->
     except (VerifyRunError, TimeoutError) as exc:
         print(f"{PROG}: post-validation run of {schedule.name} failed on a rank: {exc}", file=sys.stderr)
         return 1
-    if args.json:
-        print(json.dumps(pv.to_json_dict()))
-    else:
-        print("\n".join(post_validation_lines(pv)))
-    if not pv.ok:
-        print(f"{PROG}: post-validation differs from the synchronous step for {schedule.name}", file=sys.stderr)
+    return _verdict(
+        pv, post_validation_lines, args.json, f"post-validation differs from the synchronous step for {schedule.name}"
+    )
+
+
+def _verdict(result: Any, lines: Any, as_json: bool, failure: str) -> int:
+    """Print a verify result (its JSON, or its lines) and return the exit code: 1 with ``failure`` on stderr
+    when the result is not ok."""
+    from ..schedule_args import PROG
+
+    print(json.dumps(result.to_json_dict()) if as_json else "\n".join(lines(result)))
+    if not result.ok:
+        print(f"{PROG}: {failure}", file=sys.stderr)
         return 1
     return 0
