@@ -228,10 +228,10 @@ def moe_comm(settings: Settings, schedule: Any, overlap: bool = False) -> Any:
 
 
 def overlap_variants(settings: Settings, built: list[tuple[Any, Any]]) -> tuple[list[tuple[Any, Any, bool]], dict]:
-    """Each built schedule without overlap and, with ``settings.overlap``, with its pairs marked
-    (:func:`~megatron_pp_ext.schedules.pairs.mark_pairs`, what the executor runs) where some rank has a
+    """Each built schedule without overlap and, with ``settings.overlap``, in its overlapped order
+    (:func:`~megatron_pp_ext.analysis.overlap_order.overlap_order`, what the executor runs) where some rank has a
     steady state of pairs (what the driver's flag check accepts); the others skipped, with why."""
-    from ..schedules.pairs import mark_pairs
+    from ..analysis.overlap_order import overlap_order
 
     out: list[tuple[Any, Any, bool]] = []
     skipped: dict[str, str] = {}
@@ -239,7 +239,7 @@ def overlap_variants(settings: Settings, built: list[tuple[Any, Any]]) -> tuple[
         out.append((schedule, costs, False))
         if not settings.overlap:
             continue
-        marked = mark_pairs(schedule)
+        marked = overlap_order(schedule)
         if max((len(row) for row in marked.overlap_pairs), default=0) < 2:
             skipped[f"{schedule.name} + overlap"] = "no steady state of F&B pairs (the flag is refused with it)"
             continue

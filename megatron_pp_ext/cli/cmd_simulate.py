@@ -47,10 +47,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     w_retained = 1.0 if args.w_memory is None else args.w_memory
     costs = uneven_costs(args, schedule)
     moe = moe_comm(args, schedule, bool(options))
-    if moe is not None and moe.overlap:  # the pairs the executor overlaps (dualpipev keeps its own)
-        from ..schedules.pairs import mark_pairs
+    if moe is not None and moe.overlap:  # the order and pairs the executor overlaps (dualpipev keeps its own)
+        from ..analysis.overlap_order import overlap_order
 
-        schedule = mark_pairs(schedule)
+        schedule = overlap_order(schedule)
     if options:
         result = simulate(
             schedule, costs, lowered=validate(schedule), w_retained_fraction=w_retained, moe=moe, **options

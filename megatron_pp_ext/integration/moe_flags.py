@@ -107,12 +107,12 @@ def has_steady_pairs(name: str, p: int) -> bool:
     """Whether the registered schedule ``name`` on ``p`` ranks has a steady state of overlap pairs (some
     rank holds two or more at ``4p`` micro-batches); True when it cannot be built here (its own checks
     report that)."""
+    from ..analysis.overlap_order import overlap_order
     from ..schedules import registry
     from ..schedules.ir import ScheduleError
-    from ..schedules.pairs import mark_pairs
 
     try:
-        schedule = mark_pairs(registry.generate(name, p, 4 * p))
+        schedule = overlap_order(registry.generate(name, p, 4 * p))
     except (ScheduleError, ValueError):
         return True
     return max((len(row) for row in schedule.overlap_pairs), default=0) >= 2

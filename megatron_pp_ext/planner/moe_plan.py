@@ -23,9 +23,10 @@ counted here (the main search does that).
 Per schedule and EP size the pipeline is simulated (:func:`~megatron_pp_ext.analysis.simulate.simulate`
 with :class:`~megatron_pp_ext.analysis.moe_comm.MoeComm`) with each MoE layer's all-to-alls added to
 its ops (no overlap) and, where the schedule carries overlap pairs, with those pairs on two streams
-(overlap). ``mark_pairs`` turns a generated schedule into the one whose pairs the executor overlaps
-(default: :func:`~megatron_pp_ext.schedules.pairs.mark_pairs`, which the executor applies; dualpipev keeps
-its own); the time without overlap is the unmarked schedule's. The times are the pipeline's
+(overlap). ``mark_pairs`` turns a generated schedule into the order and pairs the executor overlaps
+(default: :func:`~megatron_pp_ext.analysis.overlap_order.overlap_order`, which the executor applies: the
+warm-up deepened where pairs need it; dualpipev keeps its own); the time without overlap is the generated
+schedule's. The times are the pipeline's
 makespan (no data-parallel reduction, no optimizer step). Pure Python.
 """
 
@@ -35,11 +36,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..analysis.moe_comm import MoeComm
+from ..analysis.overlap_order import overlap_order
 from ..analysis.simulate import simulate
 from ..schedules import registry
 from ..schedules.costs import Costs
 from ..schedules.ir import ScheduleError
-from ..schedules.pairs import mark_pairs as mark_overlap_pairs
 from ..schedules.placement import loop_placement
 from ..schedules.schedule import Schedule
 from .cost_model import CostModel
@@ -189,7 +190,7 @@ def moe_rows(
     schedules: Sequence[str],
     eps: Sequence[int] | None = None,
     budget_bytes: float | None = None,
-    mark_pairs: Callable[[Schedule], Schedule] = mark_overlap_pairs,
+    mark_pairs: Callable[[Schedule], Schedule] = overlap_order,
 ) -> tuple[list[MoeRow], dict[str, str], dict[int, str]]:
     """Every schedule at every EP size that divides and fits; with the schedules that did not build (why)
     and the EP sizes dropped (why)."""

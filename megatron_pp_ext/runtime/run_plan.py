@@ -6,19 +6,21 @@ Nothing here is schedule-specific: a plan is read off the schedule's op lists, i
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..analysis.overlap_order import overlap_order
 from ..schedules.collectives import Collective, CollectivePolicy, derive_collectives, fsdp_policy
 from ..schedules.ir import Op, OpKind
 from ..schedules.lowering import Compute, Exchange, LoweredSchedule, lower
-from ..schedules.pairs import mark_pairs
 from ..schedules.schedule import Schedule
 from .errors import ExecutorError
 from .grad_sync import grad_sync_funcs
 
 ScheduleSource = Callable[[int], Schedule]
+logger = logging.getLogger(__name__)
 
 
 def forward_only_schedule(schedule: Schedule) -> Schedule:
@@ -119,6 +121,14 @@ class PlanCache:
                 )
             run_schedule = forward_only_schedule(schedule) if forward_only else schedule
             if combined:
-                run_schedule = mark_pairs(run_schedule)
+                run_schedule = overlap_order(run_schedule)
+                if rank == 0 and "pair_lags" in run_schedule.params:
+                    logger.info(
+                        "--overlap-moe-expert-parallel-comm: %s runs each rank's backwards %s forwards later than "
+                        "generated (per rank) so that every overlapped pair's inputs come from an earlier step; "
+                        "each rank holds that many more micro-batches' activations",
+                        schedule.name,
+                        run_schedule.params["pair_lags"],
+                    )
             self.plans[key] = cached = (schedule, plan_for(lower(run_schedule), rank, policy, prefetch))
         return cached[1]

@@ -14,6 +14,15 @@ through any chain of ops and messages, for the first op (:func:`blocked_pairs` l
 does; the validator refuses them). The pairs are chosen greedily, rank by rank from the start of each
 program; a pair whose added wait would close a cycle with the waits of pairs already chosen is left
 out. A schedule that already has pairs (DualPipeV's generator marks its own) is returned unchanged.
+
+A pair ends both of its outputs at its end (megatron's node order interleaves the two micro-batches'
+layers to the last one), so in a schedule's steady state a pair whose backward input comes from the
+neighbour's pair of the same step waits for that whole pair: the ranks then take turns. megatron-core
+runs one extra warm-up forward in its interleaved 1F1B when the flag is on for that reason.
+:func:`deepen` is that move for any schedule: every backward (and ``W``) of a rank goes ``lag`` forwards
+later, so each pair's backward input was produced a step earlier (more micro-batches in flight, more
+activation memory); the lag of each rank is chosen by simulation
+(:mod:`megatron_pp_ext.analysis.overlap_order`).
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from .lowering import _inputs
 from .op_arrays import KIND_B, KIND_BW, KIND_F, op_arrays
 from .schedule import Schedule
 
-__all__ = ["blocked_pairs", "candidate", "mark_pairs", "reach_table"]
+__all__ = ["blocked_pairs", "candidate", "deepen", "mark_pairs", "reach_table"]
 
 _BACKWARD = (OpKind.B, OpKind.BW)
 
@@ -120,6 +129,35 @@ def blocked_pairs(schedule: Schedule) -> list[tuple[int, int]]:
     if _topological(succ, n) is not None:
         return []
     return [(r, i) for r, i, first in firsts if any(_reaches(succ, first, p) for p in producers.get(first + 1, []))]
+
+
+def deepen(schedule: Schedule, lags: Sequence[int]) -> Schedule:
+    """``schedule`` with every non-forward op of rank ``r`` moved ``lags[r]`` forwards later on its rank
+    (no later than after its rank's last forward); the forwards keep their order, the other ops theirs.
+    The result may deadlock (waits in a cycle): the caller validates it."""
+    if len(lags) != schedule.num_ranks or any(lag < 0 for lag in lags):
+        raise ValueError(f"lags: one number >= 0 per rank ({schedule.num_ranks}), got {list(lags)}")
+    rows = []
+    for row, lag in zip(schedule.ops, lags, strict=True):
+        forwards = sum(op.kind == OpKind.F for op in row)
+        keyed = []
+        seen = 0
+        for j, op in enumerate(row):
+            if op.kind == OpKind.F:
+                keyed.append((seen, 1, j, op))  # the seen-th forward
+                seen += 1
+            else:  # after ``seen + lag`` forwards, before the next one
+                keyed.append((min(seen + lag, forwards), 0, j, op))
+        keyed.sort(key=lambda t: t[:3])
+        rows.append(tuple(t[3] for t in keyed))
+    return Schedule(
+        placement=schedule.placement,
+        num_microbatches=schedule.num_microbatches,
+        ops=tuple(rows),
+        name=schedule.name,
+        microbatch_replicas=schedule.microbatch_replicas,
+        params={**schedule.params, "pair_lags": tuple(lags)},
+    )
 
 
 def mark_pairs(schedule: Schedule) -> Schedule:
