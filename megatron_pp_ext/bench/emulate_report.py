@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from .emulate_results import BASELINE, BLOCK, P2P_ROUNDS, SECTION, Outcome, Row, Settings
+from .realized import realized_text
 from .results_file import block_markers, replace_block
 
 INTRO = (
@@ -71,6 +72,7 @@ def report(outcome: Outcome, figure_link: str | None = None) -> str:
         "simulated gain vs 1f1b",
         "measured gain vs 1f1b",
         "measured gain / simulated gain",
+        "realized share",
         "ops over pad",
     ]
     rows = [
@@ -84,6 +86,7 @@ def report(outcome: Outcome, figure_link: str | None = None) -> str:
             _f(r.sim_gain),
             _f(r.measured_gain),
             _f(r.measured_gain / r.sim_gain),
+            realized_text(r.measured_gain, r.sim_gain),
             f"{r.over_pad}/{r.ops}",
         ]
         for r in outcome.rows
@@ -129,7 +132,15 @@ def overlap_lines(rows: list[Row]) -> list[str]:
     pairs = [(without[r.name], r) for r in rows if r.overlap and r.name in without]
     if not pairs:
         return []
-    header = ["schedule", "without ms", "with ms", "measured gain", "simulated gain", "measured / simulated gain"]
+    header = [
+        "schedule",
+        "without ms",
+        "with ms",
+        "measured gain",
+        "simulated gain",
+        "measured / simulated gain",
+        "realized share",
+    ]
     table = [
         [
             off.name,
@@ -138,6 +149,7 @@ def overlap_lines(rows: list[Row]) -> list[str]:
             _f(off.measured / on.measured),
             _f(off.simulated / on.simulated),
             _f((off.measured / on.measured) / (off.simulated / on.simulated)),
+            realized_text(off.measured / on.measured, off.simulated / on.simulated),
         ]
         for off, on in pairs
     ]

@@ -15,8 +15,7 @@ from ..analysis.simulate import simulate
 from ..schedules.costs import Costs
 from .real_peers import PeerRunSpec, generate_ours
 from .real_peers_cases import describe, model_spec, num_microbatches
-
-MIN_SIM_GAIN = 0.01  # below this simulated improvement over 1f1b the realized share is not defined
+from .realized import realized_text
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -85,13 +84,12 @@ def _peer_rows(cases: list[dict[str, Any]]) -> list[list[str]]:
         if id(c) in sims:
             sim, _ = sims[id(c)]
             sim_gain, meas_gain = sims[id(ref)][0] / sim, ref["ours_s"] / c["ours_s"]
-            share = (meas_gain - 1) / (sim_gain - 1) if abs(sim_gain - 1) >= MIN_SIM_GAIN else None
             gains = [
                 f"{c['ours_s'] / sim:.3f}",
                 f"{sim_gain:.3f}",
                 f"{meas_gain:.3f}",
                 f"{meas_gain / sim_gain:.3f}",
-                "n/a" if share is None else f"{share:.2f}",
+                realized_text(meas_gain, sim_gain),
             ]
         rows.append([c["schedule"], peer, str(c["p"]), c["size"], f"{c['ours_s'] * 1e3:.1f}"])
         plain = f"{c['torch_plain_s'] * 1e3:.1f}" if "torch_plain_s" in c else ""
