@@ -24,7 +24,7 @@ from .real_peers_cases import SIZE_SHAPES, TORCH_PEERS, model_spec, num_microbat
 MEGATRON_PEERS = {"1f1b": "1F1B", "interleaved-1f1b": "interleaved 1F1B"}
 P_RANGE = (2, 8)
 DEFAULT_ITERATIONS, DEFAULT_WARMUP = 8, 2
-BLOCK = "real-peers"  # the results file's block --write replaces
+BLOCK = "real-peers"  # the results file's blocks --write replaces are named by it and the pipeline sizes
 FLAGS = ("real_peers", "peer_sizes")
 
 
@@ -130,10 +130,16 @@ def run(settings: RealPeersSettings, say: Any = print) -> str:
     text = report(settings, cases, split)
     if settings.write:
         target = Path(settings.write)
+        name = block_name(settings.ps)
         placed_after = "peers" if target.exists() and block_markers("peers")[0] in target.read_text() else None
-        write_block(target, BLOCK, text, after=placed_after)  # after the simulator's peer tables when present
-        say(f"wrote the {BLOCK} section of {settings.write}")
+        write_block(target, name, text, after=placed_after)  # after the simulator's peer tables when present
+        say(f"wrote the {name} section of {settings.write}")
     return text
+
+
+def block_name(ps: Any) -> str:
+    """The results-file block of a run at pipeline sizes ``ps``: a run at other sizes keeps its own."""
+    return f"{BLOCK} p={','.join(map(str, ps))}"
 
 
 def _brief(case: dict[str, Any]) -> str:

@@ -157,7 +157,8 @@ def _split_rows(split: dict[str, dict[str, Any]]) -> list[list[str]]:
 def report(settings: Any, cases: list[dict[str, Any]], split: dict[str, dict[str, Any]]) -> str:
     sizes = "; ".join(describe(name) for name in settings.sizes)
     lines = [
-        "## Peers on real compute: torch.distributed.pipelining's and megatron-core's runtimes vs ours",
+        f"## Peers on real compute, p = {', '.join(map(str, settings.ps))}: torch.distributed.pipelining's and "
+        "megatron-core's runtimes vs ours",
         "",
         f"Command: `{settings.command}` (m = 2p; {settings.iterations - settings.warmup} timed iterations after "
         f"{settings.warmup} warm-up, medians of the slowest rank per iteration; fp32, one thread per rank, gloo; "
