@@ -208,6 +208,37 @@ def draw_gain_comparison(
     return out
 
 
+def draw_times_with_without(
+    names: Sequence[str],
+    bars: Mapping[str, Sequence[float]],
+    path: str | Path,
+    title: str,
+    unit: str = "ms",
+) -> Path:
+    """Grouped bars per schedule, one bar per entry of ``bars`` (``label -> value per schedule``, NaN for a
+    schedule without that bar): e.g. the iteration time without overlap, with it, and a peer's beside."""
+    out = _output_path(path)
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise ValueError("drawing needs matplotlib: pip install 'megatron_pp_ext[plot]'") from None
+    fig = Figure(figsize=(max(6.0, 1.1 * len(names) + 2), 4.2), dpi=100, layout="constrained")
+    ax = fig.add_subplot(1, 1, 1)
+    width = 0.8 / max(len(bars), 1)
+    colors = ("#9ecae1", "#3182bd", "#e6550d", "#fdae6b", "#31a354")
+    for k, (label, values) in enumerate(bars.items()):
+        xs = [x - 0.4 + width * (k + 0.5) for x in range(len(names))]
+        ax.bar(xs, values, width, label=label, color=colors[k % len(colors)])
+    ax.set_xticks(list(range(len(names))))
+    ax.set_xticklabels(names, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel(f"time per iteration ({unit})")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, frameon=False)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format=out.suffix.lower().lstrip("."))
+    return out
+
+
 def draw_rank_busy(
     panels: Mapping[str, Mapping[str, tuple[Sequence[float], Sequence[float]]]],
     path: str | Path,

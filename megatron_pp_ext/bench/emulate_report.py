@@ -118,7 +118,8 @@ def report(outcome: Outcome, figure_link: str | None = None) -> str:
     lines += overlap_lines(outcome.rows)
     lines += ["", *pad_lines(outcome.rows)]
     if figure_link:
-        lines += ["", f"![measured vs simulated gain, p={s.p} m={s.m}]({figure_link})"]
+        what = "time per iteration without and with overlap" if s.overlap else "measured vs simulated gain"
+        lines += ["", f"![{what}, p={s.p} m={s.m}]({figure_link})"]
     lines += ["", *breakdown_lines(outcome.rows)]
     if outcome.skipped:
         lines += ["", "Not applicable at this (p, m): " + "; ".join(f"{k} ({v})" for k, v in outcome.skipped.items())]
@@ -243,9 +244,12 @@ def breakdown_lines(rows: list[Row]) -> list[str]:
 
 
 def draw(outcome: Outcome, directory: str) -> Path:
-    """The picture: measured vs simulated gain over 1f1b per schedule (PNG in ``directory``)."""
+    """The picture: measured vs simulated gain over 1f1b per schedule (PNG in ``directory``); with the
+    all-to-all overlap, each schedule's measured time without and with it, megatron's beside."""
     from ..analysis.plot import draw_gain_comparison
 
+    if any(r.overlap for r in outcome.rows):
+        return _draw_overlap(outcome, directory)
     rows = [r for r in outcome.rows if r.sim_gain == r.sim_gain]
     s = outcome.settings
     return draw_gain_comparison(
@@ -255,6 +259,28 @@ def draw(outcome: Outcome, directory: str) -> Path:
         Path(directory) / f"emulated_gain_p{s.p}_m{s.m}.png",
         f"emulated compute on {s.p} gloo ranks, m={s.m}: gain over {BASELINE}",
         BASELINE,
+    )
+
+
+def _draw_overlap(outcome: Outcome, directory: str) -> Path:
+    from ..analysis.plot import draw_times_with_without
+
+    s = outcome.settings
+    nan = float("nan")
+    off = {r.name: r for r in outcome.rows if not r.overlap}
+    on = {r.name: r for r in outcome.rows if r.overlap}
+    names = [name for name in off if name in on]
+    bars = {
+        "ours, without overlap": [off[n].measured for n in names],
+        "ours, with overlap": [on[n].measured for n in names],
+        "simulated, with overlap": [on[n].simulated for n in names],
+        "megatron's own, with overlap": [on[n].native_measured if on[n].native else nan for n in names],
+    }
+    return draw_times_with_without(
+        names,
+        bars,
+        Path(directory) / f"emulated_overlap_p{s.p}_m{s.m}_a2a{s.a2a_ms:g}ms_x{s.moe_layers}.png",
+        f"MoE all-to-all overlap on {2 * s.p} gloo ranks (EP 2), p={s.p} m={s.m}: time per iteration",
     )
 
 
