@@ -95,6 +95,8 @@ unit_size = _shared(values.parse_unit_size, "unit_size")
 memory_limit = _shared(values.parse_memory_limit, "memory_limit")
 # ``F,B,W[,COMM]`` as a tuple of four floats.
 costs = _shared(values.parse_costs, "costs")
+# ``PER_OP[,PER_EXCHANGE]`` host times charged by the simulator.
+host_costs = _shared(values.parse_host_costs, "host_costs")
 # one all-to-all's time (MoE dispatch or combine of one layer), a float >= 0.
 a2a_time = _shared(values.parse_a2a_time, "a2a_time")
 # ``N`` or ``N,N,...`` MoE layers per stage.

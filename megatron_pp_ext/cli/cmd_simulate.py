@@ -46,6 +46,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise CliError("--iterations / --post-validation / --step-time are simulated without --dp only")
     w_retained = 1.0 if args.w_memory is None else args.w_memory
     costs = uneven_costs(args, schedule)
+    if args.host_costs is not None:  # the runtime's host time per op and per exchange, as busy time
+        from ..analysis.host_costs import with_host_costs
+        from ..schedules.costs import Costs
+
+        costs = with_host_costs(costs or Costs.unit(), schedule.placement, *args.host_costs)
     moe = moe_comm(args, schedule, bool(options))
     if moe is not None and moe.overlap:  # the order and pairs the executor overlaps (dualpipev keeps its own)
         from ..analysis.overlap_order import overlap_order
@@ -163,6 +168,14 @@ def add_parser(subparsers: Any) -> None:
         metavar="F",
         help="overlap factor of the schedule's forward-and-backward pairs (dualpipev): a pair takes "
         "max + (1-F) x min; 0 (default) = one after the other",
+    )
+    sim.add_argument(
+        "--host-costs",
+        type=argtypes.host_costs,
+        default=None,
+        metavar="OP[,EXCHANGE]",
+        help="host time every op pays (the runtime's bookkeeping) and a sender pays per exchange to another rank "
+        "(posting it), in the unit of --costs, charged as busy time; `bench --real-peers` measures both",
     )
     moe = sim.add_argument_group("MoE expert-parallel all-to-alls (docs/moe.md)")
     moe.add_argument(

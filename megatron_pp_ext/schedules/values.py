@@ -40,6 +40,7 @@ from dataclasses import dataclass
 __all__ = [
     "A2A_RULE",
     "COSTS_RULE",
+    "HOST_COSTS_RULE",
     "LAYER_COSTS_RULE",
     "LAYER_COST_KINDS",
     "LAYER_LAYOUT_RULE",
@@ -50,6 +51,7 @@ __all__ = [
     "ActivationLimit",
     "parse_a2a_time",
     "parse_costs",
+    "parse_host_costs",
     "parse_layer_costs",
     "parse_layer_layout",
     "parse_memory_limit",
@@ -134,6 +136,22 @@ def parse_a2a_time(text: str) -> float:
     if not (math.isfinite(value) and 0 <= value <= MAX_VALUE):
         raise ValueError(f"expected {A2A_RULE}, got {text!r}")
     return value
+
+
+HOST_COSTS_RULE = f"PER_OP[,PER_EXCHANGE]: host times >= 0 and <= {MAX_VALUE:g}, in the unit of the op costs"
+
+
+def parse_host_costs(text: str) -> tuple[float, float]:
+    """``"0.2"`` or ``"0.2,0.3"``: the host time every op pays and the time a sender pays per exchange to
+    another rank (0 when not given)."""
+    cells = [c.strip() for c in str(text).split(",")]
+    try:
+        values = [float(c) for c in cells]
+    except ValueError:
+        raise ValueError(f"expected {HOST_COSTS_RULE}, got {text!r}") from None
+    if not 1 <= len(values) <= 2 or not all(math.isfinite(v) and 0 <= v <= MAX_VALUE for v in values):
+        raise ValueError(f"expected {HOST_COSTS_RULE}, got {text!r}")
+    return values[0], values[1] if len(values) == 2 else 0.0
 
 
 def parse_moe_layers(text: str) -> int | tuple[int, ...]:
