@@ -10,7 +10,8 @@ gives every pair inputs from an earlier step: megatron-core's interleaved 1F1B r
 micro-batch with the flag for this reason (a lag of one), and a one-chunk 1F1B needs ``p - r`` on rank
 ``r`` (rank 0 then holds ``2p`` micro-batches' activations instead of ``p``; same example: 56).
 
-:func:`overlap_order` tries the lags of :func:`lag_candidates` (none, one on every rank, ``p - r``),
+:func:`overlap_order` tries the lags of :func:`lag_candidates` (none, one on every rank, ``p - r``,
+``r + 1``),
 keeps those that are valid (no waits in a cycle, no pair waiting on itself), simulates each with its
 pairs on two streams under reference costs (forward, backward and weight gradient of one unit each,
 one MoE layer per stage whose all-to-alls take a quarter unit: communication about half of the
@@ -37,10 +38,12 @@ REFERENCE_A2A = 0.25
 
 def lag_candidates(schedule: Schedule) -> list[tuple[int, ...]]:
     """The lags tried, one per rank: none, one everywhere (megatron-core's extra warm-up micro-batch),
-    and ``p - r`` on rank ``r`` (a one-chunk pipeline's lockstep)."""
+    ``p - r`` on rank ``r`` (a one-chunk pipeline's lockstep: the first rank waits longest for its
+    backwards) and ``r + 1`` (a V's lockstep: the last rank holds the turn from the forward chunks to the
+    backward ones)."""
     p = schedule.num_ranks
     found: list[tuple[int, ...]] = []
-    for lags in ((0,) * p, (1,) * p, tuple(p - r for r in range(p))):
+    for lags in ((0,) * p, (1,) * p, tuple(p - r for r in range(p)), tuple(r + 1 for r in range(p))):
         if lags not in found:
             found.append(lags)
     return found
