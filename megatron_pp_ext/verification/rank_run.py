@@ -107,8 +107,9 @@ def _megatron_func(spec: RunSpec, model: RankModel, schedule: Any) -> Any:
     config.virtual_pipeline_model_parallel_size = len(model.chunks)
     if spec.megatron_overlap_p2p or (spec.mode != AB and spec.pp == 2):
         config.batch_p2p_comm, config.overlap_p2p_comm = False, True
-    group = schedule.params.get("microbatch_group_size") if schedule is not None else None
-    config.microbatch_group_size_per_vp_stage = int(group or spec.pp)
+    from .megatron_order import megatron_interleaved_group
+
+    config.microbatch_group_size_per_vp_stage = megatron_interleaved_group(schedule) or spec.pp
     return forward_backward_pipelining_with_interleaving
 
 
@@ -135,6 +136,7 @@ class _Training:
         self.reruns = 0  # post-validation, late: iterations run again because validation changed the weights
         self.step_norms: list[float] = []  # megatron's optimizer: the gradient norm each step reported (inf: skipped)
         self.schedules_used: list[str] = []
+        self.combined_steps: list[list[Any]] = []  # per iteration (spec.record_combined_steps)
 
     def _forward_backward_func(self) -> Any:
         """Our executor for the schedule (or the re-planning source), or megatron-core's own schedule."""
@@ -242,14 +244,23 @@ class _Training:
         from . import tiny_gpt
 
         spec = self.spec
-        return tiny_gpt.run_forward_backward(
-            self.forward_backward,
-            spec.model,
-            self.model.chunks,
-            batches,
-            chunk_list=spec.mode == OURS,
-            forward_only=spec.forward_only,
-        )
+        recording: Any = contextlib.nullcontext()
+        if spec.record_combined_steps:
+            from .combined_steps import recording as record_steps
+
+            recording = record_steps(self.model.chunks)
+        with recording as steps:
+            losses = tiny_gpt.run_forward_backward(
+                self.forward_backward,
+                spec.model,
+                self.model.chunks,
+                batches,
+                chunk_list=spec.mode == OURS,
+                forward_only=spec.forward_only,
+            )
+        if steps is not None:
+            self.combined_steps.append(steps)
+        return losses
 
     def _validate(self) -> None:
         validating = time.perf_counter()
@@ -323,6 +334,7 @@ class _Training:
             "optimizer_times": self.optimizer_times,
             "validation_times": self.validation_times,
             "schedules_used": self.schedules_used,
+            "combined_steps": self.combined_steps,
             "measured_costs": None if source is None or source.costs is None else repr(source.costs),
         }
         fsdp_memory = model.fsdp_memory
