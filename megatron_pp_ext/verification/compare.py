@@ -234,19 +234,21 @@ def check_bitwise(
 
 
 def _steps_differ(theirs: dict[Any, dict[str, Any]], ours: dict[Any, dict[str, Any]]) -> list[str]:
-    """Per rank, the first combined step (``(forward, backward)``, each ``(chunk, micro-batch)``) where our
-    run and megatron's interleaved combined 1F1B differ."""
+    """Per rank whose combined steps (per iteration, ``(forward, backward)``, each ``(chunk, micro-batch)``)
+    are not megatron's interleaved combined 1F1B's, or were not recorded: where they first differ."""
     problems = []
     for where, r in sorted(ours.items()):
-        mine, megatron = r.get("combined_steps"), theirs.get(where, {}).get("combined_steps")
-        if not mine or mine != megatron:
-            first = (
-                next((k for k, (a, b) in enumerate(zip(mine[0], megatron[0], strict=False)) if a != b), None)
-                if mine and megatron
-                else None
-            )
-            at = "" if first is None else f" from step {first}: ours {mine[0][first]}, megatron {megatron[0][first]}"
-            problems.append(f"rank {where}: combined steps differ from megatron's interleaved combined 1F1B{at}")
+        mine, megatron = r.get("combined_steps") or [], theirs.get(where, {}).get("combined_steps") or []
+        if mine and mine == megatron:
+            continue
+        at = ""
+        for it, (a, b) in enumerate(zip(mine, megatron, strict=False)):
+            if a != b:
+                k = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+                ours_k, theirs_k = (steps[k] if k < len(steps) else "nothing" for steps in (a, b))
+                at = f" in iteration {it} from step {k}: ours {ours_k}, megatron {theirs_k}"
+                break
+        problems.append(f"rank {where}: combined steps differ from megatron's interleaved combined 1F1B{at}")
     return problems
 
 
