@@ -201,9 +201,13 @@ def _grad_diff(run: list[dict[str, Any]], ref_grads: list[dict[str, Any]]) -> tu
     return grad_diff, bitwise
 
 
-def check_bitwise(report: VerifyReport, native: list[dict[str, Any]], run: list[dict[str, Any]]) -> None:
-    """A run of megatron's own 1F1B order against megatron's 1F1B on the same ranks: the arithmetic is the
-    same operation for operation, so every loss and gradient must be equal bit for bit."""
+def check_bitwise(
+    report: VerifyReport, native: list[dict[str, Any]], run: list[dict[str, Any]], combined: bool = False
+) -> None:
+    """A run of megatron's own order against megatron's own schedule on the same ranks: the arithmetic is the
+    same operation for operation, so every loss and gradient must be equal bit for bit. ``native`` is
+    megatron's 1F1B, or with ``combined`` its interleaved combined 1F1B (MoE all-to-all overlap), whose
+    combined steps (which forward ran with which backward, :mod:`.combined_steps`) ours must also repeat."""
     import torch
 
     def by_rank(results: list[dict[str, Any]]) -> dict[tuple[int, int, int], dict[str, Any]]:
@@ -218,10 +222,34 @@ def check_bitwise(report: VerifyReport, native: list[dict[str, Any]], run: list[
         if where not in theirs or not torch.equal(g, theirs[where]["grads"][it].get(name, torch.empty(0)))
     ]
     differ += [f"rank {w}: losses" for w, r in sorted(ours.items()) if r["losses"] != theirs.get(w, {}).get("losses")]
-    report.bitwise_megatron_1f1b = not differ
+    what = "megatron's interleaved combined 1F1B" if combined else "megatron's own 1F1B"
+    if combined:
+        report.bitwise_megatron_combined = not differ
+        report.problems += _steps_differ(theirs, ours)
+    else:
+        report.bitwise_megatron_1f1b = not differ
     if differ:
-        report.problems.append(f"not bitwise equal to megatron's own 1F1B on the same ranks: {differ[:4]}")
-        report.ok = False
+        report.problems.append(f"not bitwise equal to {what} on the same ranks: {differ[:4]}")
+    report.ok = report.ok and not report.problems
+
+
+def _steps_differ(theirs: dict[Any, dict[str, Any]], ours: dict[Any, dict[str, Any]]) -> list[str]:
+    """Per rank whose combined steps (per iteration, ``(forward, backward)``, each ``(chunk, micro-batch)``)
+    are not megatron's interleaved combined 1F1B's, or were not recorded: where they first differ."""
+    problems = []
+    for where, r in sorted(ours.items()):
+        mine, megatron = r.get("combined_steps") or [], theirs.get(where, {}).get("combined_steps") or []
+        if mine and mine == megatron:
+            continue
+        at = ""
+        for it, (a, b) in enumerate(zip(mine, megatron, strict=False)):
+            if a != b:
+                k = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+                ours_k, theirs_k = (steps[k] if k < len(steps) else "nothing" for steps in (a, b))
+                at = f" in iteration {it} from step {k}: ours {ours_k}, megatron {theirs_k}"
+                break
+        problems.append(f"rank {where}: combined steps differ from megatron's interleaved combined 1F1B{at}")
+    return problems
 
 
 def _launches(trace: dict[str, Any]) -> list[str]:

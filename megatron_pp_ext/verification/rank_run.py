@@ -76,25 +76,41 @@ def _train(spec: RunSpec) -> dict[str, Any]:
 
 def _ab_timing(spec: RunSpec, model: RankModel, schedule: Any) -> dict[str, Any]:
     """Mode ``AB``: megatron's function (its interleaved 1F1B with virtual stages) against ours."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     from ..runtime.executor import make_forward_backward_func
 
     assert schedule is not None
-    chunks, config = model.chunks, model.config
-    native_func = get_forward_backward_func()
-    if len(chunks) > 1:  # megatron's interleaved 1F1B: needs the virtual pipeline size set
-        from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_with_interleaving
-
-        ps.set_virtual_pipeline_model_parallel_world_size(len(chunks))
-        config.virtual_pipeline_model_parallel_size = len(chunks)
-        if spec.megatron_overlap_p2p:
-            config.batch_p2p_comm, config.overlap_p2p_comm = False, True
-        config.microbatch_group_size_per_vp_stage = int(schedule.params.get("microbatch_group_size") or spec.pp)
-        native_func = forward_backward_pipelining_with_interleaving
+    native_func = _megatron_func(spec, model, schedule)
     ab_timing = importlib.import_module(AB_TIMING_MODULE).ab_timing
-    return ab_timing(spec, chunks, make_forward_backward_func(lambda m: schedule), native_func)
+    return ab_timing(spec, model.chunks, make_forward_backward_func(lambda m: schedule), native_func)
+
+
+def _megatron_func(spec: RunSpec, model: RankModel, schedule: Any) -> Any:
+    """megatron-core's own forward-backward function for this rank's chunks, its config set as megatron's
+    training loop sets it: with several chunks its interleaved 1F1B (the virtual pipeline size set, the
+    schedule's micro-batch group size); with ``spec.overlap_moe`` its combined 1F1B
+    (``overlap_moe_expert_parallel_comm``, one extra warm-up micro-batch). At PP = 2 the interleaved
+    schedule posts its p2p unbatched (``overlap_p2p_comm``), as Megatron-LM requires there: batched,
+    a step's activation and gradient to the one peer are matched to the peer's two receives by
+    posting order, and the activation lands in the gradient's buffer (``megatron_overlap_p2p``, or
+    always for a training run, whose results are compared)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    config = model.config
+    if spec.mode != AB:  # (mode AB's two functions share the config; ours would read the flag too)
+        config.overlap_moe_expert_parallel_comm = spec.overlap_moe  # megatron asserts bf16/fp16 only at construction
+    if len(model.chunks) == 1:
+        return get_forward_backward_func()
+    from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_with_interleaving
+
+    ps.set_virtual_pipeline_model_parallel_world_size(len(model.chunks))
+    config.virtual_pipeline_model_parallel_size = len(model.chunks)
+    if spec.megatron_overlap_p2p or (spec.mode != AB and spec.pp == 2):
+        config.batch_p2p_comm, config.overlap_p2p_comm = False, True
+    from .megatron_order import megatron_interleaved_group
+
+    config.microbatch_group_size_per_vp_stage = megatron_interleaved_group(schedule) or spec.pp
+    return forward_backward_pipelining_with_interleaving
 
 
 class _Training:
@@ -120,17 +136,16 @@ class _Training:
         self.reruns = 0  # post-validation, late: iterations run again because validation changed the weights
         self.step_norms: list[float] = []  # megatron's optimizer: the gradient norm each step reported (inf: skipped)
         self.schedules_used: list[str] = []
+        self.combined_steps: list[list[Any]] = []  # per iteration (spec.record_combined_steps)
 
     def _forward_backward_func(self) -> Any:
         """Our executor for the schedule (or the re-planning source), or megatron-core's own schedule."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         from ..runtime.executor import make_forward_backward_func
         from ..runtime.trace import Tracer
 
         spec, model, schedule = self.spec, self.model, self.schedule
         if spec.mode != OURS:
-            return get_forward_backward_func()
+            return _megatron_func(spec, model, schedule)
         if spec.trace:
             self.tracer = Tracer(self.pp_rank, {p.untyped_storage().data_ptr() for p in model.params})
         if spec.profile_iterations > 0:
@@ -229,14 +244,23 @@ class _Training:
         from . import tiny_gpt
 
         spec = self.spec
-        return tiny_gpt.run_forward_backward(
-            self.forward_backward,
-            spec.model,
-            self.model.chunks,
-            batches,
-            chunk_list=spec.mode == OURS,
-            forward_only=spec.forward_only,
-        )
+        recording: Any = contextlib.nullcontext()
+        if spec.record_combined_steps:
+            from .combined_steps import recording as record_steps
+
+            recording = record_steps(self.model.chunks)
+        with recording as steps:
+            losses = tiny_gpt.run_forward_backward(
+                self.forward_backward,
+                spec.model,
+                self.model.chunks,
+                batches,
+                chunk_list=spec.mode == OURS,
+                forward_only=spec.forward_only,
+            )
+        if steps is not None:
+            self.combined_steps.append(steps)
+        return losses
 
     def _validate(self) -> None:
         validating = time.perf_counter()
@@ -310,6 +334,7 @@ class _Training:
             "optimizer_times": self.optimizer_times,
             "validation_times": self.validation_times,
             "schedules_used": self.schedules_used,
+            "combined_steps": self.combined_steps,
             "measured_costs": None if source is None or source.costs is None else repr(source.costs),
         }
         fsdp_memory = model.fsdp_memory

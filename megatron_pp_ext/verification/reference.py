@@ -3,7 +3,8 @@
 Both are megatron-core's own no-pipelining schedule on the unpartitioned model with the run's model,
 data, seed and training: one in float64 on a single replica (the exact result) and one in fp32 with the
 run's data-parallel grouping. A schedule that runs megatron's own 1F1B order is also compared with
-megatron's 1F1B on the same ranks (:func:`is_megatron_1f1b`).
+megatron's 1F1B on the same ranks (:func:`is_megatron_1f1b`); an overlapped run of megatron's interleaved
+1F1B order with megatron's interleaved combined 1F1B (:mod:`.megatron_order`).
 """
 
 from __future__ import annotations

@@ -73,6 +73,10 @@ class RunSpec:
     # MoE: every F, B/BW and overlap pair of our executor through megatron's combined forward-backward step,
     # the schedule's overlap pairs marked (megatron's --overlap-moe-expert-parallel-comm; runtime/combined_step.py)
     overlap_moe: bool = False
+    # Record which forward and backward each of megatron's combined steps ran (verification/combined_steps.py):
+    # the result's "combined_steps", per iteration. NATIVE with overlap_moe and several chunks per rank is
+    # megatron's own interleaved combined 1F1B, which an overlapped run of its order must match step for step.
+    record_combined_steps: bool = False
     distributed_optimizer: bool = False  # megatron's DistributedOptimizer (reduce-scatter + param all-gather)
     # Fully sharded data parallelism per chunk (runtime/fsdp.py) instead of megatron DDP: the executor
     # gathers and frees each chunk's parameters where the collectives pass places it, at most

@@ -13,6 +13,7 @@ from typing import Any
 
 from . import criterion
 from .compare import check_bitwise, check_fsdp_collectives, compare
+from .megatron_order import is_megatron_interleaved
 from .moe_check import moe_problem
 from .rank_pool import check_errors
 from .rank_run import TrainingRankPool
@@ -89,6 +90,7 @@ def verify_schedule(
         dp=dp,
         ep=ep,
         overlap_moe=overlap_moe,
+        record_combined_steps=overlap_moe and not fsdp and is_megatron_interleaved(schedule),
         distributed_optimizer=distributed_optimizer,
         fsdp=fsdp,
         fsdp_max_unsharded=fsdp_max_unsharded,
@@ -114,7 +116,7 @@ def verify_schedule(
     say("comparing losses and every gradient with the references")
     report = compare(schedule.name, p, m, schedule.chunks_per_rank, ref, run, tol, exact)
     if native is not None:
-        check_bitwise(report, native, run)
+        check_bitwise(report, native, run, combined=ours.record_combined_steps)
     if fsdp:
         check_fsdp_collectives(report, schedule, run, fsdp_max_unsharded, fsdp_grad_reduce_unit)
     return report
@@ -172,8 +174,10 @@ def _run_all(
         run = pool.run(ours)
         check_errors(run)
         native = None
-        if not ours.fsdp and is_megatron_1f1b(schedule):  # the same arithmetic as megatron's 1F1B: bit for bit
-            phase[0] = f"megatron's own 1F1B on {ranks} ranks"
+        # the same arithmetic as megatron's 1F1B, or with overlap its interleaved combined 1F1B: bit for bit
+        if not ours.fsdp and (is_megatron_1f1b(schedule) or ours.record_combined_steps):
+            own = "interleaved combined 1F1B" if ours.record_combined_steps else "own 1F1B"
+            phase[0] = f"megatron's {own} on {ranks} ranks"
             no_breaks = dataclasses.replace(ours.hooks, breaks=())
             native = pool.run(
                 dataclasses.replace(ours, mode=NATIVE, trace=False, split_backward=False, hooks=no_breaks)

@@ -43,6 +43,9 @@ class VerifyReport:
     # schedules running megatron's own 1F1B order: every loss and gradient bitwise equal to megatron's 1F1B on
     # the same ranks (None: not that order, or not compared)
     bitwise_megatron_1f1b: bool | None = None
+    # overlapped runs (MoE all-to-all overlap) of megatron's interleaved 1F1B order: every loss and gradient
+    # bitwise equal to megatron's interleaved combined 1F1B on the same ranks, and the same combined steps
+    bitwise_megatron_combined: bool | None = None
 
     def to_json_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -55,6 +58,9 @@ class VerifyReport:
         if self.bitwise_megatron_1f1b is not None:
             same = "bitwise equal to" if self.bitwise_megatron_1f1b else "NOT bitwise equal to"
             bitwise += f"; {same} megatron's own 1F1B on the same ranks (same arithmetic, demanded)"
+        if self.bitwise_megatron_combined is not None:
+            same = "bitwise equal to" if self.bitwise_megatron_combined else "NOT bitwise equal to"
+            bitwise += f"; {same} megatron's interleaved combined 1F1B on the same ranks (same steps, demanded)"
         return f"derived criterion: {self.verdict}{bitwise}"
 
 
