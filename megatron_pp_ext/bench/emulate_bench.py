@@ -393,6 +393,26 @@ def paid_hop_ms(schedule: Any, results: list[dict[str, Any]], warmup: int) -> tu
     return (statistics.median(hops), len(hops)) if hops else None
 
 
+def host_costs_ms(schedule: Any, row: Row) -> tuple[float, float]:
+    """The host time ``row``'s run paid per op (its ranks' time between ops over their ops) and per op that
+    sends to another rank (their posting time over those ops): medians over the ranks, ms. What
+    :func:`~megatron_pp_ext.analysis.host_costs.with_host_costs` charges."""
+    placement = schedule.placement
+
+    def sends(op: Any) -> bool:
+        neighbour = placement.next_stage(op.stage) if op.kind == "F" else placement.prev_stage(op.stage)
+        return op.kind != "W" and neighbour is not None and placement.rank_of(neighbour) != placement.rank_of(op.stage)
+
+    per_op, per_exchange = [], []
+    for part in row.ranks:
+        ops = schedule.ops[part["rank"]]
+        per_op.append(part["between"] / len(ops))
+        senders = sum(1 for op in ops if sends(op))
+        if senders:
+            per_exchange.append(part["post"] / senders)
+    return statistics.median(per_op), statistics.median(per_exchange) if per_exchange else 0.0
+
+
 def _real_ms(ops: Any) -> dict[str, tuple[float, float]]:
     """Per op kind: the median and the largest real compute (before padding), ms."""
     by_kind: dict[str, list[float]] = {}
@@ -470,11 +490,17 @@ def run_emulation(settings: Settings, pool: Any = None, say: Any = print) -> Out
             if schedule.name == BASELINE and not overlap:
                 paid = paid_hop_ms(schedule, results, settings.warmup)
             rows.append(row)
-        if paid is not None:  # every schedule again, with the hop the baseline's run paid
+        if paid is not None:  # every schedule again, with the hop the baseline's run paid (and its host costs)
+            from ..analysis.host_costs import with_host_costs
+
             for row, (schedule, costs, overlap), low in zip(rows, variants, lowered, strict=True):
                 repriced = dataclasses.replace(costs, t_comm=paid[0])
                 moe = moe_comm(settings, schedule, overlap)
                 row.simulated_paid_hop = simulate(schedule, repriced, lowered=low, moe=moe).makespan
+                if not overlap:
+                    row.host_ms = host_costs_ms(schedule, row)
+                    charged = with_host_costs(repriced, schedule.placement, *row.host_ms)
+                    row.simulated_host = simulate(schedule, charged, lowered=low, moe=moe).makespan
     finally:
         if own:
             pool.close()

@@ -60,7 +60,9 @@ def report(outcome: Outcome, figure_link: str | None = None) -> str:
             "",
             f"Hop time the {BASELINE} run paid: {hop:.3f} ms (median over its {count} messages whose consumer "
             "waited for them, producer op's end to consumer op's start: the transport plus posting, waking and "
-            "the runtime's bookkeeping on both sides). 'simulated (paid hop)' re-simulates every schedule with it.",
+            "the runtime's bookkeeping on both sides). 'simulated (paid hop)' re-simulates every schedule with it; "
+            "'host' also charges each schedule's own run's host time per op (between ops) and per sending op "
+            "(posting), analysis/host_costs.py (not for overlapped runs, whose pairs are host time there).",
         ]
     header = [
         "schedule",
@@ -69,12 +71,15 @@ def report(outcome: Outcome, figure_link: str | None = None) -> str:
         "measured ms",
         "measured / simulated",
         "measured / simulated (paid hop)",
+        "measured / simulated (host)",
         "simulated gain vs 1f1b",
         "measured gain vs 1f1b",
         "measured gain / simulated gain",
         "realized share",
+        "realized share (host)",
         "ops over pad",
     ]
+    base = next((r for r in outcome.rows if r.name == BASELINE and not r.overlap), None)
     rows = [
         [
             r.label,
@@ -83,10 +88,14 @@ def report(outcome: Outcome, figure_link: str | None = None) -> str:
             _f(r.measured, 1),
             _f(r.ratio),
             _f(r.ratio_paid_hop),
+            _f(r.ratio_host),
             _f(r.sim_gain),
             _f(r.measured_gain),
             _f(r.measured_gain / r.sim_gain),
             realized_text(r.measured_gain, r.sim_gain),
+            realized_text(r.measured_gain, base.simulated_host / r.simulated_host)
+            if base is not None and r.simulated_host > 0 and base.simulated_host > 0
+            else "-",
             f"{r.over_pad}/{r.ops}",
         ]
         for r in outcome.rows

@@ -69,6 +69,10 @@ class Row:
     a2a_on_worker: tuple[int, int] = (0, 0)
     # simulated again with the hop time the baseline's run paid (Outcome.paid_hop_ms)
     simulated_paid_hop: float = float("nan")
+    # ... and with the host time this run paid per op and per sending op, ms (none with the overlap: a pair's
+    # nodes are timed as host time there)
+    host_ms: tuple[float, float] | None = None
+    simulated_host: float = float("nan")
 
     @property
     def label(self) -> str:
@@ -82,6 +86,10 @@ class Row:
     @property
     def ratio_paid_hop(self) -> float:
         return self.measured / self.simulated_paid_hop if self.simulated_paid_hop > 0 else float("nan")
+
+    @property
+    def ratio_host(self) -> float:
+        return self.measured / self.simulated_host if self.simulated_host > 0 else float("nan")
 
 
 @dataclass

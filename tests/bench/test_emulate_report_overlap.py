@@ -51,3 +51,15 @@ def test_the_overlap_figure_draws_times_without_and_with_beside_megatrons(tmp_pa
     path = emulate_report.draw(_outcome(), str(tmp_path))
     assert path.name == "emulated_overlap_p2_m8_a2a20ms_x1.png"
     assert path.stat().st_size > 0
+
+
+def test_host_costs_are_the_time_between_ops_per_op_and_the_posting_per_sending_op() -> None:
+    from megatron_pp_ext.bench.emulate_bench import host_costs_ms
+    from megatron_pp_ext.schedules import generate
+
+    schedule = generate("1f1b", 2, 4)  # rank 0: 4 F send, 4 BW do not; rank 1: 4 F do not, 4 BW send
+    row = Row("1f1b", 1, 100.0)
+    row.ranks = [{"rank": 0, "between": 1.6, "post": 2.0}, {"rank": 1, "between": 2.4, "post": 4.0}]
+    per_op, per_exchange = host_costs_ms(schedule, row)
+    assert per_op == pytest.approx((1.6 / 8 + 2.4 / 8) / 2)
+    assert per_exchange == pytest.approx((2.0 / 4 + 4.0 / 4) / 2)
