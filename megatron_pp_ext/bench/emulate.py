@@ -153,6 +153,8 @@ class PaddedTracer(Tracer):
         self._pair_ended = []
         real = time.perf_counter() - self._op_started
         pads = [self.pads_s[str(o.kind)][o.stage] for o in ended]
+        if self.node_pads is not None and len(ended) == 2:  # an overlapped pair: its nodes are padded, not the pair
+            pads = [0.0, 0.0]
         sleep_until(self._op_started + sum(pads))
         self._cursor = time.perf_counter()
         lasted = self._cursor - self._op_started

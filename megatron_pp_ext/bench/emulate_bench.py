@@ -250,8 +250,8 @@ def overlap_variants(settings: Settings, built: list[tuple[Any, Any]]) -> tuple[
 def _job(settings: Settings, schedule: Any, costs: Any, overlap: bool = False) -> Any:
     """The ranks' job. Without ``settings.overlap`` (a dense model): every all-to-all padded onto its op.
     With it (a MoE model at EP = 2, emulate_moe.py): each all-to-all padded where it runs; each op's
-    floor is its compute plus its all-to-alls one after the other (they run inline) or, ``overlap``, its
-    compute split over its nodes (the op itself unpadded but for W)."""
+    floor is its compute plus its all-to-alls one after the other (they run inline); with ``overlap`` an
+    overlapped pair's compute is split over its nodes instead (the pair itself unpadded)."""
     from .emulate import NATIVE_INTERLEAVED, NATIVE_PEERS, EmulateJob
     from .emulate_a2a import A2APads
 
@@ -267,8 +267,8 @@ def _job(settings: Settings, schedule: Any, costs: Any, overlap: bool = False) -
             for kind, t in zip(("F", "B", "BW"), (t_f, t_b, t_bw), strict=True)
         )
     pads = {kind: tuple(x / 1000 for x in values) for kind, values in zip(KINDS, (t_f, t_b, t_w, t_bw), strict=True)}
-    if overlap:  # the compute is padded node by node; the all-to-alls where they run
-        pads = {kind: pads[kind] if kind == "W" else tuple(0.0 for _ in values) for kind, values in pads.items()}
+    # with overlap a pair's compute is padded node by node and its all-to-alls where they run (the tracer pads
+    # no pair); an op outside a pair keeps its floor of compute plus its all-to-alls one after the other
     native = schedule.name if schedule.name in NATIVE_PEERS else None
     if overlap and native != NATIVE_INTERLEAVED:  # megatron's combined 1F1B runs only in its interleaved 1F1B
         native = None

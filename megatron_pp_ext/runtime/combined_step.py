@@ -8,11 +8,13 @@ communication stream. Its entry point, ``pipeline_parallel.combined_1f1b.combine
 takes a forward side and a backward side, either of which may be absent.
 
 :func:`combined_step` runs one such step for the executor: an overlap pair of the schedule
-(:mod:`~megatron_pp_ext.schedules.pairs`) as both sides, a lone ``F`` or ``B``/``BW`` of an overlapped
-run as one side. Every forward of an overlapped run goes through it, because a forward built that way
-is a *schedule plan* (the model chunk's ``build_schedule_plan``, asked for by the forward step
-function with ``return_schedule_plan=True``) whose output tensor carries the plan and the loss node,
-and only the combined step can run that plan's backward.
+(:mod:`~megatron_pp_ext.schedules.pairs`) as both sides, and as one side a lone ``F`` or ``B``/``BW``
+of a micro-batch whose other op (on the same stage) is in a pair: a forward built that way is a
+*schedule plan* (the model chunk's ``build_schedule_plan``, asked for by the forward step function with
+``return_schedule_plan=True``) whose output tensor carries the plan and the loss node, and only the
+combined step can run that plan's backward. A micro-batch neither of whose ops on a stage is paired
+runs megatron's plain ``forward_step`` / ``backward_step`` there (the run plan's ``paired``): nothing to
+hide its all-to-alls behind, and the schedule plan's node machinery would cost host time for nothing.
 
 The executor keeps everything else: inputs from its mailbox, outputs into it, the saved tensors, the
 schedule's order. A ``B`` op (a split schedule) runs inside the weight-gradient store's deferral like

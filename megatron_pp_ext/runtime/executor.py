@@ -229,7 +229,9 @@ class _Run:
         self.use_tags: bool = use_tags
         self.replica_sync: Any = replica_sync
         self.grad_watch: GradWatch | None = grad_watch
-        self.combined: bool = combined  # every F and B/BW through megatron's combined step
+        self.combined: bool = (
+            combined  # pairs, and the F and B/BW of their micro-batches, through megatron's combined step
+        )
         self.config = get_model_config(self.models[0])
         self.param_sync_func = per_chunk(self.config.param_sync_func, len(self.models))
 
@@ -493,7 +495,7 @@ class _Run:
     def _forward(self, op: Op) -> None:
         from megatron.core.pipeline_parallel.schedules import forward_step
 
-        if self.combined:
+        if self.combined and (op.stage, op.microbatch) in self.plan.paired:
             combined_step(self, op, None)
             return
         input_tensor, iterator = self._forward_inputs(op)
@@ -552,7 +554,7 @@ class _Run:
     def _backward(self, op: Op) -> None:
         from megatron.core.pipeline_parallel.schedules import backward_step
 
-        if self.combined:
+        if self.combined and (op.stage, op.microbatch) in self.plan.paired:
             combined_step(self, None, op)
             return
         input_tensor, output_tensor, output_grad = self._backward_inputs(op)

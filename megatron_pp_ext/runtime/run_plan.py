@@ -43,6 +43,10 @@ class RunPlan:
     program: tuple[Compute | Exchange, ...]
     first_forward: frozenset[Op]  # first F of each local chunk
     collectives: dict[int, tuple[Collective, ...]]  # gap (index of the next compute op) -> collectives
+    # (stage, micro-batch) of every forward or backward of the rank inside an overlap pair: with megatron's
+    # combined step those run as schedule plans (a forward built as one is differentiated by one); the others
+    # run megatron's plain forward_step / backward_step, all-to-alls inline
+    paired: frozenset[tuple[int, int]] = frozenset()
 
 
 def plan_for(lowered: LoweredSchedule, rank: int, policy: CollectivePolicy, prefetch: bool) -> RunPlan:
@@ -54,7 +58,10 @@ def plan_for(lowered: LoweredSchedule, rank: int, policy: CollectivePolicy, pref
     for ins in program:
         if isinstance(ins, Compute) and ins.op.kind == OpKind.F:
             first_forward.setdefault(placement.chunk_of(ins.op.stage), ins.op)
-    return RunPlan(lowered, program, frozenset(first_forward.values()), collectives)
+    row = lowered.schedule.ops[rank]
+    starts = lowered.schedule.overlap_pairs[rank] if lowered.schedule.overlap_pairs else ()
+    paired = frozenset((row[j].stage, row[j].microbatch) for i in starts for j in (i, i + 1))
+    return RunPlan(lowered, program, frozenset(first_forward.values()), collectives, paired)
 
 
 def next_op(program: Sequence[Compute | Exchange], index: int) -> Op | None:

@@ -234,11 +234,19 @@ def check_bitwise(
 
 
 def _steps_differ(theirs: dict[Any, dict[str, Any]], ours: dict[Any, dict[str, Any]]) -> list[str]:
-    """Per rank whose combined steps (per iteration, ``(forward, backward)``, each ``(chunk, micro-batch)``)
-    are not megatron's interleaved combined 1F1B's, or were not recorded: where they first differ."""
+    """Per rank whose overlapped steps (per iteration, ``(forward, backward)`` with both sides, each
+    ``(chunk, micro-batch)``) are not megatron's interleaved combined 1F1B's, or were not recorded: where they
+    first differ. Only the steps with both sides count: megatron runs a lone forward or backward as a
+    one-sided combined step, ours runs it plainly unless its micro-batch is paired on that stage."""
     problems = []
+
+    def paired(record: dict[str, Any]) -> list[list[Any]]:
+        return [
+            [s for s in steps if s[0] is not None and s[1] is not None] for steps in record.get("combined_steps") or []
+        ]
+
     for where, r in sorted(ours.items()):
-        mine, megatron = r.get("combined_steps") or [], theirs.get(where, {}).get("combined_steps") or []
+        mine, megatron = paired(r), paired(theirs.get(where, {}))
         if mine and mine == megatron:
             continue
         at = ""

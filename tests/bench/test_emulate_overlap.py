@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from megatron_pp_ext.bench import emulate_bench, emulate_report, emulate_results
+from megatron_pp_ext.analysis.overlap_order import overlap_order
+from megatron_pp_ext.bench import emulate_bench, emulate_moe, emulate_report, emulate_results
 from megatron_pp_ext.bench.emulate import PaddedTracer
 from megatron_pp_ext.cli import main
 from megatron_pp_ext.schedules import generate
@@ -57,9 +58,10 @@ def test_overlap_jobs_pad_nodes_and_all_to_alls_where_they_run() -> None:
             assert job.model.num_layers == 2 * schedule.placement.stages_per_replica
             assert job.a2a_s == pytest.approx(0.003 / k)
         assert not plain.overlap_moe and overlapped.overlap_moe
-        # without overlap: the all-to-alls run inline, so the op's floor holds them; with it: nodes, W alone
+        # an op outside a pair runs its all-to-alls inline, so its floor holds them, with or without overlap;
+        # an overlapped pair is padded node by node (the tracer pads no pair then)
         assert plain.pads_s["F"][0] == pytest.approx((20 + 2 * 2 * 3) / k / 1000)
-        assert overlapped.pads_s["F"] == overlapped.pads_s["BW"] == (0.0,) * schedule.num_stages
+        assert overlapped.pads_s == plain.pads_s
         assert overlapped.pads_s["W"][0] == pytest.approx(0.010 / k)
         assert overlapped.node_pads_s["F"][0] == pytest.approx(0.020 / k / 4)  # half a layer's compute, 2 layers
         assert overlapped.node_pads_s["BW"][0] == pytest.approx(0.030 / k / 4)
@@ -125,8 +127,36 @@ def test_padded_all_to_alls_run_on_the_comm_worker_only_with_overlap(pool) -> No
     plain, overlapped = outcome.rows
     per_run = 4 * settings.m * 2 * 2  # 4 ranks, each micro-batch: dispatch and combine, forward and backward
     assert plain.native == "1f1b" and plain.a2a_on_worker == (0, 2 * per_run)  # ours and megatron's, inline
-    assert overlapped.native is None and overlapped.a2a_on_worker == (per_run, per_run)
+    # with overlap: those of the micro-batches with an op in a pair (their F and BW run as megatron's combined
+    # steps) on the worker, the others inline (plain forward and backward steps)
+    ordered = overlap_order(generate("1f1b", settings.p, settings.m))
+    paired = sum(
+        len({(row[j].stage, row[j].microbatch) for i in starts for j in (i, i + 1)})
+        for row, starts in zip(ordered.ops, ordered.overlap_pairs, strict=True)
+    )
+    on_worker = 2 * paired * 2 * 2  # both data-parallel replicas; F and BW; dispatch and combine
+    assert 0 < on_worker < per_run
+    assert overlapped.native is None and overlapped.a2a_on_worker == (on_worker, per_run)
     assert overlapped.short_ops == 0 and overlapped.measured > 0 and overlapped.simulated > 0
     text = emulate_report.report(outcome)
     assert "| 1f1b + overlap | 1 |" in text and "All-to-all overlap" in text
-    assert f"1f1b 0/{2 * per_run}, 1f1b + overlap {per_run}/{per_run}" in text
+    assert f"1f1b 0/{2 * per_run}, 1f1b + overlap {on_worker}/{per_run}" in text
+
+
+def test_padded_tracer_leaves_an_overlapped_pair_to_its_node_pads() -> None:
+    """With node pads (the overlapped run) a pair gets no floor of its own: its nodes carry the compute's pads
+    and its all-to-alls run beside them; a lone op keeps its floor."""
+    pads = {"F": (0.004,), "B": (0.003,), "W": (0.002,), "BW": (0.005,)}
+    tracer = PaddedTracer(0, pads, node_pads=(emulate_moe.NodePads(), {"F": (0.0,), "B": (0.0,), "BW": (0.0,)}))
+    f, b, lone = Op(OpKind.F, 0, 1), Op(OpKind.B, 0, 0), Op(OpKind.F, 0, 2)
+    tracer.begin_iteration()
+    tracer.begin_op(f)
+    tracer.begin_op(b)
+    tracer.end_op(b)
+    tracer.end_op(f)
+    tracer.begin_op(lone)
+    tracer.end_op(lone)
+    tracer.end_iteration()
+    (_, _, _, _, pad1, lasted1, _), (_, _, _, _, pad2, _, _), (_, _, _, _, pad3, lasted3, _) = tracer.ops
+    assert (pad1, pad2) == (0.0, 0.0) and lasted1 < 0.004
+    assert pad3 == 0.004 and lasted3 >= 0.004
