@@ -81,8 +81,8 @@ def make_forward_backward_func(
     ``check_grads``: watch every training iteration with :mod:`.grad_check` (the first one always is).
     ``overlap_moe`` (or megatron's ``overlap_moe_expert_parallel_comm`` in the model's config): a training
     pass runs the schedule's overlapped order (:func:`~megatron_pp_ext.analysis.overlap_order.overlap_order`:
-    the warm-up deepened where the pairs need it, the pairs marked) and runs
-    every forward and backward through megatron's combined step (:mod:`.combined_step`).
+    the warm-up deepened where the pairs need it, the pairs marked) and runs each pair, and the forwards
+    and backwards of its micro-batches, through megatron's combined step (:mod:`.combined_step`).
     ``check_messages`` (``--pipeline-check-messages``): every message carries a header, checked on arrival.
     Megatron's own ``grad_sync_func`` / ``param_sync_func`` (config) are launched where the
     collectives pass places them.
