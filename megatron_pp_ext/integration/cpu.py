@@ -24,7 +24,10 @@ What it does (docs/architecture.md, "CPU / gloo mode"):
 9. makes the C allocator keep freed large buffers for reuse, as a GPU's caching allocator does
    (:mod:`megatron_pp_ext.integration.cpu_allocator` says why op costs depend on it);
 10. runs the communication-stream nodes of megatron's combined forward-backward step on a worker
-   thread, the CPU's stand-in for a CUDA stream (:mod:`megatron_pp_ext.integration.cpu_streams`).
+   thread, the CPU's stand-in for a CUDA stream (:mod:`megatron_pp_ext.integration.cpu_streams`);
+11. runs megatron's ``custom_backward`` (its backward step's direct call of the autograd engine) with the
+   mode of item 2 taken off, as ``torch.autograd.backward`` runs the engine: otherwise every torch call
+   of megatron's Python backward functions passes through the mode (:func:`_patch_custom_backward`).
 """
 
 from __future__ import annotations
@@ -318,6 +321,34 @@ def _stub_triton_modules() -> None:
     sys.modules[name] = stub
 
 
+def _patch_custom_backward() -> None:
+    """megatron's ``backward_step`` runs the autograd engine through its own ``custom_backward`` (looked up in
+    its module at every call), which the device-rewriting mode would see every torch call of; run it with that
+    mode popped, as ``torch.autograd.backward`` does (the engine's calls are handled inside the mode's own
+    ``__torch_function__`` there). Nothing in a backward needs the mode: the factories megatron calls are
+    patched (:func:`_patch_factories`), and our ``W`` ops and megatron with ``deallocate_pipeline_outputs``
+    off already run their backward through ``torch.autograd.backward``. Losses and gradients are the same
+    bit for bit; it saves host time per backward on CPU only."""
+    from megatron.core.pipeline_parallel import schedules
+
+    original = schedules.custom_backward
+    pop = getattr(torch.overrides, "_pop_mode_temporarily", None)
+    if pop is None or getattr(original, "_megatron_pp_cpu", False):
+        return
+
+    def custom_backward(output: Any, grad_output: Any) -> Any:
+        if _MODE is None or torch._C._len_torch_function_stack() == 0:
+            return original(output, grad_output)
+        with pop() as mode:
+            if not isinstance(mode, _CudaToCpuMode):  # another mode on top: keep it
+                with mode:
+                    return original(output, grad_output)
+            return original(output, grad_output)
+
+    custom_backward._megatron_pp_cpu = True  # type: ignore[attr-defined]
+    schedules.custom_backward = custom_backward
+
+
 def _patch_torch_cuda() -> None:
     cuda = torch.cuda
     cuda.current_device = lambda: 0  # type: ignore[assignment]
@@ -398,6 +429,7 @@ def enable_cpu_mode(force: bool = False, threads: int | None = None) -> bool:
     _patch_rng_tracker()
     _patch_reduce_from_model_parallel_region()
     _patch_moe_split_sizes()
+    _patch_custom_backward()
     cpu_streams.patch_schedule_nodes(lambda: _CudaToCpuMode().__enter__())  # the mode is per thread
     _ENABLED = True
     return True
