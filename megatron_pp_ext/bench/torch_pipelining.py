@@ -124,11 +124,20 @@ def torch_stages(model: TinyGPTSpec, chunks: list[Any], layouts: list[Any], plac
 
 
 def cross_entropy_loss(vocab: int) -> Any:
-    """torch's ``loss_fn`` for the last stage: the mean token cross-entropy of the logits."""
-    from torch.nn import functional
+    """torch's ``loss_fn`` for the last stage: the mean token cross-entropy of the ``[b, s, vocab]`` logits,
+    computed as our runs compute it (megatron's vocab-parallel cross-entropy on ``[s, b, vocab]``, then the
+    mean over the tokens, all of which the verification data's mask keeps), so both runtimes pay the same
+    loss and get the same numbers."""
+    from megatron.core import tensor_parallel
 
     def loss_fn(logits: Any, target: Any) -> Any:
-        return functional.cross_entropy(logits.float().reshape(-1, vocab), target.reshape(-1))
+        if logits.shape[-1] != vocab:
+            raise ValueError(f"logits end in {logits.shape[-1]} classes, the model's vocabulary is {vocab}")
+        losses = tensor_parallel.vocab_parallel_cross_entropy(
+            logits.transpose(0, 1).contiguous(), target.transpose(0, 1).contiguous()
+        )
+        losses = losses.float()
+        return losses.sum() / losses.numel()
 
     return loss_fn
 
