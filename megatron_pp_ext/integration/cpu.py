@@ -133,15 +133,16 @@ class _NullEvent:
 
 
 _FACTORIES = ("empty", "zeros", "ones", "full", "rand", "randn", "randint", "arange", "tensor", "empty_strided")
+_TENSOR_FACTORIES = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")
 
 
 def _patch_factories() -> None:
     """Map ``device=cuda`` in torch's factory functions to CPU.
 
     The ``TorchFunctionMode`` does not reach code that runs inside autograd's
-    backward (e.g. megatron's sequence-parallel reduce-scatter buffers), so the
-    factories megatron calls with ``device=torch.cuda.current_device()`` are
-    wrapped as well.
+    backward (e.g. megatron's sequence-parallel reduce-scatter buffers, its MoE
+    all-to-all's output buffer), so the factories and tensor methods megatron calls
+    with ``device=torch.cuda.current_device()`` are wrapped as well.
     """
     for name in _FACTORIES:
         original = getattr(torch, name)
@@ -157,6 +158,20 @@ def _patch_factories() -> None:
         wrapper.__name__ = name
         wrapper.__doc__ = original.__doc__
         setattr(torch, name, wrapper)
+    for name in _TENSOR_FACTORIES:  # ``x.new_empty(..., device=...)``: megatron's all-to-all buffers in backward
+        original = getattr(torch.Tensor, name)
+        if getattr(original, "_megatron_pp_cpu", False):
+            continue
+
+        def method(self: torch.Tensor, *args: Any, __original: Any = original, **kwargs: Any) -> Any:
+            if "device" in kwargs:
+                kwargs["device"] = _cpu_device(kwargs["device"])
+            return __original(self, *args, **kwargs)
+
+        method._megatron_pp_cpu = True  # type: ignore[attr-defined]
+        method.__name__ = name
+        method.__doc__ = original.__doc__
+        setattr(torch.Tensor, name, method)
 
 
 class _DoneWork:
