@@ -136,7 +136,7 @@ def cross_entropy_loss(vocab: int) -> Any:
         losses = tensor_parallel.vocab_parallel_cross_entropy(
             logits.transpose(0, 1).contiguous(), target.transpose(0, 1).contiguous()
         )
-        losses = losses.float()
+        losses = losses.transpose(0, 1).contiguous().view(-1).float()  # [b, s] as megatron's model returns it
         return losses.sum() / losses.numel()
 
     return loss_fn
