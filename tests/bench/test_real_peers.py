@@ -99,7 +99,7 @@ def test_a_small_real_run_gives_equal_losses_traces_and_torch_on_plain_layers(po
         assert all(r["refusal"] is None for r in results)
         ours = [x for r in results for it in r["losses"]["ours"] for x in it]
         theirs = [x for r in results for it in r["losses"]["torch"] for x in it]
-        assert len(ours) == 2 * 4 and theirs == pytest.approx(ours, rel=1e-5)
+        assert len(ours) == 2 * 4 and theirs == ours  # torch's loss_fn computes the loss as our runs do
         reference = [x for r in cases["1f1b"][1] for it in r["losses"]["ours"] for x in it]
         assert ours == reference  # the same forward math in every order of work
         for r in results:
