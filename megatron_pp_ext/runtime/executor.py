@@ -229,9 +229,7 @@ class _Run:
         self.use_tags: bool = use_tags
         self.replica_sync: Any = replica_sync
         self.grad_watch: GradWatch | None = grad_watch
-        self.combined: bool = (
-            combined  # pairs, and the F and B/BW of their micro-batches, through megatron's combined step
-        )
+        self.combined: bool = combined  # pairs and their micro-batches' ops through megatron's combined step
         self.config = get_model_config(self.models[0])
         self.param_sync_func = per_chunk(self.config.param_sync_func, len(self.models))
 
