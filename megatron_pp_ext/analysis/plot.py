@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..schedules.ir import Op, OpKind
 from ..schedules.schedule import Schedule
@@ -65,22 +65,34 @@ def _output_path(path: str | Path) -> Path:
     return out
 
 
+def _new_figure(width: float, height: float, dpi: int = 100) -> Any:
+    """A matplotlib ``Figure`` (constrained layout); ValueError naming the extra when matplotlib is missing."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise ValueError("drawing needs matplotlib: pip install 'megatron_pp_ext[plot]'") from None
+    return Figure(figsize=(width, height), dpi=dpi, layout="constrained")
+
+
+def _save(fig: Any, out: Path) -> Path:
+    """Write ``fig`` to ``out`` in the format its suffix names, creating the folder."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format=out.suffix.lower().lstrip("."))
+    return out
+
+
 def draw(result: SimResult, schedule: Schedule, path: str | Path) -> Path:
     """Write a Gantt chart of ``result`` (simulated from ``schedule``) to ``path`` (.png or .svg)."""
     out = _output_path(path)
-    try:
-        from matplotlib.figure import Figure
-        from matplotlib.patches import Patch
-    except ImportError:  # pragma: no cover - depends on the environment
-        raise ValueError("drawing needs matplotlib: pip install 'megatron_pp_ext[plot]'") from None
+    fig_height = 0.5 * schedule.num_ranks + 2.0
+    ops_per_rank = max((len(row) for row in schedule.ops), default=1)
+    width = min(max(10.0, 0.3 * ops_per_rank + 3.0), 48.0)
+    fig = _new_figure(width, fig_height, dpi=110)
+    from matplotlib.patches import Patch
 
     p = schedule.num_ranks
     chunks = schedule.chunks_per_rank
     makespan = max(result.makespan, max((end for _, _, _, end in result.timeline), default=0.0), 1e-9)
-    ops_per_rank = max((len(row) for row in schedule.ops), default=1)
-    width = min(max(10.0, 0.3 * ops_per_rank + 3.0), 48.0)
-    height = 0.5 * p + 2.0
-    fig = Figure(figsize=(width, height), dpi=110, layout="constrained")
     ax = fig.add_subplot()
 
     # Label font: fit a short number into a typical box (axes take roughly 90% of the width).
@@ -131,9 +143,7 @@ def draw(result: SimResult, schedule: Schedule, path: str | Path) -> Path:
     ]
     if handles:
         fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 8), fontsize=8, frameon=False)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format=out.suffix.lower().lstrip("."))
-    return out
+    return _save(fig, out)
 
 
 def draw_plan_vs_measured(
@@ -147,12 +157,8 @@ def draw_plan_vs_measured(
     """Two Gantt charts on one page: the simulated plan (top) and a measured trace of the same schedule
     (bottom, ``(rank, op, start, end)`` in ``unit`` from the trace's first op), each on its own time axis."""
     out = _output_path(path)
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:  # pragma: no cover - depends on the environment
-        raise ValueError("drawing needs matplotlib: pip install 'megatron_pp_ext[plot]'") from None
     p, chunks = schedule.num_ranks, schedule.chunks_per_rank
-    fig = Figure(figsize=(14, 1.0 * p + 3), dpi=100, layout="constrained")
+    fig = _new_figure(14, 1.0 * p + 3)
     panels = (
         ("plan (simulator)", list(result.timeline), plan_unit),
         ("measured (one traced iteration)", list(measured), unit),
@@ -169,9 +175,7 @@ def draw_plan_vs_measured(
         ax.set_xlim(0, max((end for *_, end in timeline), default=1.0))
         ax.set_xlabel(f"time ({axis_unit})")
         ax.set_title(f"{schedule.name} p={p} m={schedule.num_microbatches}: {label}", fontsize=10)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format=out.suffix.lower().lstrip("."))
-    return out
+    return _save(fig, out)
 
 
 def draw_gain_comparison(
@@ -185,11 +189,7 @@ def draw_gain_comparison(
     """Grouped bars per schedule: its simulated and its measured gain over ``baseline`` (1.0 = as fast as
     the baseline, drawn as a line), so a schedule whose real run loses what the simulator promises stands out."""
     out = _output_path(path)
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:  # pragma: no cover - depends on the environment
-        raise ValueError("drawing needs matplotlib: pip install 'megatron_pp_ext[plot]'") from None
-    fig = Figure(figsize=(max(6.0, 0.7 * len(names) + 2), 4.2), dpi=100, layout="constrained")
+    fig = _new_figure(max(6.0, 0.7 * len(names) + 2), 4.2)
     ax = fig.add_subplot(1, 1, 1)
     xs = range(len(names))
     width = 0.38
@@ -203,9 +203,7 @@ def draw_gain_comparison(
     ax.set_ylabel(f"gain over {baseline} (time of {baseline} / time)")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, frameon=False)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format=out.suffix.lower().lstrip("."))
-    return out
+    return _save(fig, out)
 
 
 def draw_times_with_without(
@@ -218,11 +216,7 @@ def draw_times_with_without(
     """Grouped bars per schedule, one bar per entry of ``bars`` (``label -> value per schedule``, NaN for a
     schedule without that bar): e.g. the iteration time without overlap, with it, and a peer's beside."""
     out = _output_path(path)
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:  # pragma: no cover - depends on the environment
-        raise ValueError("drawing needs matplotlib: pip install 'megatron_pp_ext[plot]'") from None
-    fig = Figure(figsize=(max(6.0, 1.1 * len(names) + 2), 4.2), dpi=100, layout="constrained")
+    fig = _new_figure(max(6.0, 1.1 * len(names) + 2), 4.2)
     ax = fig.add_subplot(1, 1, 1)
     width = 0.8 / max(len(bars), 1)
     colors = ("#9ecae1", "#3182bd", "#e6550d", "#fdae6b", "#31a354")
@@ -234,9 +228,7 @@ def draw_times_with_without(
     ax.set_ylabel(f"time per iteration ({unit})")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, frameon=False)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format=out.suffix.lower().lstrip("."))
-    return out
+    return _save(fig, out)
 
 
 def draw_rank_busy(
@@ -249,11 +241,7 @@ def draw_rank_busy(
     [layout] = (measured per rank, predicted per rank)``) with its predicted time as a black tick, so a layout
     that evens out the ranks, and how far the prediction is off, show at a glance."""
     out = _output_path(path)
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:  # pragma: no cover - depends on the environment
-        raise ValueError("drawing needs matplotlib: pip install 'megatron_pp_ext[plot]'") from None
-    fig = Figure(figsize=(4.0 * max(1, len(panels)), 4.0), dpi=100, layout="constrained")
+    fig = _new_figure(4.0 * max(1, len(panels)), 4.0)
     colors = ("#bdbdbd", "#3182bd", "#e6550d", "#31a354")
     for i, (name, layouts) in enumerate(panels.items()):
         ax = fig.add_subplot(1, len(panels), i + 1)
@@ -273,6 +261,4 @@ def draw_rank_busy(
         ax.set_ylim(0, 1.3 * top)  # room for the legend above the bars
         ax.legend(fontsize=7, frameon=False, loc="upper center", ncol=1)
     fig.suptitle(title, fontsize=10)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format=out.suffix.lower().lstrip("."))
-    return out
+    return _save(fig, out)
