@@ -227,7 +227,7 @@ def draw_times_with_without(
     ax.set_xticklabels(names, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel(f"time per iteration ({unit})")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, frameon=False)
+    ax.legend(fontsize=8, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=len(bars))
     return _save(fig, out)
 
 
