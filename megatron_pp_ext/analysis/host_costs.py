@@ -13,7 +13,14 @@ from __future__ import annotations
 from ..schedules.costs import Costs
 from ..schedules.placement import Placement
 
-__all__ = ["with_host_costs"]
+__all__ = ["sends_off_rank", "with_host_costs"]
+
+
+def sends_off_rank(placement: Placement, stage: int, forward: bool) -> bool:
+    """Whether a forward (``forward``) or backward (``B``/``BW``) of ``stage`` sends its output to another rank:
+    the ops :func:`with_host_costs` charges the per-exchange cost to."""
+    neighbour = placement.next_stage(stage) if forward else placement.prev_stage(stage)
+    return neighbour is not None and placement.rank_of(neighbour) != placement.rank_of(stage)
 
 
 def with_host_costs(costs: Costs, placement: Placement, per_op: float = 0.0, per_exchange: float = 0.0) -> Costs:
@@ -25,11 +32,8 @@ def with_host_costs(costs: Costs, placement: Placement, per_op: float = 0.0, per
     n = placement.num_stages
     t_f, t_b, t_w, t_bw = costs.per_stage(n)
 
-    def sends(stage: int, neighbour: int | None) -> float:
-        return per_exchange if neighbour is not None and placement.rank_of(neighbour) != placement.rank_of(stage) else 0
-
-    forward = [per_op + sends(s, placement.next_stage(s)) for s in range(n)]
-    backward = [per_op + sends(s, placement.prev_stage(s)) for s in range(n)]
+    forward = [per_op + (per_exchange if sends_off_rank(placement, s, True) else 0.0) for s in range(n)]
+    backward = [per_op + (per_exchange if sends_off_rank(placement, s, False) else 0.0) for s in range(n)]
     return Costs(
         tuple(a + x for a, x in zip(t_f, forward, strict=True)),
         tuple(a + x for a, x in zip(t_b, backward, strict=True)),

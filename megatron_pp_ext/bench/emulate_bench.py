@@ -397,17 +397,15 @@ def host_costs_ms(schedule: Any, row: Row) -> tuple[float, float]:
     """The host time ``row``'s run paid per op (its ranks' time between ops over their ops) and per op that
     sends to another rank (their posting time over those ops): medians over the ranks, ms. What
     :func:`~megatron_pp_ext.analysis.host_costs.with_host_costs` charges."""
-    placement = schedule.placement
-
-    def sends(op: Any) -> bool:
-        neighbour = placement.next_stage(op.stage) if op.kind == "F" else placement.prev_stage(op.stage)
-        return op.kind != "W" and neighbour is not None and placement.rank_of(neighbour) != placement.rank_of(op.stage)
+    from ..analysis.host_costs import sends_off_rank
 
     per_op, per_exchange = [], []
     for part in row.ranks:
         ops = schedule.ops[part["rank"]]
         per_op.append(part["between"] / len(ops))
-        senders = sum(1 for op in ops if sends(op))
+        senders = sum(
+            1 for op in ops if op.kind != "W" and sends_off_rank(schedule.placement, op.stage, op.kind == "F")
+        )
         if senders:
             per_exchange.append(part["post"] / senders)
     return statistics.median(per_op), statistics.median(per_exchange) if per_exchange else 0.0
@@ -498,8 +496,7 @@ def run_emulation(settings: Settings, pool: Any = None, say: Any = print) -> Out
                 moe = moe_comm(settings, schedule, overlap)
                 row.simulated_paid_hop = simulate(schedule, repriced, lowered=low, moe=moe).makespan
                 if not overlap:
-                    row.host_ms = host_costs_ms(schedule, row)
-                    charged = with_host_costs(repriced, schedule.placement, *row.host_ms)
+                    charged = with_host_costs(repriced, schedule.placement, *host_costs_ms(schedule, row))
                     row.simulated_host = simulate(schedule, charged, lowered=low, moe=moe).makespan
     finally:
         if own:

@@ -69,9 +69,8 @@ class Row:
     a2a_on_worker: tuple[int, int] = (0, 0)
     # simulated again with the hop time the baseline's run paid (Outcome.paid_hop_ms)
     simulated_paid_hop: float = float("nan")
-    # ... and with the host time this run paid per op and per sending op, ms (none with the overlap: a pair's
-    # nodes are timed as host time there)
-    host_ms: tuple[float, float] | None = None
+    # ... and with the host time this run paid per op and per sending op (none with the overlap: a pair's nodes
+    # are timed as host time there)
     simulated_host: float = float("nan")
 
     @property
