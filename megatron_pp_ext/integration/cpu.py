@@ -144,34 +144,22 @@ def _patch_factories() -> None:
     all-to-all's output buffer), so the factories and tensor methods megatron calls
     with ``device=torch.cuda.current_device()`` are wrapped as well.
     """
-    for name in _FACTORIES:
-        original = getattr(torch, name)
-        if getattr(original, "_megatron_pp_cpu", False):
-            continue
+    for owner, names in ((torch, _FACTORIES), (torch.Tensor, _TENSOR_FACTORIES)):
+        for name in names:
+            original = getattr(owner, name)
+            if getattr(original, "_megatron_pp_cpu", False):
+                continue
 
-        def wrapper(*args: Any, __original: Any = original, **kwargs: Any) -> Any:
-            if "device" in kwargs:
-                kwargs["device"] = _cpu_device(kwargs["device"])
-            return __original(*args, **kwargs)
+            # a tensor method gets its tensor as the first positional argument
+            def wrapper(*args: Any, __original: Any = original, **kwargs: Any) -> Any:
+                if "device" in kwargs:
+                    kwargs["device"] = _cpu_device(kwargs["device"])
+                return __original(*args, **kwargs)
 
-        wrapper._megatron_pp_cpu = True  # type: ignore[attr-defined]
-        wrapper.__name__ = name
-        wrapper.__doc__ = original.__doc__
-        setattr(torch, name, wrapper)
-    for name in _TENSOR_FACTORIES:  # ``x.new_empty(..., device=...)``: megatron's all-to-all buffers in backward
-        original = getattr(torch.Tensor, name)
-        if getattr(original, "_megatron_pp_cpu", False):
-            continue
-
-        def method(self: torch.Tensor, *args: Any, __original: Any = original, **kwargs: Any) -> Any:
-            if "device" in kwargs:
-                kwargs["device"] = _cpu_device(kwargs["device"])
-            return __original(self, *args, **kwargs)
-
-        method._megatron_pp_cpu = True  # type: ignore[attr-defined]
-        method.__name__ = name
-        method.__doc__ = original.__doc__
-        setattr(torch.Tensor, name, method)
+            wrapper._megatron_pp_cpu = True  # type: ignore[attr-defined]
+            wrapper.__name__ = name
+            wrapper.__doc__ = original.__doc__
+            setattr(owner, name, wrapper)
 
 
 class _DoneWork:
@@ -352,12 +340,10 @@ def _patch_custom_backward() -> None:
         return
 
     def custom_backward(output: Any, grad_output: Any) -> Any:
-        if _MODE is None or torch._C._len_torch_function_stack() == 0:
-            return original(output, grad_output)
-        with pop() as mode:
-            if not isinstance(mode, _CudaToCpuMode):  # another mode on top: keep it
-                with mode:
-                    return original(output, grad_output)
+        depth = torch._C._len_torch_function_stack()
+        if depth == 0 or not isinstance(torch._C._get_function_stack_at(depth - 1), _CudaToCpuMode):
+            return original(output, grad_output)  # our mode is not on top: leave the stack alone
+        with pop():
             return original(output, grad_output)
 
     custom_backward._megatron_pp_cpu = True  # type: ignore[attr-defined]
