@@ -21,8 +21,6 @@ choice depends on the schedule alone, so every rank makes the same one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from ..schedules.ir import ScheduleError
 from ..schedules.pairs import blocked_pairs, deepen, mark_pairs
 from ..schedules.schedule import Schedule
@@ -49,14 +47,14 @@ def lag_candidates(schedule: Schedule) -> list[tuple[int, ...]]:
     return found
 
 
-def overlap_order(schedule: Schedule, candidates: Sequence[Sequence[int]] | None = None) -> Schedule:
+def overlap_order(schedule: Schedule) -> Schedule:
     """``schedule`` as an overlapped run executes it (module doc); unchanged when it already has pairs
     (DualPipeV's generator marks its own) or has no forward and backward to pair."""
     if schedule.overlap_pairs:
         return schedule
     best: tuple[float, int, Schedule] | None = None
-    for lags in lag_candidates(schedule) if candidates is None else candidates:
-        timed = _timed(schedule, tuple(lags))
+    for lags in lag_candidates(schedule):
+        timed = _timed(schedule, lags)
         if timed is not None and (best is None or timed[:2] < best[:2]):
             best = timed
     return mark_pairs(schedule) if best is None else best[2]

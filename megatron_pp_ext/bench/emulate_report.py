@@ -135,11 +135,16 @@ def report(outcome: Outcome, figure_link: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def without_and_with(rows: list[Row]) -> list[tuple[Row, Row]]:
+    """``(without overlap, with overlap)`` for each schedule run both ways, in the order of the runs."""
+    without = {r.name: r for r in rows if not r.overlap}
+    return [(without[r.name], r) for r in rows if r.overlap and r.name in without]
+
+
 def overlap_lines(rows: list[Row]) -> list[str]:
     """Each schedule without and with the all-to-all overlap side by side, and where the padded all-to-alls
     ran (empty without the overlap run)."""
-    without = {r.name: r for r in rows if not r.overlap}
-    pairs = [(without[r.name], r) for r in rows if r.overlap and r.name in without]
+    pairs = without_and_with(rows)
     if not pairs:
         return []
     header = [
@@ -275,18 +280,15 @@ def _draw_overlap(outcome: Outcome, directory: str) -> Path:
     from ..analysis.plot import draw_times_with_without
 
     s = outcome.settings
-    nan = float("nan")
-    off = {r.name: r for r in outcome.rows if not r.overlap}
-    on = {r.name: r for r in outcome.rows if r.overlap}
-    names = [name for name in off if name in on]
+    pairs = without_and_with(outcome.rows)
     bars = {
-        "ours, without overlap": [off[n].measured for n in names],
-        "ours, with overlap": [on[n].measured for n in names],
-        "simulated, with overlap": [on[n].simulated for n in names],
-        "megatron's own, with overlap": [on[n].native_measured if on[n].native else nan for n in names],
+        "ours, without overlap": [off.measured for off, _ in pairs],
+        "ours, with overlap": [on.measured for _, on in pairs],
+        "simulated, with overlap": [on.simulated for _, on in pairs],
+        "megatron's own, with overlap": [on.native_measured if on.native else float("nan") for _, on in pairs],
     }
     return draw_times_with_without(
-        names,
+        [off.name for off, _ in pairs],
         bars,
         Path(directory) / f"emulated_overlap_p{s.p}_m{s.m}_a2a{s.a2a_ms:g}ms_x{s.moe_layers}.png",
         f"MoE all-to-all overlap on {2 * s.p} gloo ranks (EP 2), p={s.p} m={s.m}: time per iteration",
