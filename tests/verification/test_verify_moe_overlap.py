@@ -11,10 +11,13 @@ compute runs, then the all-to-all is waited for.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from megatron_pp_ext.analysis.overlap_order import overlap_order
 from megatron_pp_ext.schedules import generate
+from megatron_pp_ext.schedules.schedule import Schedule
 from megatron_pp_ext.verification import criterion
 from megatron_pp_ext.verification.compare import compare
 from megatron_pp_ext.verification.rank_pool import check_errors
@@ -31,6 +34,21 @@ COMM_NODES = ("moe_dispatch", "moe_combine")
 
 def moe_model(name: str) -> TinyGPTSpec:
     return TinyGPTSpec(num_layers=generate(name, P, M).placement.stages_per_replica, num_experts=4, moe_topk=2)
+
+
+def overlapped_spec(name: str, schedule: Schedule, **extra: Any) -> RunSpec:
+    """Our overlapped run of ``schedule`` on EP = 2 x PP = 2 with two data-parallel replicas."""
+    return RunSpec(
+        pp=P,
+        num_microbatches=M,
+        dp=2,
+        ep=2,
+        overlap_moe=True,
+        mode=OURS,
+        schedule_csv=schedule.to_csv(),
+        model=moe_model(name),
+        **extra,
+    )
 
 
 @pytest.mark.parametrize("name", ["1f1b", "dualpipev"])
@@ -58,19 +76,8 @@ def test_v_zb_pairs_hide_each_all_to_all_behind_the_other_micro_batch(pool) -> N
     micro-batch and waited for after it; losses and gradients match the references."""
     name, iterations = "v-zb", 1
     schedule = generate(name, P, M)
-    spec = RunSpec(
-        pp=P,
-        num_microbatches=M,
-        dp=2,
-        ep=2,
-        overlap_moe=True,
-        mode=OURS,
-        schedule_csv=schedule.to_csv(),
-        split_backward=True,
-        model=moe_model(name),
-        iterations=iterations,
-        adam_eps=criterion.ADAM_EPS,
-        lr=criterion.LR,
+    spec = overlapped_spec(
+        name, schedule, split_backward=True, iterations=iterations, adam_eps=criterion.ADAM_EPS, lr=criterion.LR
     )
     exact, ref = reference_runs(pool, spec)
     run = pool.run_fn(run_with_node_events, spec, spec.world_size, 300)
@@ -110,17 +117,7 @@ def test_a_pair_sends_its_forward_output_before_its_backward_ends(pool) -> None:
     after the forward's last node and before the backward's last node."""
     name = "1f1b"
     schedule = generate(name, P, M)
-    spec = RunSpec(
-        pp=P,
-        num_microbatches=M,
-        dp=2,
-        ep=2,
-        overlap_moe=True,
-        mode=OURS,
-        schedule_csv=schedule.to_csv(),
-        model=moe_model(name),
-        iterations=1,
-    )
+    spec = overlapped_spec(name, schedule, iterations=1)
     run = pool.run_fn(run_with_node_and_send_events, spec, spec.world_size, 300)
     check_errors(run)
     checked = 0
