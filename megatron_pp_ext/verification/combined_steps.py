@@ -1,11 +1,11 @@
 """Which forward and which backward each of megatron's combined forward-backward steps ran, in order.
 
-With MoE all-to-all overlap every forward and backward of a run goes through megatron-core's
-``combined_forward_backward_step`` (megatron's own interleaved combined 1F1B and our executor alike,
-``runtime/combined_step.py``): a step runs one forward, one backward, or a forward of one micro-batch
-with the backward of another. Two runs of the same schedule must make the same steps; losses and
-gradients cannot show it, because the pairing changes which micro-batch's work overlaps which, not
-the arithmetic. :func:`recording` lists the steps a rank makes as ``(forward, backward)``, each side
+With MoE all-to-all overlap megatron-core's own interleaved combined 1F1B runs every forward and backward
+through its ``combined_forward_backward_step``, and our executor runs each overlap pair and the other ops of
+its micro-batches through it (``runtime/combined_step.py``; the rest run megatron's plain steps): a step runs
+one forward, one backward, or a forward of one micro-batch with the backward of another. Two runs of the
+same schedule must make the same two-sided steps; losses and gradients cannot show it, because the pairing
+changes which micro-batch's work overlaps which, not the arithmetic. :func:`recording` lists the steps a rank makes as ``(forward, backward)``, each side
 ``(chunk, micro-batch)`` or None; a backward is named by the forward whose output it consumes (the
 forward's output tensor is tagged when it is made, and the backward receives that tensor back).
 """
