@@ -5,9 +5,10 @@ through its ``combined_forward_backward_step``, and our executor runs each overl
 its micro-batches through it (``runtime/combined_step.py``; the rest run megatron's plain steps): a step runs
 one forward, one backward, or a forward of one micro-batch with the backward of another. Two runs of the
 same schedule must make the same two-sided steps; losses and gradients cannot show it, because the pairing
-changes which micro-batch's work overlaps which, not the arithmetic. :func:`recording` lists the steps a rank makes as ``(forward, backward)``, each side
-``(chunk, micro-batch)`` or None; a backward is named by the forward whose output it consumes (the
-forward's output tensor is tagged when it is made, and the backward receives that tensor back).
+changes which micro-batch's work overlaps which, not the arithmetic. :func:`recording` lists the steps a
+rank makes as ``(forward, backward)``, each side ``(chunk, micro-batch)`` or None; a backward is named by
+the forward whose output it consumes (the forward's output tensor is tagged when it is made, and the
+backward receives that tensor back).
 """
 
 from __future__ import annotations
