@@ -3,9 +3,12 @@
 Each rank builds its megatron-core chunks for our schedule's placement (:func:`tiny_gpt.build_chunks`: the
 same seeded weights for everyone), wraps them in torch ``PipelineStage`` s (:mod:`.torch_pipelining`) and runs,
 every iteration, torch's schedule and ours on the same micro-batches, alternating which goes first; both are
-timed, both losses kept. A torch schedule that refuses the shape (its constructor or its first step raises) is
-recorded with its refusal text and our schedule still runs. Then a few traced iterations of ours (after one
-traced warm-up, left out) give the op
+timed, both losses kept. Our 1f1b, the baseline of every gain, runs in the same rotation on chunks of its own
+placement (same weights), so a schedule's measured gain over it is a ratio of iterations run seconds apart:
+on a machine whose speed drifts by several percent between minutes, gains taken from separate runs would hold
+that drift. A torch schedule that refuses the shape (its constructor or its first step raises) is
+recorded with its refusal text and our schedule still runs. Then a few traced iterations of ours and of the
+baseline, alternating (after one traced warm-up each, left out), give the op
 times per stage and the host time between ops by named part (:class:`~megatron_pp_ext.runtime.trace.Tracer`),
 with the time inside the model's own forward (so the forward-step wrapper's cost shows), and one iteration of
 torch's with its stage methods timed gives its F, its split backward (input ``B`` and weight ``W``, torch's
@@ -26,7 +29,9 @@ from ..verification.rank_setup import rank_process_group
 from ..verification.tiny_gpt import TinyGPTSpec
 from .real_peers_cases import LOOP_CHUNKS, TORCH_PEERS, TORCH_SPLIT
 
-OURS, TORCH = "ours", "torch"
+OURS, TORCH, BASELINE = "ours", "torch", "baseline"
+#: the schedule every gain is measured against
+BASELINE_SCHEDULE = "1f1b"
 
 
 @dataclass(frozen=True)
@@ -68,19 +73,45 @@ def run_on_rank(spec: PeerRunSpec, rank: int, init_method: str) -> dict[str, Any
             uninstall_wgrad_hooks()
 
 
-class _PeerRun:
-    """Both runtimes on this rank's chunks: timed iterations, then the traced ones."""
+class _Ours:
+    """One of our schedules on this rank: its chunks (the same seeded weights in every placement) and its
+    forward-backward function."""
 
     def __init__(self, spec: PeerRunSpec, rank: int, schedule: Any) -> None:
         from ..runtime.executor import make_forward_backward_func
         from ..verification import tiny_gpt
 
+        self.spec, self.schedule = spec, schedule
+        self.chunks, self.layouts = tiny_gpt.build_chunks(
+            tiny_gpt.make_config(spec.model), spec.model, schedule.placement, rank
+        )
+        self.func = make_forward_backward_func(lambda m: schedule, timeout_s=spec.timeout_s)
+
+    def zero(self) -> None:
+        for c in self.chunks:
+            c.zero_grad(set_to_none=True)
+
+    def step(self, iteration: int, func: Any = None) -> list[float]:
+        """One iteration on micro-batches ``iteration`` (``func``: a traced function of the same schedule)."""
+        from ..verification import tiny_gpt
+
+        batches = tiny_gpt.make_batches(self.spec.model, iteration, self.spec.num_microbatches)
+        return tiny_gpt.run_forward_backward(func or self.func, self.spec.model, self.chunks, batches, chunk_list=True)
+
+
+class _PeerRun:
+    """Both runtimes (and our baseline) on this rank's chunks: timed iterations, then the traced ones."""
+
+    def __init__(self, spec: PeerRunSpec, rank: int, schedule: Any) -> None:
         self.spec, self.rank, self.schedule = spec, rank, schedule
-        placement = schedule.placement
-        self.chunks, self.layouts = tiny_gpt.build_chunks(tiny_gpt.make_config(spec.model), spec.model, placement, rank)
+        self.ours = _Ours(spec, rank, schedule)
+        self.chunks, self.layouts = self.ours.chunks, self.ours.layouts
+        self.baseline: _Ours | None = None
+        if spec.schedule != BASELINE_SCHEDULE:
+            base_spec = PeerRunSpec(BASELINE_SCHEDULE, spec.pp, spec.num_microbatches, spec.model)
+            self.baseline = _Ours(spec, rank, generate_ours(base_spec))
         self.has_first = any(layout.pre_process for layout in self.layouts)
         self.has_last = any(layout.post_process for layout in self.layouts)
-        self.ours = make_forward_backward_func(lambda m: schedule, timeout_s=spec.timeout_s)
         self.refusal: str | None = None
         self.theirs: Any = None
         try:
@@ -99,46 +130,47 @@ class _PeerRun:
         stages = self.stages[0] if single and len(self.stages) == 1 else self.stages
         return cls(stages, self.spec.num_microbatches, loss_fn=cross_entropy_loss(self.spec.model.vocab_size))
 
-    def _zero(self) -> None:
-        for c in self.chunks:
-            c.zero_grad(set_to_none=True)
-
-    def _ours(self, iteration: int, func: Any = None) -> list[float]:
-        from ..verification import tiny_gpt
-
-        batches = tiny_gpt.make_batches(self.spec.model, iteration, self.spec.num_microbatches)
-        return tiny_gpt.run_forward_backward(func or self.ours, self.spec.model, self.chunks, batches, chunk_list=True)
-
     def _torch(self, iteration: int) -> list[float]:
         from .torch_pipelining import torch_step
 
         spec = self.spec
         return torch_step(self.theirs, spec.model, iteration, spec.num_microbatches, self.has_first, self.has_last)
 
+    def _step(self, name: str, iteration: int) -> list[float]:
+        if name == TORCH:
+            self.ours.zero()
+            return self._torch(iteration)
+        runner = self.ours if name == OURS else self.baseline
+        assert runner is not None
+        runner.zero()
+        return runner.step(iteration)
+
     def result(self) -> dict[str, Any]:
-        times: dict[str, list[float]] = {OURS: [], TORCH: []}
-        losses: dict[str, list[list[float]]] = {OURS: [], TORCH: []}
+        names = [TORCH, OURS] + ([BASELINE] if self.baseline is not None else [])
+        times: dict[str, list[float]] = {name: [] for name in names}
+        losses: dict[str, list[list[float]]] = {name: [] for name in names}
         for iteration in range(self.spec.iterations):
-            order = [TORCH, OURS] if iteration % 2 == 0 else [OURS, TORCH]
-            for name in order:
+            turn = iteration % len(names)  # every runtime takes every place in the rotation in turn
+            for name in names[turn:] + names[:turn]:
                 if name == TORCH and self.theirs is None:
                     continue
-                self._zero()
                 started = time.perf_counter()
                 try:
-                    losses[name].append(self._ours(iteration) if name == OURS else self._torch(iteration))
+                    losses[name].append(self._step(name, iteration))
                 except Exception as error:
-                    if name == OURS:
+                    if name != TORCH:
                         raise
                     self.refusal, self.theirs = f"{type(error).__name__}: {error}", None  # refused at its step
                     continue
                 times[name].append(time.perf_counter() - started)
+        traces = self._trace_ours()
         return {
             "rank": self.rank,
             "step_times": times,
             "losses": losses,
             "refusal": self.refusal,
-            "ours_trace": self._trace_ours(),
+            "ours_trace": traces[0],
+            "baseline_trace": traces[1] if len(traces) > 1 else None,
             "torch_op_times_s": self._time_torch_ops() if self.theirs is not None else {},
             "torch_plain_step_times": self._torch_on_plain() if self.theirs is not None else [],
         }
@@ -168,31 +200,46 @@ class _PeerRun:
             times.append(time.perf_counter() - started)
         return times
 
-    def _trace_ours(self) -> dict[str, Any]:
-        """Op times per stage (medians) and the host split of a few traced iterations of ours, with the model's own
-        forward time per F (the rest of an F is megatron's forward-step wrapper)."""
+    def _trace_ours(self) -> list[dict[str, Any]]:
+        """Ours (and the baseline, alternating with it): op times per stage (medians) and the host split of a few
+        traced iterations, with the model's own forward time per F of ours (the rest of an F is megatron's
+        forward-step wrapper)."""
         from ..runtime.executor import make_forward_backward_func
         from ..runtime.trace import Tracer
 
-        tracer = Tracer(self.rank, track_memory=False)  # op times without the saved-tensor hook
-        traced = make_forward_backward_func(
-            lambda m: self.schedule, tracer_factory=lambda r: tracer, timeout_s=self.spec.timeout_s
-        )
-        self._zero()
-        self._ours(self.spec.iterations, traced)  # the traced function's first call: not a steady iteration
-        tracer.restart()
+        runners = [self.ours] + ([self.baseline] if self.baseline is not None else [])
+        tracers = [Tracer(self.rank, track_memory=False) for _ in runners]  # op times without the saved-tensor hook
+        funcs = [
+            make_forward_backward_func(
+                lambda m, s=runner.schedule: s, tracer_factory=lambda r, t=tracer: t, timeout_s=self.spec.timeout_s
+            )
+            for runner, tracer in zip(runners, tracers, strict=True)
+        ]
+        first = self.spec.iterations
+        for runner, func, tracer in zip(runners, funcs, tracers, strict=True):
+            runner.zero()
+            runner.step(first, func)  # the traced function's first call: not a steady iteration
+            tracer.restart()
         model_forward: dict[int, list[float]] = {}
         with _TimedForwards(self.chunks, [layout.stage for layout in self.layouts], model_forward):
             for iteration in range(self.spec.trace_iterations):
-                self._zero()
-                self._ours(self.spec.iterations + 1 + iteration, traced)
-        summary = tracer.summary()
-        return {
-            "op_times_s": _median_op_times(tracer.events),
-            "host": summary["host_parts"],
-            "model_forward_s": {stage: statistics.median(times) for stage, times in model_forward.items()},
-            "step_times_s": [it["step_time_s"] for it in tracer.iterations],
-        }
+                order = list(range(len(runners)))
+                for index in order if iteration % 2 == 0 else order[::-1]:
+                    runners[index].zero()
+                    runners[index].step(first + 1 + iteration, funcs[index])
+        forward = {stage: statistics.median(times) for stage, times in model_forward.items()}
+        out = []
+        for index, tracer in enumerate(tracers):
+            summary = tracer.summary()
+            out.append(
+                {
+                    "op_times_s": _median_op_times(tracer.events),
+                    "host": summary["host_parts"],
+                    "model_forward_s": forward if index == 0 else {},
+                    "step_times_s": [it["step_time_s"] for it in tracer.iterations],
+                }
+            )
+        return out
 
     def _time_torch_ops(self) -> dict[str, dict[int, float]]:
         """Mean time per stage of torch's forward, fused backward (BW), input backward (B) and weight backward
@@ -200,7 +247,7 @@ class _PeerRun:
         spent: dict[tuple[str, int], list[float]] = defaultdict(list)
         for stage in self.stages:
             _time_methods(stage, spent)
-        self._zero()
+        self.ours.zero()
         self._torch(self.spec.iterations + 1 + self.spec.trace_iterations)
         for stage in self.stages:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):

@@ -4,9 +4,11 @@ data and micro-batch order for everyone.
 
 Peers: torch.distributed.pipelining (:mod:`.real_peers`: 1F1B, GPipe, interleaved 1F1B, interleaved zero
 bubble, ZBV, DualPipeV, looped BFS) and megatron-core's own 1F1B and interleaved 1F1B (``RunSpec`` mode ``AB``).
-Each case's simulation is fed by the op times and the host costs its own traced run of ours measured
-(:func:`~megatron_pp_ext.analysis.host_costs.with_host_costs`), so the realized share of the simulated gain over
-1f1b, ``(measured gain - 1) / (simulated gain - 1)``, reads the runtime against its plan. The split backward's
+Each case also runs our 1f1b, the baseline of every gain, in the same rotation of iterations, traced beside ours:
+the measured gain is the median ratio of paired iterations, and the simulated one comes from the op times and host
+costs both traced runs measured (:func:`~megatron_pp_ext.analysis.host_costs.with_host_costs`), so the realized
+share of the simulated gain over 1f1b, ``(measured gain - 1) / (simulated gain - 1)``, reads the runtime against
+its plan without the drift of the machine's speed between cases. The split backward's
 cost (torch's and ours, on a megatron chunk and on plain torch layers) is measured beside (:mod:`.split_cost`).
 The text is built by :mod:`.real_peers_report`.
 """
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .real_peers_cases import SIZE_SHAPES, TORCH_PEERS, model_spec, num_microbatches
+from .real_peers_cases import SIZE_SHAPES, TORCH_PEERS, iterations_of, model_spec, num_microbatches
 
 MEGATRON_PEERS = {"1f1b": "1F1B", "interleaved-1f1b": "interleaved 1F1B"}
 P_RANGE = (2, 8)
@@ -173,7 +175,8 @@ def torch_case(pool: Any, settings: RealPeersSettings, name: str, p: int, size: 
     from ..verification.rank_pool import check_errors
     from . import real_peers
 
-    spec = real_peers.PeerRunSpec(name, p, num_microbatches(p), model_spec(size), iterations=settings.iterations)
+    iterations = iterations_of(size, settings.iterations, settings.warmup)
+    spec = real_peers.PeerRunSpec(name, p, num_microbatches(p), model_spec(size), iterations=iterations)
     results = sorted(pool.run_fn(real_peers.run_on_rank, spec, p, wall_timeout_s=3600), key=lambda r: r["rank"])
     check_errors(results)
     refusal = next((r["refusal"] for r in results if r["refusal"]), None)
@@ -189,6 +192,11 @@ def torch_case(pool: Any, settings: RealPeersSettings, name: str, p: int, size: 
         "torch_op_times": [r["torch_op_times_s"] for r in results],
         "refusal": refusal,
     }
+    if results[0]["baseline_trace"] is not None:  # our 1f1b ran in the same rotation: the gain over it is paired
+        baseline = _slowest(results, real_peers.BASELINE, settings.warmup)
+        case["baseline_s"] = round(statistics.median(baseline), 4)
+        case["measured_gain"] = round(statistics.median(b / a for a, b in zip(ours, baseline, strict=True)), 4)
+        case["baseline_traces"] = [r["baseline_trace"] for r in results]
     if refusal is None:
         theirs = _slowest(results, real_peers.TORCH, settings.warmup)
         case["peer_s"] = round(statistics.median(theirs), 4)
@@ -214,7 +222,7 @@ def megatron_case(pool: Any, settings: RealPeersSettings, name: str, p: int, siz
         num_microbatches=num_microbatches(p),
         schedule_csv=schedule.to_csv(),
         model=model_spec(size),
-        iterations=settings.iterations,
+        iterations=iterations_of(size, settings.iterations, settings.warmup),
         mode=AB,
         timeout_s=600.0,
         megatron_overlap_p2p=p == 2 and v is not None,  # megatron's batched p2p swaps the two messages at p = 2

@@ -41,6 +41,16 @@ SIZE_SHAPES: dict[str, dict[str, int]] = {
     },
 }
 
+#: timed iterations per size, as a multiple of ``--iterations``: a tiny iteration takes about 1/25 of a large one,
+#: and its ratios, a few percent apart at 100 ms an iteration, need more pairs to settle
+ITERATION_FACTOR = {"tiny": 5, "large": 1}
+
+
+def iterations_of(size: str, iterations: int, warmup: int) -> int:
+    """Iterations of a case at ``size`` (warm-up included): ``warmup`` + the factor x the timed ``iterations -
+    warmup``."""
+    return warmup + ITERATION_FACTOR[size] * (iterations - warmup)
+
 
 def model_spec(size: str) -> Any:
     """The ``TinyGPTSpec`` of size ``size`` (a key of :data:`SIZE_SHAPES`)."""

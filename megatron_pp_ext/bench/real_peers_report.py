@@ -1,9 +1,9 @@
 """The text of ``megatron-pp bench --real-peers``: the peer table (ours / peer, losses, simulated and measured
 gains over 1f1b, realized share), where ours spends its host time between ops, and the split backward's cost.
 
-The simulation of each case is fed by the op times its own traced run of ours measured (per stage: F, and B, W
-for a split schedule or BW for a fused one) and by that run's host costs (bookkeeping per op, posting per
-exchange: :func:`~megatron_pp_ext.analysis.host_costs.with_host_costs`).
+The simulation of each case's schedule and of the 1f1b traced beside it is fed by the op times its traced run
+measured (per stage: F, and B, W for a split schedule or BW for a fused one) and by that run's host costs
+(bookkeeping per op, posting per exchange: :func:`~megatron_pp_ext.analysis.host_costs.with_host_costs`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 from ..analysis.host_costs import with_host_costs
 from ..analysis.simulate import simulate
 from ..schedules.costs import Costs
-from .real_peers import PeerRunSpec, generate_ours
-from .real_peers_cases import describe, model_spec, num_microbatches
+from .real_peers import BASELINE_SCHEDULE, PeerRunSpec, generate_ours
+from .real_peers_cases import describe, iterations_of, model_spec, num_microbatches
 from .realized import realized_text
 
 
@@ -53,15 +53,27 @@ def host_costs(traces: list[dict[str, Any]]) -> tuple[float, float]:
     return per_op, (sum(posting) / len(posting) if posting else 0.0)
 
 
-def simulated(case: dict[str, Any]) -> tuple[float, float]:
-    """(makespan with the measured host costs, makespan without) of ``case``'s schedule, in seconds."""
+def simulated(case: dict[str, Any], baseline: bool = False) -> tuple[float, float]:
+    """(makespan with the measured host costs, makespan without) of ``case``'s schedule, in seconds, from its
+    traced run; ``baseline``: of our 1f1b, from the traced run of it in the same case."""
 
     p = case["p"]
-    schedule = generate_ours(PeerRunSpec(case["schedule"], p, num_microbatches(p), model_spec(case["size"])))
-    costs = stage_costs(case["traces"], schedule.placement.num_stages)
-    per_op, per_exchange = host_costs(case["traces"])
+    name, traces = (BASELINE_SCHEDULE, case["baseline_traces"]) if baseline else (case["schedule"], case["traces"])
+    schedule = generate_ours(PeerRunSpec(name, p, num_microbatches(p), model_spec(case["size"])))
+    costs = stage_costs(traces, schedule.placement.num_stages)
+    per_op, per_exchange = host_costs(traces)
     charged = with_host_costs(costs, schedule.placement, per_op, per_exchange)
     return simulate(schedule, charged).makespan, simulate(schedule, costs).makespan
+
+
+def gains(case: dict[str, Any]) -> tuple[float, float] | None:
+    """(simulated, measured) gain of ``case``'s schedule over our 1f1b run in the same case (1, 1 for 1f1b
+    itself); None for a case without a traced run of ours."""
+    if "traces" not in case:
+        return None
+    if "baseline_traces" not in case:
+        return 1.0, 1.0
+    return simulated(case, baseline=True)[0] / simulated(case)[0], case["measured_gain"]
 
 
 def _rel_diff(a: list[float], b: list[float]) -> float:
@@ -70,7 +82,6 @@ def _rel_diff(a: list[float], b: list[float]) -> float:
 
 def _peer_rows(cases: list[dict[str, Any]]) -> list[list[str]]:
     base = {(c["p"], c["size"]): c for c in cases if c["schedule"] == "1f1b" and c["peer"].startswith("torch")}
-    sims = {id(c): simulated(c) for c in cases if "traces" in c}
     rows = []
     for c in cases:
         ref = base[(c["p"], c["size"])]
@@ -80,12 +91,13 @@ def _peer_rows(cases: list[dict[str, Any]]) -> list[list[str]]:
         else:
             peer, ratio = c["peer"], f"{c['ratio']:.3f}"
             peer_loss = f"{_rel_diff(c['peer_losses'], c['ours_losses']):.1e}"
-        gains = ["", "", "", "", ""]
-        if id(c) in sims:
-            sim, _ = sims[id(c)]
-            sim_gain, meas_gain = sims[id(ref)][0] / sim, ref["ours_s"] / c["ours_s"]
-            gains = [
-                f"{c['ours_s'] / sim:.3f}",
+        cells = ["", "", "", "", "", ""]
+        paired = gains(c)
+        if paired is not None:
+            sim_gain, meas_gain = paired
+            cells = [
+                f"{c.get('baseline_s', c['ours_s']) * 1e3:.1f}",
+                f"{c['ours_s'] / simulated(c)[0]:.3f}",
                 f"{sim_gain:.3f}",
                 f"{meas_gain:.3f}",
                 f"{meas_gain / sim_gain:.3f}",
@@ -94,7 +106,7 @@ def _peer_rows(cases: list[dict[str, Any]]) -> list[list[str]]:
         rows.append([c["schedule"], peer, str(c["p"]), c["size"], f"{c['ours_s'] * 1e3:.1f}"])
         plain = f"{c['torch_plain_s'] * 1e3:.1f}" if "torch_plain_s" in c else ""
         peer_ms = f"{c['peer_s'] * 1e3:.1f}" if not c["refusal"] else "-"
-        rows[-1] += [peer_ms, plain, ratio, ours_loss, peer_loss, *gains]
+        rows[-1] += [peer_ms, plain, ratio, ours_loss, peer_loss, *cells]
     return rows
 
 
@@ -156,19 +168,26 @@ def _split_rows(split: dict[str, dict[str, Any]]) -> list[list[str]]:
 
 def report(settings: Any, cases: list[dict[str, Any]], split: dict[str, dict[str, Any]]) -> str:
     sizes = "; ".join(describe(name) for name in settings.sizes)
+    timed = ", ".join(
+        f"{iterations_of(size, settings.iterations, settings.warmup) - settings.warmup} ({size})"
+        for size in settings.sizes
+    )
     lines = [
         f"## Peers on real compute, p = {', '.join(map(str, settings.ps))}: torch.distributed.pipelining's and "
         "megatron-core's runtimes vs ours",
         "",
-        f"Command: `{settings.command}` (m = 2p; {settings.iterations - settings.warmup} timed iterations after "
-        f"{settings.warmup} warm-up, medians of the slowest rank per iteration; fp32, one thread per rank, gloo; "
+        f"Command: `{settings.command}` (m = 2p; {timed} timed iterations after {settings.warmup} warm-up, "
+        "medians of the slowest rank per iteration; fp32, one thread per rank, gloo; "
         f"{sizes}).",
         "",
         "Ours / peer: wall time per iteration, same chunks, weights, data and micro-batch order, alternating which "
         "runs first. Loss diff: max relative difference of every micro-batch loss, ours against our 1f1b, the "
-        "peer's against ours. Simulated: the schedule's plan from the op times and host costs (bookkeeping per op, "
-        "posting per exchange) its own traced run of ours measured; gains are over our 1f1b at the same p and size; "
-        "realized share = (measured gain - 1) / (simulated gain - 1) (n/a: simulated gain within 1%). Peer on plain "
+        "peer's against ours. Gains are over our 1f1b, which every case runs in the same rotation of iterations on "
+        "chunks of its own placement (same weights): measured gain = median over iterations of our 1f1b's time / "
+        "ours (paired, so the drift of the machine's speed between cases stays out); simulated gain = the ratio of "
+        "the two plans from the op times and host costs (bookkeeping per op, posting per exchange) that traced "
+        "iterations of each, alternating, measured; measured / simulated: ours against its own plan; realized share "
+        "= (measured gain - 1) / (simulated gain - 1) (n/a: simulated gain below 1.01, no improvement to realize). Peer on plain "
         "layers: torch's split schedules on chunks of plain torch layers of the same shapes (verification/"
         "plain_chunks.py; its generic backward split is free there, on megatron's custom autograd functions it is "
         "not: the split table below), own weights, so its losses are not compared.",
@@ -176,7 +195,8 @@ def report(settings: Any, cases: list[dict[str, Any]], split: dict[str, dict[str
     ]
     header = ["ours", "peer", "p", "size", "ours ms", "peer ms", "peer on plain layers ms", "ours / peer"]
     header += ["loss diff, ours", "loss diff, peer"]
-    header += ["measured / simulated", "simulated gain", "measured gain", "ratio of gains", "realized share"]
+    header += ["our 1f1b in the same run ms", "measured / simulated", "simulated gain", "measured gain"]
+    header += ["ratio of gains", "realized share"]
     lines += _table(header, _peer_rows(cases))
     lines += ["", "Host time of ours between ops, per rank (µs), from the traced iterations:", ""]
     header = ["schedule", "p", "size", "ops per rank", "bookkeeping per op", "posting per exchange (median)"]

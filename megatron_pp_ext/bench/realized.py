@@ -9,13 +9,16 @@ from __future__ import annotations
 
 __all__ = ["MIN_SIM_GAIN", "realized_share", "realized_text"]
 
-#: Below this simulated improvement (|gain - 1|) the share is not defined (a ratio of two small numbers).
+#: Below this simulated improvement (gain - 1) the share is not defined: a ratio of two small numbers, or, for a
+#: schedule the simulator expects to be slower than the baseline, no improvement to realize (there measured /
+#: simulated judges the run).
 MIN_SIM_GAIN = 0.01
 
 
 def realized_share(measured_gain: float, simulated_gain: float) -> float | None:
-    """``(measured_gain - 1) / (simulated_gain - 1)``; None where the simulator promises no change."""
-    if abs(simulated_gain - 1) < MIN_SIM_GAIN:
+    """``(measured_gain - 1) / (simulated_gain - 1)``; None where the simulator promises no improvement of at
+    least :data:`MIN_SIM_GAIN`."""
+    if simulated_gain - 1 < MIN_SIM_GAIN:
         return None
     return (measured_gain - 1) / (simulated_gain - 1)
 

@@ -63,18 +63,22 @@ def test_report_reads_the_realized_share_against_the_simulated_gain_and_names_a_
     rows = {line.split(" | ")[0]: line for line in text.splitlines() if " | torch " in line}  # the peer table
     assert "torch gpipe: refused (ValueError: no)" in rows["| gpipe"]
     assert "| 1.0e-07 |" in rows["| 1f1b"]  # the peer's losses against ours
-    # a split schedule: simulated gain from its own op times; realized share = (measured - 1) / (simulated - 1)
+    # a split schedule: simulated gain from its own op times and those of the 1f1b traced beside it; measured gain
+    # from the paired iterations of the same run; realized share = (measured - 1) / (simulated - 1)
     zb = _case("interleaved-zb", 0.008, split * 2)
+    zb.update({"baseline_traces": fused, "baseline_s": 0.011, "measured_gain": 1.2})  # the 1f1b case: 1.25
     zb["traces"] = [
         _trace({"F": {0: 5e-4, 2: 5e-4}, "B": {0: 5e-4, 2: 5e-4}, "W": {0: 5e-4, 2: 5e-4}}),
         _trace({"F": {1: 5e-4, 3: 5e-4}, "B": {1: 5e-4, 3: 5e-4}, "W": {1: 5e-4, 3: 5e-4}}),
     ]
     sim_gain = sim_1f1b / real_peers_report.simulated(zb)[0]
+    assert real_peers_report.simulated(zb, baseline=True)[0] == sim_1f1b
     text = real_peers_report.report(settings, [base, zb], {})
     row = next(line for line in text.splitlines() if line.startswith("| interleaved-zb"))
     cells = row.split(" | ")
-    assert cells[-4] == f"{sim_gain:.3f}" and cells[-3] == "1.250"
-    assert cells[-1].rstrip(" |") == f"{(1.25 - 1) / (sim_gain - 1):.2f}"
+    assert cells[-6] == "11.0"  # the 1f1b of the same run, not the 1f1b case's 10 ms
+    assert cells[-4] == f"{sim_gain:.3f}" and cells[-3] == "1.200"
+    assert cells[-1].rstrip(" |") == f"{(1.2 - 1) / (sim_gain - 1):.2f}"
     # the split in the pipelined runs: (B + W) / F per stage, ours from the traces, torch's from its op times
     zb["torch_op_times"] = [{"F": {0: 1.0, 2: 1.0}, "B": {0: 1.5, 2: 1.5}, "W": {0: 1.0, 2: 0.5}}]
     text = real_peers_report.report(settings, [base, zb], {})
@@ -102,6 +106,16 @@ def test_a_small_real_run_gives_equal_losses_traces_and_torch_on_plain_layers(po
         assert len(ours) == 2 * 4 and theirs == ours  # torch's loss_fn computes the loss as our runs do
         reference = [x for r in cases["1f1b"][1] for it in r["losses"]["ours"] for x in it]
         assert ours == reference  # the same forward math in every order of work
+        baseline = [x for r in results for it in r["losses"].get("baseline", []) for x in it]
+        assert baseline == ([] if name == "1f1b" else ours)  # our 1f1b runs beside every other schedule
+        for r in results:
+            if name == "1f1b":
+                assert r["baseline_trace"] is None
+            else:  # ... and is traced (the ops of its own placement)
+                assert len(r["step_times"]["baseline"]) == spec.iterations
+                assert r["baseline_trace"]["host"]["ops"] == len(
+                    real_peers.generate_ours(cases["1f1b"][0]).ops[r["rank"]]
+                )
         for r in results:
             trace = r["ours_trace"]
             assert trace["host"]["ops"] == len(real_peers.generate_ours(spec).ops[r["rank"]])

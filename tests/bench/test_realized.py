@@ -14,7 +14,8 @@ def test_a_schedule_that_gained_nothing_realized_nothing() -> None:
     assert realized_share(0.95, 1.05) == pytest.approx(-1.0)  # slower than the baseline
 
 
-def test_no_share_where_the_simulator_promises_no_change() -> None:
+def test_no_share_where_the_simulator_promises_no_improvement() -> None:
     assert realized_share(1.2, 1.005) is None
+    assert realized_share(0.98, 0.96) is None  # a simulated loss: measured / simulated judges that run
     assert realized_text(1.2, 1.005) == "n/a"
     assert realized_text(1.1, 1.2) == "0.50"
