@@ -158,6 +158,16 @@ def split_cost(pool: Any, size: str, p: int) -> dict[str, Any]:
     return {"layers": model.num_layers // p, **results[0]}
 
 
+def paired(numerators: list[float], denominators: list[float]) -> tuple[float, tuple[float, float]]:
+    """The median of the per-iteration ratios and their first and third quartiles (the middle half of the
+    iterations: a median whose quartiles straddle 1 does not tell the two runtimes apart)."""
+    ratios = [a / b for a, b in zip(numerators, denominators, strict=True)]
+    if len(ratios) < 2:
+        return round(ratios[0], 4), (round(ratios[0], 4), round(ratios[0], 4))
+    q1, q2, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return round(q2, 4), (round(q1, 4), round(q3, 4))
+
+
 def _slowest(results: list[dict[str, Any]], name: str, warmup: int) -> list[float]:
     """Per iteration, the slowest rank's time of runtime ``name``, warm-up dropped."""
     n = min(len(r["step_times"][name]) for r in results)
@@ -195,12 +205,12 @@ def torch_case(pool: Any, settings: RealPeersSettings, name: str, p: int, size: 
     if results[0]["baseline_trace"] is not None:  # our 1f1b ran in the same rotation: the gain over it is paired
         baseline = _slowest(results, real_peers.BASELINE, settings.warmup)
         case["baseline_s"] = round(statistics.median(baseline), 4)
-        case["measured_gain"] = round(statistics.median(b / a for a, b in zip(ours, baseline, strict=True)), 4)
+        case["measured_gain"], case["measured_gain_quartiles"] = paired(baseline, ours)
         case["baseline_traces"] = [r["baseline_trace"] for r in results]
     if refusal is None:
         theirs = _slowest(results, real_peers.TORCH, settings.warmup)
         case["peer_s"] = round(statistics.median(theirs), 4)
-        case["ratio"] = round(statistics.median(a / b for a, b in zip(ours, theirs, strict=True)), 4)
+        case["ratio"], case["ratio_quartiles"] = paired(ours, theirs)
         case["peer_losses"] = _losses(results, real_peers.TORCH)
         if results[0]["torch_plain_step_times"]:
             n = len(results[0]["torch_plain_step_times"])
@@ -237,7 +247,8 @@ def megatron_case(pool: Any, settings: RealPeersSettings, name: str, p: int, siz
         "size": size,
         "ours_s": round(statistics.median(ours), 4),
         "peer_s": round(statistics.median(native), 4),
-        "ratio": round(statistics.median(a / b for a, b in zip(ours, native, strict=True)), 4),
+        "ratio": paired(ours, native)[0],
+        "ratio_quartiles": paired(ours, native)[1],
         "ours_losses": _losses(results, OURS),
         "peer_losses": _losses(results, NATIVE),
         "refusal": None,

@@ -80,6 +80,11 @@ def _rel_diff(a: list[float], b: list[float]) -> float:
     return max((abs(x - y) / abs(y) for x, y in zip(a, b, strict=True)), default=0.0)
 
 
+def _with_quartiles(median: float, quartiles: Any) -> str:
+    """``median (q1-q3)``: the middle half of the paired iterations' ratios beside their median."""
+    return f"{median:.3f}" if quartiles is None else f"{median:.3f} ({quartiles[0]:.3f}-{quartiles[1]:.3f})"
+
+
 def _peer_rows(cases: list[dict[str, Any]]) -> list[list[str]]:
     base = {(c["p"], c["size"]): c for c in cases if c["schedule"] == "1f1b" and c["peer"].startswith("torch")}
     rows = []
@@ -89,7 +94,7 @@ def _peer_rows(cases: list[dict[str, Any]]) -> list[list[str]]:
         if c["refusal"]:
             peer, ratio, peer_loss = f"{c['peer']}: refused ({c['refusal'][:160]})", "-", "-"
         else:
-            peer, ratio = c["peer"], f"{c['ratio']:.3f}"
+            peer, ratio = c["peer"], _with_quartiles(c["ratio"], c.get("ratio_quartiles"))
             peer_loss = f"{_rel_diff(c['peer_losses'], c['ours_losses']):.1e}"
         cells = ["", "", "", "", "", ""]
         paired = gains(c)
@@ -99,7 +104,7 @@ def _peer_rows(cases: list[dict[str, Any]]) -> list[list[str]]:
                 f"{c.get('baseline_s', c['ours_s']) * 1e3:.1f}",
                 f"{c['ours_s'] / simulated(c)[0]:.3f}",
                 f"{sim_gain:.3f}",
-                f"{meas_gain:.3f}",
+                _with_quartiles(meas_gain, c.get("measured_gain_quartiles")),
                 f"{meas_gain / sim_gain:.3f}",
                 realized_text(meas_gain, sim_gain),
             ]
@@ -181,16 +186,18 @@ def report(settings: Any, cases: list[dict[str, Any]], split: dict[str, dict[str
         f"{sizes}).",
         "",
         "Ours / peer: wall time per iteration, same chunks, weights, data and micro-batch order, alternating which "
-        "runs first. Loss diff: max relative difference of every micro-batch loss, ours against our 1f1b, the "
-        "peer's against ours. Gains are over our 1f1b, which every case runs in the same rotation of iterations on "
-        "chunks of its own placement (same weights): measured gain = median over iterations of our 1f1b's time / "
-        "ours (paired, so the drift of the machine's speed between cases stays out); simulated gain = the ratio of "
-        "the two plans from the op times and host costs (bookkeeping per op, posting per exchange) that traced "
-        "iterations of each, alternating, measured; measured / simulated: ours against its own plan; realized share "
-        "= (measured gain - 1) / (simulated gain - 1) (n/a: simulated gain below 1.01, no improvement to realize). Peer on plain "
-        "layers: torch's split schedules on chunks of plain torch layers of the same shapes (verification/"
-        "plain_chunks.py; its generic backward split is free there, on megatron's custom autograd functions it is "
-        "not: the split table below), own weights, so its losses are not compared.",
+        "runs first: the median of the per-iteration ratios and, in brackets, their quartiles (the middle half of the"
+        " iterations; where they straddle 1.000 the run does not tell the two runtimes apart). Loss diff: max "
+        "relative difference of every micro-batch loss, ours against our 1f1b, the peer's against ours. Gains are "
+        "over our 1f1b, which every case runs in the same rotation of iterations on chunks of its own placement (same"
+        " weights): measured gain = median (quartiles) over iterations of our 1f1b's time / ours (paired, so the "
+        "drift of the machine's speed between cases stays out); simulated gain = the ratio of the two plans from the "
+        "op times and host costs (bookkeeping per op, posting per exchange) that traced iterations of each, "
+        "alternating, measured; measured / simulated: ours against its own plan; realized share = (measured gain - 1)"
+        " / (simulated gain - 1) (n/a: simulated gain below 1.01, no improvement to realize). Peer on plain layers: "
+        "torch's split schedules on chunks of plain torch layers of the same shapes (bench/plain_chunks.py; "
+        "its generic backward split is free there, on megatron's custom autograd functions it is not: the split table"
+        " below), own weights, so its losses are not compared.",
         "",
     ]
     header = ["ours", "peer", "p", "size", "ours ms", "peer ms", "peer on plain layers ms", "ours / peer"]

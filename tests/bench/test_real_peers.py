@@ -63,6 +63,9 @@ def test_report_reads_the_realized_share_against_the_simulated_gain_and_names_a_
     rows = {line.split(" | ")[0]: line for line in text.splitlines() if " | torch " in line}  # the peer table
     assert "torch gpipe: refused (ValueError: no)" in rows["| gpipe"]
     assert "| 1.0e-07 |" in rows["| 1f1b"]  # the peer's losses against ours
+    base["ratio_quartiles"] = (0.99, 1.02)  # the middle half of the paired iterations beside the median
+    text = real_peers_report.report(settings, [base, gpipe], {})
+    assert "| 1.000 (0.990-1.020) |" in text
     # a split schedule: simulated gain from its own op times and those of the 1f1b traced beside it; measured gain
     # from the paired iterations of the same run; realized share = (measured - 1) / (simulated - 1)
     zb = _case("interleaved-zb", 0.008, split * 2)
@@ -125,3 +128,8 @@ def test_a_small_real_run_gives_equal_losses_traces_and_torch_on_plain_layers(po
             kinds = set(r["torch_op_times_s"])
             assert kinds == ({"F", "B", "W"} if name == "v-zb" else {"F", "BW"}), kinds
             assert len(r["torch_plain_step_times"]) == (2 if name == "v-zb" else 0)
+
+
+def test_paired_ratios_give_their_median_and_quartiles() -> None:
+    assert real_peers_bench.paired([1.0, 2.0, 3.0, 4.0], [1.0] * 4) == (2.5, (1.75, 3.25))
+    assert real_peers_bench.paired([2.0], [4.0]) == (0.5, (0.5, 0.5))
