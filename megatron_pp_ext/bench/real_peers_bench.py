@@ -240,6 +240,7 @@ def megatron_case(pool: Any, settings: RealPeersSettings, name: str, p: int, siz
     results = sorted(pool.run(spec, wall_timeout_s=3600), key=lambda r: r.get("pp_rank", 0))
     check_errors(results)
     ours, native = _slowest(results, OURS, settings.warmup), _slowest(results, NATIVE, settings.warmup)
+    ratio, quartiles = paired(ours, native)
     return {
         "schedule": name,
         "peer": f"megatron-core {MEGATRON_PEERS[name]}" + (" (overlap_p2p_comm)" if spec.megatron_overlap_p2p else ""),
@@ -247,8 +248,8 @@ def megatron_case(pool: Any, settings: RealPeersSettings, name: str, p: int, siz
         "size": size,
         "ours_s": round(statistics.median(ours), 4),
         "peer_s": round(statistics.median(native), 4),
-        "ratio": paired(ours, native)[0],
-        "ratio_quartiles": paired(ours, native)[1],
+        "ratio": ratio,
+        "ratio_quartiles": quartiles,
         "ours_losses": _losses(results, OURS),
         "peer_losses": _losses(results, NATIVE),
         "refusal": None,

@@ -53,34 +53,23 @@ def host_costs(traces: list[dict[str, Any]]) -> tuple[float, float]:
     return per_op, (sum(posting) / len(posting) if posting else 0.0)
 
 
-def simulated(case: dict[str, Any], baseline: bool = False) -> tuple[float, float]:
-    """(makespan with the measured host costs, makespan without) of ``case``'s schedule, in seconds, from its
-    traced run; ``baseline``: of our 1f1b, from the traced run of it in the same case."""
+def simulated(case: dict[str, Any], baseline: bool = False) -> float:
+    """Makespan in seconds of ``case``'s schedule with the op times and host costs its traced run measured;
+    ``baseline``: of our 1f1b, from the traced run of it in the same case."""
 
     p = case["p"]
     name, traces = (BASELINE_SCHEDULE, case["baseline_traces"]) if baseline else (case["schedule"], case["traces"])
     schedule = generate_ours(PeerRunSpec(name, p, num_microbatches(p), model_spec(case["size"])))
     costs = stage_costs(traces, schedule.placement.num_stages)
     per_op, per_exchange = host_costs(traces)
-    charged = with_host_costs(costs, schedule.placement, per_op, per_exchange)
-    return simulate(schedule, charged).makespan, simulate(schedule, costs).makespan
-
-
-def gains(case: dict[str, Any]) -> tuple[float, float] | None:
-    """(simulated, measured) gain of ``case``'s schedule over our 1f1b run in the same case (1, 1 for 1f1b
-    itself); None for a case without a traced run of ours."""
-    if "traces" not in case:
-        return None
-    if "baseline_traces" not in case:
-        return 1.0, 1.0
-    return simulated(case, baseline=True)[0] / simulated(case)[0], case["measured_gain"]
+    return simulate(schedule, with_host_costs(costs, schedule.placement, per_op, per_exchange)).makespan
 
 
 def _rel_diff(a: list[float], b: list[float]) -> float:
     return max((abs(x - y) / abs(y) for x, y in zip(a, b, strict=True)), default=0.0)
 
 
-def _with_quartiles(median: float, quartiles: Any) -> str:
+def _with_quartiles(median: float, quartiles: tuple[float, float] | None) -> str:
     """``median (q1-q3)``: the middle half of the paired iterations' ratios beside their median."""
     return f"{median:.3f}" if quartiles is None else f"{median:.3f} ({quartiles[0]:.3f}-{quartiles[1]:.3f})"
 
@@ -97,12 +86,14 @@ def _peer_rows(cases: list[dict[str, Any]]) -> list[list[str]]:
             peer, ratio = c["peer"], _with_quartiles(c["ratio"], c.get("ratio_quartiles"))
             peer_loss = f"{_rel_diff(c['peer_losses'], c['ours_losses']):.1e}"
         cells = ["", "", "", "", "", ""]
-        paired = gains(c)
-        if paired is not None:
-            sim_gain, meas_gain = paired
+        if "traces" in c:  # gains over the 1f1b run in the same case (1 for the 1f1b case itself)
+            sim = simulated(c)
+            paired = "baseline_traces" in c
+            sim_gain = simulated(c, baseline=True) / sim if paired else 1.0
+            meas_gain = c["measured_gain"] if paired else 1.0
             cells = [
                 f"{c.get('baseline_s', c['ours_s']) * 1e3:.1f}",
-                f"{c['ours_s'] / simulated(c)[0]:.3f}",
+                f"{c['ours_s'] / sim:.3f}",
                 f"{sim_gain:.3f}",
                 _with_quartiles(meas_gain, c.get("measured_gain_quartiles")),
                 f"{meas_gain / sim_gain:.3f}",

@@ -53,7 +53,7 @@ def test_report_reads_the_realized_share_against_the_simulated_gain_and_names_a_
         _trace({"F": {1: 0.001}, "B": {1: 0.001}, "W": {1: 0.001}}),
     ]
     base = _case("1f1b", 0.010, fused)
-    sim_1f1b = real_peers_report.simulated(base)[0]
+    sim_1f1b = real_peers_report.simulated(base)
     assert sim_1f1b == pytest.approx(5 * 0.003)  # m = 4 on p = 2: (m + p - 1) (F + BW)
     gpipe = _case("gpipe", 0.010, fused, refusal="ValueError: no")
     settings = real_peers_bench.RealPeersSettings(
@@ -74,8 +74,8 @@ def test_report_reads_the_realized_share_against_the_simulated_gain_and_names_a_
         _trace({"F": {0: 5e-4, 2: 5e-4}, "B": {0: 5e-4, 2: 5e-4}, "W": {0: 5e-4, 2: 5e-4}}),
         _trace({"F": {1: 5e-4, 3: 5e-4}, "B": {1: 5e-4, 3: 5e-4}, "W": {1: 5e-4, 3: 5e-4}}),
     ]
-    sim_gain = sim_1f1b / real_peers_report.simulated(zb)[0]
-    assert real_peers_report.simulated(zb, baseline=True)[0] == sim_1f1b
+    sim_gain = sim_1f1b / real_peers_report.simulated(zb)
+    assert real_peers_report.simulated(zb, baseline=True) == sim_1f1b
     text = real_peers_report.report(settings, [base, zb], {})
     row = next(line for line in text.splitlines() if line.startswith("| interleaved-zb"))
     cells = row.split(" | ")
